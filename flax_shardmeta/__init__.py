@@ -1,0 +1,80 @@
+"""flax_shardmeta: sharding metadata for Flax (Linen and NNX).
+
+Annotate parameters once, by mesh-axis or logical names; keep the annotation
+through init, lifted transforms, optimizer state and checkpoints; turn it into
+validated ``NamedSharding`` trees or apply it eagerly.
+"""
+
+from flax_shardmeta.annotations import Annotation, register_annotation_type
+from flax_shardmeta.boxes import (
+    PARTITION_NAME,
+    LogicalPartitioned,
+    Partitioned,
+    replace_boxed,
+    unbox,
+    with_logical_partitioning,
+    with_partitioning,
+)
+from flax_shardmeta.constraints import (
+    RulesFallback,
+    shard_value,
+    with_logical_constraint,
+)
+from flax_shardmeta.errors import (
+    NoMeshError,
+    RuleConflictError,
+    ShardingError,
+    ShardingProblem,
+)
+from flax_shardmeta.regex_rules import match_partition_rules
+from flax_shardmeta.rules import (
+    composite_rules,
+    get_logical_axis_rules,
+    logical_axis_rules,
+    logical_to_mesh_axes,
+    set_logical_axis_rules,
+    standard_logical_axis_rules,
+)
+from flax_shardmeta.rules import explain as explain_resolution
+from flax_shardmeta.sharding import (
+    ShardingFitWarning,
+    get_partition_spec,
+    get_sharding,
+    logical_to_mesh,
+    logical_to_mesh_sharding,
+)
+
+__version__ = '0.1.0'
+
+__all__ = [
+    'PARTITION_NAME',
+    'Annotation',
+    'LogicalPartitioned',
+    'NoMeshError',
+    'Partitioned',
+    'RuleConflictError',
+    'RulesFallback',
+    'ShardingError',
+    'ShardingFitWarning',
+    'ShardingProblem',
+    '__version__',
+    'composite_rules',
+    'explain_resolution',
+    'get_logical_axis_rules',
+    'get_partition_spec',
+    'get_sharding',
+    'logical_axis_rules',
+    'logical_to_mesh',
+    'logical_to_mesh_axes',
+    'logical_to_mesh_sharding',
+    'match_partition_rules',
+    'register_annotation_type',
+    'replace_boxed',
+    'set_logical_axis_rules',
+    'shard_value',
+    'standard_logical_axis_rules',
+    'unbox',
+    'with_logical_constraint',
+    'with_logical_partitioning',
+    'with_partitioning',
+]

@@ -1,0 +1,317 @@
+"""Boxed partition metadata for Linen: ``Partitioned`` and ``LogicalPartitioned``.
+
+A box wraps one variable value together with its per-dimension names. Boxes are
+``flax.core.meta.AxisMetadata`` subclasses and pytrees whose only child is the
+value (names, mesh and rules are static), so they survive ``init``, lifted
+transforms such as ``nn.scan``, ``jax.eval_shape`` and optax's tree maps.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import jax
+from flax.core import meta
+from jax.sharding import PartitionSpec
+
+from flax_shardmeta.errors import format_spec
+from flax_shardmeta.rules import normalize_rules
+from flax_shardmeta.typing import AnyMesh, LogicalNames, LogicalRules, PyTree
+
+A = TypeVar('A')
+
+PARTITION_NAME = 'partition_name'
+"""Key of ``metadata_params`` (``nn.scan``/``nn.vmap``) holding the name of the
+axis the transform adds: ``metadata_params={fsm.PARTITION_NAME: 'layers'}``."""
+
+
+class Partitioned(meta.AxisMetadata[A], Generic[A]):
+  """A value annotated with mesh-axis names, one per dimension.
+
+  Example:
+    >>> import jax.numpy as jnp, flax_shardmeta as fsm
+    >>> box = fsm.Partitioned(jnp.zeros((4, 8)), (None, 'model'))
+    >>> box.get_partition_spec()
+    PartitionSpec(None, 'model')
+    >>> box.add_axis(0, {fsm.PARTITION_NAME: 'layers'}).names
+    ('layers', None, 'model')
+  """
+
+  __slots__ = ('value', 'names', 'mesh')
+
+  def __init__(self, value: A, names: LogicalNames, mesh: AnyMesh | None = None):
+    self.value = value
+    self.names = _as_names(names)
+    self.mesh = mesh
+
+  # -- AxisMetadata -----------------------------------------------------------
+
+  def unbox(self, apply_constraint: bool = True) -> A:
+    """Returns the value; with a mesh (own or context) it is constrained to the
+    annotated layout first."""
+    if not apply_constraint:
+      return self.value
+    from flax_shardmeta import constraints  # boxes sit below constraints
+
+    return constraints.constrain_box(self)
+
+  def replace_boxed(self, val: Any) -> Partitioned[Any]:
+    """A box with the same metadata around ``val``."""
+    return self._with(value=val)
+
+  def add_axis(self, index: int, params: dict[Any, Any]) -> Partitioned[A]:
+    """Inserts the transform's axis name (``params[PARTITION_NAME]``, default
+    None: an unsharded axis) at ``index``.
+
+    ``add_axis`` and ``remove_axis`` are inverses:
+    ``x.add_axis(i, p).remove_axis(i, p) == x``.
+    """
+    name = (params or {}).get(PARTITION_NAME, None)
+    names = list(self.names)
+    while len(names) < index:
+      names.append(None)
+    names.insert(index, name)
+    return self._with(names=tuple(names))
+
+  def remove_axis(self, index: int, params: dict[Any, Any]) -> Partitioned[A]:
+    """Removes the axis a transform added at ``index``; its name must match."""
+    name = (params or {}).get(PARTITION_NAME, None)
+    names = list(self.names)
+    if not -len(names) <= index < len(names):
+      raise ValueError(
+          f'Cannot remove axis {index} from names {format_spec(self.names)}: '
+          f'there are only {len(names)} names.'
+      )
+    if names[index] != name:
+      raise ValueError(
+          f'Cannot remove axis {index} named {name!r} from names '
+          f'{format_spec(self.names)}: that position holds {names[index]!r}. '
+          'Pass the same metadata_params to the transform that added it.'
+      )
+    del names[index]
+    return self._with(names=tuple(names))
+
+  # -- annotations ------------------------------------------------------------
+
+  def get_partition_spec(self) -> PartitionSpec:
+    """The annotation as written, as a PartitionSpec."""
+    return PartitionSpec(*self.names)
+
+  @property
+  def is_logical(self) -> bool:
+    """Whether ``names`` are logical names to resolve through rules."""
+    return False
+
+  @property
+  def rules(self) -> tuple[tuple[str, Any], ...] | None:
+    return None
+
+  def to_nnx_metadata(self) -> dict[str, Any]:
+    """Metadata for an ``nnx.Variable`` (used by ``nnx.bridge``)."""
+    return {
+        'out_sharding': self.names,
+        'mesh': self.mesh,
+        'fsm_logical': False,
+        'eager_sharding': False,
+    }
+
+  @classmethod
+  def from_nnx_metadata(cls, metadata: dict[str, Any]) -> Partitioned[Any]:
+    """Inverse of :meth:`to_nnx_metadata` (used by ``nnx.bridge``)."""
+    return cls(metadata.get('value'), metadata['out_sharding'],
+               mesh=metadata.get('mesh'))
+
+  # -- plumbing ---------------------------------------------------------------
+
+  def _static(self) -> tuple[Any, ...]:
+    return (self.names, self.mesh)
+
+  def _with(self, **changes: Any) -> Partitioned[Any]:
+    new = object.__new__(type(self))
+    for slot in _all_slots(type(self)):
+      object.__setattr__(new, slot, changes.get(slot, getattr(self, slot)))
+    return new
+
+  def __eq__(self, other: object) -> bool:
+    if type(other) is not type(self):
+      return NotImplemented
+    same_value = self.value is other.value or (
+        isinstance(self.value, jax.ShapeDtypeStruct)
+        and self.value == other.value
+    )
+    return same_value and self._static() == other._static()
+
+  __hash__ = None  # type: ignore[assignment]
+
+  def __repr__(self) -> str:
+    value = self.value
+    if hasattr(value, 'shape') and hasattr(value, 'dtype'):
+      shown = f'{type(value).__name__}({value.dtype}{list(value.shape)})'
+    else:
+      shown = repr(value)
+    extra = ''.join(
+        f', {k}={v!r}' for k, v in zip(('mesh', 'rules'), self._static()[1:])
+        if v is not None
+    )
+    return f'{type(self).__name__}({shown}, names={format_spec(self.names)}{extra})'
+
+
+class LogicalPartitioned(Partitioned[A]):
+  """A value annotated with logical names, resolved through logical axis rules.
+
+  ``rules`` are per-variable rules composed with the context rules (see
+  :func:`flax_shardmeta.composite_rules`).
+
+  Example:
+    >>> import jax.numpy as jnp, flax_shardmeta as fsm
+    >>> box = fsm.LogicalPartitioned(jnp.zeros((4, 8)), ('embed', 'mlp'))
+    >>> box.get_partition_spec()  # as written: still logical
+    PartitionSpec('embed', 'mlp')
+  """
+
+  __slots__ = ('_rules',)
+
+  def __init__(
+      self,
+      value: A,
+      names: LogicalNames,
+      mesh: AnyMesh | None = None,
+      rules: LogicalRules | None = None,
+  ):
+    super().__init__(value, names, mesh)
+    self._rules = normalize_rules(rules) if rules is not None else None
+
+  @property
+  def is_logical(self) -> bool:
+    return True
+
+  @property
+  def rules(self) -> tuple[tuple[str, Any], ...] | None:
+    return self._rules
+
+  def to_nnx_metadata(self) -> dict[str, Any]:
+    return {**super().to_nnx_metadata(), 'fsm_logical': True,
+            'sharding_rules': self._rules}
+
+  @classmethod
+  def from_nnx_metadata(cls, metadata: dict[str, Any]) -> LogicalPartitioned[Any]:
+    return cls(metadata.get('value'), metadata['out_sharding'],
+               mesh=metadata.get('mesh'), rules=metadata.get('sharding_rules'))
+
+  def _static(self) -> tuple[Any, ...]:
+    return (self.names, self.mesh, self._rules)
+
+
+@functools.cache
+def _all_slots(cls: type) -> tuple[str, ...]:
+  slots: list[str] = []
+  for klass in reversed(cls.__mro__):
+    slots.extend(getattr(klass, '__slots__', ()))
+  return tuple(dict.fromkeys(slots))
+
+
+def _as_names(names: Any) -> tuple[Any, ...]:
+  if isinstance(names, str):
+    raise ValueError(
+        f'names must be a sequence with one entry per dimension, got the '
+        f'string {names!r}; write ({names!r},) for a rank-1 value.'
+    )
+  return tuple(tuple(n) if isinstance(n, list) else n for n in names)
+
+
+def _flatten_with_keys(box: Partitioned[Any]):
+  return ((jax.tree_util.GetAttrKey('value'), box.value),), (type(box), box._static())
+
+
+def _flatten(box: Partitioned[Any]):
+  return (box.value,), (type(box), box._static())
+
+
+def _unflatten(aux: tuple[type, tuple[Any, ...]], children: Any):
+  cls, static = aux
+  new = object.__new__(cls)
+  new.value = children[0]
+  new.names, new.mesh = static[0], static[1]
+  if len(static) > 2:
+    new._rules = static[2]
+  return new
+
+
+for _cls in (Partitioned, LogicalPartitioned):
+  jax.tree_util.register_pytree_with_keys(
+      _cls, _flatten_with_keys, _unflatten, _flatten
+  )
+
+
+def with_partitioning(
+    init_fn: Callable[..., Any],
+    names: LogicalNames,
+    mesh: AnyMesh | None = None,
+) -> Callable[..., Partitioned[Any]]:
+  """Wraps an initializer so its result is boxed with mesh-axis ``names``.
+
+  Example:
+    >>> import flax.linen as nn, flax_shardmeta as fsm
+    >>> dense = nn.Dense(8, kernel_init=fsm.with_partitioning(
+    ...     nn.initializers.lecun_normal(), (None, 'model')))
+  """
+
+  @functools.wraps(init_fn)
+  def wrapper(*args: Any, **kwargs: Any) -> Partitioned[Any]:
+    return Partitioned(init_fn(*args, **kwargs), names, mesh=mesh)
+
+  return wrapper
+
+
+def with_logical_partitioning(
+    init_fn: Callable[..., Any],
+    names: LogicalNames,
+    mesh: AnyMesh | None = None,
+    rules: LogicalRules | None = None,
+) -> Callable[..., LogicalPartitioned[Any]]:
+  """Wraps an initializer so its result is boxed with logical ``names``.
+
+  Example:
+    >>> import flax.linen as nn, flax_shardmeta as fsm
+    >>> dense = nn.Dense(8, kernel_init=fsm.with_logical_partitioning(
+    ...     nn.initializers.lecun_normal(), ('embed', 'mlp')))
+  """
+
+  @functools.wraps(init_fn)
+  def wrapper(*args: Any, **kwargs: Any) -> LogicalPartitioned[Any]:
+    return LogicalPartitioned(
+        init_fn(*args, **kwargs), names, mesh=mesh, rules=rules
+    )
+
+  return wrapper
+
+
+def is_box(x: Any) -> bool:
+  """Whether ``x`` is an AxisMetadata box (ours or flax's)."""
+  return isinstance(x, meta.AxisMetadata)
+
+
+def unbox(tree: PyTree) -> PyTree:
+  """Strips every box, returning the raw values (no constraint applied)."""
+  return jax.tree_util.tree_map(
+      lambda x: unbox(_raw(x)) if is_box(x) else x, tree, is_leaf=is_box
+  )
+
+
+def _raw(box: Any) -> Any:
+  # flax's own boxes also keep their payload in `.value`; going through it
+  # avoids their unbox() applying a sharding constraint as a side effect.
+  return box.value if hasattr(box, 'value') else box.unbox()
+
+
+def replace_boxed(tree: PyTree, updates: PyTree) -> PyTree:
+  """Puts ``updates`` (a tree of raw values) back into ``tree``'s boxes."""
+
+  def update(box: Any, new: Any) -> Any:
+    if is_box(box):
+      return box.replace_boxed(replace_boxed(_raw(box), new))
+    return new
+
+  return jax.tree_util.tree_map(update, tree, updates, is_leaf=is_box)

@@ -1,0 +1,93 @@
+"""Errors raised by flax_shardmeta, and the problem records they carry."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+
+def format_spec(spec: Any) -> str:
+  """Short, stable rendering of a PartitionSpec or names tuple."""
+  if spec is None:
+    return 'None'
+  entries = ', '.join(_format_entry(e) for e in tuple(spec))
+  prefix = 'P' if type(spec).__name__ == 'PartitionSpec' else ''
+  if prefix:
+    return f'P({entries})'
+  return f'({entries}{"," if len(tuple(spec)) == 1 else ""})'
+
+
+def _format_entry(entry: Any) -> str:
+  if isinstance(entry, str):
+    return repr(entry)
+  if isinstance(entry, tuple):
+    return '(' + ', '.join(_format_entry(e) for e in entry) + ')'
+  if entry is None:
+    return 'None'
+  return 'UNCONSTRAINED' if 'UNCONSTRAINED' in repr(entry) else repr(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingProblem:
+  """One thing wrong with one leaf's sharding.
+
+  Attributes:
+    path: '/'-joined key path of the leaf, e.g. ``params/Dense_0/kernel``.
+    shape: the leaf's shape (None when unknown).
+    names: the annotation as written (None for an unannotated leaf).
+    spec: the resolved PartitionSpec (None when resolution itself failed).
+    reason: what is wrong.
+    hint: how to fix it.
+    dims: the array dimensions concerned (used by fit mode to replicate them).
+  """
+
+  path: str
+  shape: tuple[int, ...] | None
+  names: Any
+  spec: Any
+  reason: str
+  hint: str
+  dims: tuple[int, ...] = ()
+
+  def __str__(self) -> str:
+    return (
+        f'{self.path}: shape {self.shape}, names {format_spec(self.names)}, '
+        f'spec {format_spec(self.spec)}: {self.reason}. Fix: {self.hint}'
+    )
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready form."""
+    return {
+        'path': self.path,
+        'shape': list(self.shape) if self.shape is not None else None,
+        'names': format_spec(self.names) if self.names is not None else None,
+        'spec': format_spec(self.spec) if self.spec is not None else None,
+        'reason': self.reason,
+        'hint': self.hint,
+    }
+
+
+class ShardingError(ValueError):
+  """Raised when annotations cannot become a valid sharding.
+
+  Every problem found in a tree is listed in one message, each naming the
+  parameter path, its shape, its names, the resolved spec, what is wrong and
+  how to fix it. ``problems`` holds them as :class:`ShardingProblem` records.
+  """
+
+  def __init__(self, problems: Sequence[ShardingProblem], context: str = ''):
+    self.problems = tuple(problems)
+    n = len(self.problems)
+    head = f'{n} leaf cannot' if n == 1 else f'{n} leaves cannot'
+    lines = [f'{head} be sharded as annotated{context}:']
+    lines += [f'  - {p}' for p in self.problems]
+    super().__init__('\n'.join(lines))
+
+
+class RuleConflictError(ValueError):
+  """Raised when global and per-variable logical rules disagree on a name."""
+
+
+class NoMeshError(ValueError):
+  """Raised when a sharding must be applied but no mesh was given or set."""

@@ -1,0 +1,62 @@
+"""Partition specs for models with no annotations, by regex over parameter paths."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from flax_shardmeta.annotations import path_str
+from flax_shardmeta.typing import PyTree
+
+PartitionRules = Sequence[tuple[str, PartitionSpec]]
+"""``(regex, PartitionSpec)`` pairs; the first whose regex is found in a leaf's
+'/'-joined path wins."""
+
+
+def match_partition_rules(
+    rules: PartitionRules, tree: PyTree, min_size: int = 0
+) -> PyTree:
+  """A PartitionSpec per array leaf, chosen by regex over its path.
+
+  ``re.search`` runs over '/'-joined key paths and the first matching rule
+  wins. Scalars and leaves with fewer than ``min_size`` elements get ``P()``;
+  specs longer than the leaf's rank are trimmed. Leaves no rule matches are
+  all reported in one ValueError.
+
+  Example:
+    >>> import jax.numpy as jnp, flax_shardmeta as fsm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> params = {'dense': {'kernel': jnp.zeros((4, 8)), 'bias': jnp.zeros(8)}}
+    >>> fsm.match_partition_rules(
+    ...     [('kernel', P(None, 'model')), ('.*', P())], params)
+    {'dense': {'bias': PartitionSpec(), 'kernel': PartitionSpec(None, 'model')}}
+  """
+  compiled = [(re.compile(pattern), spec) for pattern, spec in rules]
+  unmatched: list[str] = []
+
+  def choose(path: tuple[Any, ...], leaf: Any) -> Any:
+    shape = getattr(leaf, 'shape', None)
+    if shape is None:
+      return None
+    if len(shape) == 0 or math.prod(shape) < min_size:
+      return PartitionSpec()
+    name = path_str(path)
+    for regex, spec in compiled:
+      if regex.search(name):
+        return PartitionSpec(*tuple(spec)[: len(shape)])
+    unmatched.append(f'{name} {tuple(shape)}')
+    return None
+
+  out = jax.tree_util.tree_map_with_path(choose, tree)
+  if unmatched:
+    raise ValueError(
+        f'No partition rule matches {len(unmatched)} leaf path(s):\n'
+        + '\n'.join(f'  - {u}' for u in unmatched)
+        + "\nAdd a rule for them, e.g. a final catch-all ('.*', P())."
+    )
+  return out

@@ -1,0 +1,420 @@
+"""Logical axis rules: the thread-local rule context and the one resolution engine.
+
+Rules are priority-ordered pairs ``(logical_name, mesh_axes)``. Resolution walks
+the rules in order; a rule gives its mesh axes to its name's dimension when that
+dimension has no assignment yet and none of the mesh axes is already used by
+another dimension of the same spec. Names left without a usable rule are
+replicated. Linen boxes, NNX Variables, constraints and plans all go through
+:func:`resolve`, so they share one semantics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from flax_shardmeta.errors import RuleConflictError, format_spec
+from flax_shardmeta.typing import LogicalNames, LogicalRules, MeshAxes
+
+UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
+
+
+# Rule context
+# ------------------------------------------------------------------------------
+
+
+class _RuleContext(threading.local):
+  """Per-thread stack top of logical axis rules."""
+
+  rules: tuple[tuple[str, Any], ...] = ()
+
+
+_context = _RuleContext()
+
+
+def set_logical_axis_rules(rules: LogicalRules) -> None:
+  """Sets the logical axis rules of the current thread.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.set_logical_axis_rules([('batch', 'data')])
+    >>> fsm.get_logical_axis_rules()
+    (('batch', 'data'),)
+    >>> fsm.set_logical_axis_rules(())
+  """
+  _context.rules = normalize_rules(rules)
+
+
+def get_logical_axis_rules() -> tuple[tuple[str, Any], ...]:
+  """Returns the logical axis rules of the current thread (``()`` if none)."""
+  return _context.rules
+
+
+@contextlib.contextmanager
+def logical_axis_rules(rules: LogicalRules) -> Iterator[None]:
+  """Context manager binding logical axis rules for the current thread.
+
+  Nestable; the previous rules come back on exit, also when an exception
+  escapes. Other threads never see these rules.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> with fsm.logical_axis_rules([('mlp', 'model')]):
+    ...   fsm.logical_to_mesh_axes(('embed', 'mlp'))
+    PartitionSpec(None, 'model')
+  """
+  previous = _context.rules
+  _context.rules = normalize_rules(rules)
+  try:
+    yield
+  finally:
+    _context.rules = previous
+
+
+def normalize_rules(rules: LogicalRules | None) -> tuple[tuple[str, Any], ...]:
+  """Rules as a hashable tuple of ``(name, mesh_axes)`` pairs, checked for form."""
+  if rules is None:
+    return ()
+  if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
+    raise ValueError(
+        f'Logical axis rules must be a sequence of (logical_name, mesh_axes) '
+        f'pairs, got {type(rules).__name__}: {rules!r}.'
+    )
+  out = []
+  for i, rule in enumerate(rules):
+    if (
+        not isinstance(rule, Sequence)
+        or isinstance(rule, str)
+        or len(rule) != 2
+        or not isinstance(rule[0], str)
+    ):
+      raise ValueError(
+          f'Logical axis rule #{i} is {rule!r}; expected a pair '
+          "(logical_name: str, mesh_axes), e.g. ('mlp', 'model')."
+      )
+    name, target = rule
+    if isinstance(target, list):
+      target = tuple(target)
+    if isinstance(target, PartitionSpec):
+      raise ValueError(
+          f'Logical axis rule {rule!r}: the target must be a mesh axis, a '
+          'tuple of mesh axes, None or PartitionSpec.UNCONSTRAINED, not a '
+          'PartitionSpec.'
+      )
+    if isinstance(target, tuple) and not all(isinstance(a, str) for a in target):
+      raise ValueError(
+          f'Logical axis rule {rule!r}: a tuple target must hold mesh-axis '
+          'names (str) only.'
+      )
+    if not (
+        target is None
+        or target is UNCONSTRAINED
+        or isinstance(target, (str, tuple))
+    ):
+      raise ValueError(
+          f'Logical axis rule {rule!r}: unsupported target {target!r}; use a '
+          'mesh-axis name, a tuple of them, None or PartitionSpec.UNCONSTRAINED.'
+      )
+    out.append((name, target))
+  return tuple(out)
+
+
+def composite_rules(
+    global_rules: LogicalRules | None, local_rules: LogicalRules | None
+) -> tuple[tuple[str, Any], ...]:
+  """Combines context (global) rules with per-variable (local) rules.
+
+  Priority order is kept: the global rules first, in their order, then the
+  local rules not already present. Several candidates per name survive, so
+  T5X-style fallbacks such as ``('embed', 'model'), ('embed', 'data')`` still
+  work after composition. A name whose first choice differs between the two
+  lists raises :class:`RuleConflictError` naming both.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.composite_rules([('embed', 'model'), ('embed', 'data')],
+    ...                     [('kv', None)])
+    (('embed', 'model'), ('embed', 'data'), ('kv', None))
+  """
+  g = normalize_rules(global_rules)
+  loc = normalize_rules(local_rules)
+  if not loc:
+    return g
+  if not g:
+    return loc
+  return _composite(g, loc)
+
+
+@functools.lru_cache(maxsize=4096)
+def _composite(g, loc):
+  first_global: dict[str, Any] = {}
+  for name, target in g:
+    first_global.setdefault(name, target)
+  first_local: dict[str, Any] = {}
+  for name, target in loc:
+    first_local.setdefault(name, target)
+  for name, target in first_local.items():
+    if name in first_global and first_global[name] != target:
+      raise RuleConflictError(
+          f"Logical axis '{name}' has conflicting first choices: global rule "
+          f'{(name, first_global[name])!r} vs per-variable rule '
+          f'{(name, target)!r}. Make the per-variable rules agree with the '
+          'global ones, or drop one of them.'
+      )
+  seen = set(g)
+  return g + tuple(r for r in loc if r not in seen)
+
+
+# Resolution
+# ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleStep:
+  """What one rule did to one dimension during resolution."""
+
+  rule_index: int
+  rule: tuple[str, Any]
+  applied: bool
+  reason: str
+
+  def __str__(self) -> str:
+    verb = 'gave' if self.applied else 'skipped'
+    return f'rule #{self.rule_index} {self.rule!r} {verb}: {self.reason}'
+
+
+@dataclasses.dataclass(frozen=True)
+class DimExplanation:
+  """How one dimension got its mesh axes."""
+
+  name: Any
+  mesh_axes: Any
+  steps: tuple[RuleStep, ...]
+
+  def __str__(self) -> str:
+    if not isinstance(self.name, str):
+      return f'{self.name!r} passed through as written'
+    if not self.steps:
+      return f"'{self.name}': no rule names it, so replicated"
+    return f"'{self.name}': " + '; '.join(str(s) for s in self.steps)
+
+
+def mesh_axes_of(entry: Any) -> tuple[str, ...]:
+  """The mesh-axis names one spec entry uses."""
+  if isinstance(entry, str):
+    return (entry,)
+  if isinstance(entry, tuple):
+    return tuple(a for a in entry if isinstance(a, str))
+  return ()
+
+
+class _Unassigned:
+  def __repr__(self) -> str:
+    return 'UNASSIGNED'
+
+
+UNASSIGNED = _Unassigned()
+"""Marker for a logical dimension no rule could assign (see ``resolve``)."""
+
+
+def _check_names(names: tuple[Any, ...]) -> None:
+  seen = set()
+  for n in names:
+    if isinstance(n, str):
+      if n in seen:
+        raise ValueError(
+            f"Logical name '{n}' appears more than once in "
+            f'{format_spec(names)}; each logical name may name one dimension '
+            'only. Rename one of them.'
+        )
+      seen.add(n)
+
+
+@functools.lru_cache(maxsize=65536)
+def _resolve_cached(
+    names: tuple[Any, ...], rules: tuple[tuple[str, Any], ...]
+) -> tuple[Any, ...]:
+  _check_names(names)
+  result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
+  if not any(r is UNASSIGNED for r in result):
+    return tuple(result)
+  position = {n: i for i, n in enumerate(names) if isinstance(n, str)}
+  used = {a for r in result for a in mesh_axes_of(r)}
+  for name, target in rules:
+    pos = position.get(name)
+    if pos is None or result[pos] is not UNASSIGNED:
+      continue
+    axes = mesh_axes_of(target)
+    if used.intersection(axes):
+      continue
+    result[pos] = target
+    used.update(axes)
+  return tuple(result)
+
+
+def resolve(
+    names: LogicalNames, rules: LogicalRules | None
+) -> tuple[Any, ...]:
+  """Resolves logical names to per-dimension mesh axes (cached).
+
+  Dimensions no rule could assign come back as :data:`UNASSIGNED` so callers
+  can choose a fallback; :func:`logical_to_mesh_axes` replicates them.
+  """
+  return _resolve_cached(tuple(names), normalize_rules(rules))
+
+
+def explain(
+    names: LogicalNames, rules: LogicalRules | None
+) -> tuple[DimExplanation, ...]:
+  """Per-dimension account of which rule gave the mesh axes and which were skipped.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> for d in fsm.explain_resolution(('bar', 'foo'),
+    ...                                 [('foo', 'model'), ('bar', 'model')]):
+    ...   print(d)
+    'bar': rule #1 ('bar', 'model') skipped: mesh axis 'model' already used by dimension 1 ('foo')
+    'foo': rule #0 ('foo', 'model') gave: 'model'
+  """
+  names = tuple(names)
+  rules = normalize_rules(rules)
+  _check_names(names)
+  result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
+  owner: dict[str, int] = {}
+  for i, r in enumerate(result):
+    for a in mesh_axes_of(r):
+      owner[a] = i
+  assigned_by: dict[int, int] = {}
+  steps: list[list[RuleStep]] = [[] for _ in names]
+  position = {n: i for i, n in enumerate(names) if isinstance(n, str)}
+  for k, (name, target) in enumerate(rules):
+    pos = position.get(name)
+    if pos is None:
+      continue
+    rule = (name, target)
+    if result[pos] is not UNASSIGNED:
+      steps[pos].append(RuleStep(
+          k, rule, False,
+          f'dimension already assigned by rule #{assigned_by[pos]}'))
+      continue
+    axes = mesh_axes_of(target)
+    clash = [a for a in axes if a in owner]
+    if clash:
+      j = owner[clash[0]]
+      steps[pos].append(RuleStep(
+          k, rule, False,
+          f"mesh axis '{clash[0]}' already used by dimension {j} "
+          f'({names[j]!r})'))
+      continue
+    result[pos] = target
+    assigned_by[pos] = k
+    for a in axes:
+      owner[a] = pos
+    shown = 'replicated (None)' if target is None else format_entry(target)
+    steps[pos].append(RuleStep(k, rule, True, shown))
+  return tuple(
+      DimExplanation(
+          n, None if result[i] is UNASSIGNED else result[i], tuple(steps[i])
+      )
+      for i, n in enumerate(names)
+  )
+
+
+def format_entry(entry: Any) -> str:
+  """Renders one spec entry the way a PartitionSpec would."""
+  if entry is UNCONSTRAINED:
+    return 'UNCONSTRAINED'
+  return repr(entry)
+
+
+def logical_to_mesh_axes(
+    names: LogicalNames | None, rules: LogicalRules | None = None
+) -> PartitionSpec | None:
+  """Resolves logical dimension names to a PartitionSpec of mesh axes.
+
+  Rules apply in order, so earlier rules have priority whatever the order of
+  the dimensions; a name with no usable rule is replicated; ``None`` and
+  ``PartitionSpec.UNCONSTRAINED`` entries pass through. ``rules=None`` uses
+  the context rules.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.logical_to_mesh_axes(('bar', 'foo'),
+    ...                          [('foo', 'model'), ('bar', 'model')])
+    PartitionSpec(None, 'model')
+  """
+  if names is None:
+    return None
+  if rules is None:
+    rules = get_logical_axis_rules()
+  resolved = resolve(tuple(names), rules)
+  return PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
+
+
+# Standard rules
+# ------------------------------------------------------------------------------
+
+_T5X_REPLICATED = (
+    ('relpos_buckets', None),
+    ('abspos_buckets', None),
+    ('length', None),
+    ('layers', None),
+    ('stack', None),
+    ('mlp_activations', None),
+)
+
+
+def standard_logical_axis_rules(
+    activation_partitioning_dims: int = 1,
+    parameter_partitioning_dims: int = 1,
+    additional_rules: LogicalRules | None = None,
+) -> tuple[tuple[str, MeshAxes], ...]:
+  """The T5X default rules over a ``('data', 'model')`` mesh.
+
+  Args:
+    activation_partitioning_dims: 1, or 2 to also shard activations' embed
+      dimension over 'model'.
+    parameter_partitioning_dims: 1, or 2 to also shard parameters' embed
+      dimension over 'data' (2-D parameter sharding).
+    additional_rules: appended after the standard rules (lower priority).
+
+  Returns:
+    The priority-ordered rules.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> rules = fsm.standard_logical_axis_rules(1, 2)
+    >>> fsm.logical_to_mesh_axes(('embed', 'mlp'), rules)
+    PartitionSpec('data', 'model')
+  """
+  base = (
+      ('batch', 'data'),
+      ('vocab', 'model'),
+      ('mlp', 'model'),
+      ('heads', 'model'),
+      ('kv', None),
+      ('joined_kv', 'model'),
+  )
+  dims = (activation_partitioning_dims, parameter_partitioning_dims)
+  if dims == (1, 1):
+    embed = (('embed', None),)
+  elif dims == (2, 1):
+    embed = (('embed', 'model'),)
+  elif dims == (1, 2):
+    embed = (('embed', 'data'),)
+  elif dims == (2, 2):
+    embed = (('embed', 'model'), ('embed', 'data'))
+  else:
+    raise ValueError(
+        f'activation_partitioning_dims={activation_partitioning_dims}, '
+        f'parameter_partitioning_dims={parameter_partitioning_dims} is not '
+        'supported; each must be 1 or 2.'
+    )
+  rules = base + embed + _T5X_REPLICATED
+  return rules + normalize_rules(additional_rules)

@@ -1,0 +1,306 @@
+"""From annotations to validated ``NamedSharding`` trees.
+
+Each distinct (shape, annotation, rules, mesh) is resolved and validated once
+and cached: models repeat a handful of annotation patterns thousands of times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from flax_shardmeta import annotations as ann_lib
+from flax_shardmeta.errors import ShardingError, ShardingProblem, format_spec
+from flax_shardmeta.rules import (
+    UNASSIGNED,
+    composite_rules,
+    get_logical_axis_rules,
+    logical_to_mesh_axes,
+    normalize_rules,
+    resolve,
+)
+from flax_shardmeta.typing import AnyMesh, LogicalRules, PyTree
+from flax_shardmeta.validate import check_spec, rank_issue
+
+
+class ShardingFitWarning(UserWarning):
+  """Issued when ``fit=True`` replicated dimensions that could not be sharded."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+  """The resolved layout of one leaf (path-free, so it can be cached).
+
+  Attributes:
+    shape: the leaf's shape, or None for a non-array leaf.
+    spec: the resolved PartitionSpec, or None for a non-array leaf.
+    issues: ``(reason, hint, dims)`` problems left after any fitting.
+    adjustments: what fit mode changed, one sentence each.
+  """
+
+  shape: tuple[int, ...] | None
+  spec: PartitionSpec | None
+  issues: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+  adjustments: tuple[str, ...] = ()
+
+
+def leaf_shape(value: Any) -> tuple[int, ...] | None:
+  """Shape of an array-like leaf (arrays, ShapeDtypeStruct), else None."""
+  shape = getattr(value, 'shape', None)
+  return None if shape is None else tuple(shape)
+
+
+def effective_rules(rules: LogicalRules | None) -> tuple[tuple[str, Any], ...]:
+  """The explicit rules if given, else the context rules."""
+  return normalize_rules(rules) if rules is not None else get_logical_axis_rules()
+
+
+def layout_of(
+    shape: tuple[int, ...] | None,
+    annotation: ann_lib.Annotation | None,
+    mesh: AnyMesh,
+    rules: tuple[tuple[str, Any], ...],
+    fit: bool = False,
+) -> LeafLayout:
+  """Resolves and validates one leaf (cached on all arguments)."""
+  return _layout_cached(shape, annotation, mesh, rules, fit)
+
+
+@functools.lru_cache(maxsize=65536)
+def _layout_cached(shape, annotation, mesh, rules, fit) -> LeafLayout:
+  if shape is None:
+    return LeafLayout(None, None)
+  if annotation is None:
+    return LeafLayout(shape, PartitionSpec())
+  names = annotation.names
+  if len(names) != len(shape):
+    if annotation.optimizer_state:
+      # Documented rule: optimizer leaves whose rank differs from their
+      # parameter (factored moments, counts) are replicated; they are small.
+      return LeafLayout(shape, PartitionSpec())
+    return LeafLayout(shape, None, (rank_issue(len(names), len(shape)),))
+  try:
+    entries = resolve_names(annotation, mesh, rules)
+  except ValueError as e:
+    return LeafLayout(shape, None, ((str(e), 'fix the names or the rules', ()),))
+  issues = check_spec(shape, entries, mesh)
+  adjustments: list[str] = []
+  if fit and any(dims for _, _, dims in issues):
+    entries = list(entries)
+    for reason, _, dims in issues:
+      for d in dims:
+        if entries[d] is not None:
+          adjustments.append(
+              f'dimension {d}: {format_spec(PartitionSpec(entries[d]))[2:-1]} '
+              f'-> None ({reason})'
+          )
+          entries[d] = None
+    entries = tuple(entries)
+    issues = check_spec(shape, entries, mesh)
+  return LeafLayout(
+      shape, PartitionSpec(*entries), issues, tuple(adjustments)
+  )
+
+
+def resolve_names(
+    annotation: ann_lib.Annotation, mesh: AnyMesh | None,
+    rules: tuple[tuple[str, Any], ...],
+) -> tuple[Any, ...]:
+  """Per-dimension mesh axes for an annotation (mesh names pass through)."""
+  if not annotation.logical:
+    return annotation.names
+  resolved = resolve(annotation.names, composite_rules(rules, annotation.rules))
+  mesh_axes = set(mesh.axis_names) if mesh is not None else set()
+  return tuple(
+      (n if annotation.keep_mesh_names and n in mesh_axes else None)
+      if r is UNASSIGNED else r
+      for n, r in zip(annotation.names, resolved)
+  )
+
+
+@functools.lru_cache(maxsize=16384)
+def named_sharding(mesh: AnyMesh, spec: PartitionSpec) -> NamedSharding:
+  """Cached ``NamedSharding(mesh, spec)``."""
+  return NamedSharding(mesh, spec)
+
+
+def problems_of(
+    path: str, leaf: ann_lib.Leaf, layout: LeafLayout
+) -> list[ShardingProblem]:
+  """The layout's issues as path-named problems."""
+  names = leaf.annotation.names if leaf.annotation is not None else None
+  return [
+      ShardingProblem(path, layout.shape, names, layout.spec, r, h, d)
+      for r, h, d in layout.issues
+  ]
+
+
+def layout_tree(
+    tree: PyTree,
+    mesh: AnyMesh,
+    rules: LogicalRules | None = None,
+    fit: bool = False,
+) -> tuple[list[ann_lib.Leaf], list[LeafLayout], Any]:
+  """Walks ``tree`` and lays out every leaf; returns leaves, layouts, builder."""
+  rules_t = effective_rules(rules)
+  leaves, build = ann_lib.walk(tree)
+  layouts = [
+      layout_of(leaf_shape(lf.value), lf.annotation, mesh, rules_t, fit)
+      for lf in leaves
+  ]
+  return leaves, layouts, build
+
+
+def get_sharding(
+    tree: PyTree,
+    mesh: AnyMesh,
+    rules: LogicalRules | None = None,
+    *,
+    fit: bool = False,
+) -> PyTree:
+  """A ``NamedSharding`` for every array leaf of ``tree``, validated.
+
+  Partitioned names are mesh axes; LogicalPartitioned names resolve through
+  ``composite_rules(rules or context rules, box.rules)``. Plain arrays are
+  replicated, non-array leaves map to None. Works on ``jax.eval_shape``
+  output, TrainStates, optax states (see :func:`get_partition_spec` for the
+  optimizer-state rule) and flax's own boxes.
+
+  Args:
+    tree: the (abstract) variables, train state or NNX state.
+    mesh: a ``Mesh`` or ``AbstractMesh``.
+    rules: logical axis rules; None uses the context rules.
+    fit: replicate dimensions their mesh axes cannot divide (or axes the mesh
+      lacks) instead of failing; every change is listed in one warning.
+
+  Returns:
+    A tree of the same structure with NamedSharding (or None) leaves.
+
+  Raises:
+    ShardingError: listing every leaf that cannot be sharded, by path.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+    >>> tree = {'w': fsm.LogicalPartitioned(
+    ...     jax.ShapeDtypeStruct((8, 16), jnp.float32), ('embed', 'mlp'))}
+    >>> fsm.get_sharding(tree, mesh, [('mlp', 'model')])['w'].spec
+    PartitionSpec(None, 'model')
+  """
+  leaves, layouts, build = layout_tree(tree, mesh, rules, fit)
+  problems: list[ShardingProblem] = []
+  adjustments: list[str] = []
+  results: list[Any] = []
+  for lf, lay in zip(leaves, layouts):
+    adjustments.extend(f'{lf.path}: {a}' for a in lay.adjustments)
+    if lay.issues:
+      problems.extend(problems_of(lf.path, lf, lay))
+      results.append(None)
+    else:
+      results.append(None if lay.spec is None else named_sharding(mesh, lay.spec))
+  if problems:
+    raise ShardingError(problems)
+  if adjustments:
+    warn_adjustments(adjustments)
+  return build(results)
+
+
+def warn_adjustments(adjustments: list[str]) -> None:
+  """One warning listing every change fit mode made."""
+  warnings.warn(
+      f'fit=True replicated {len(adjustments)} dimension(s) that could not be '
+      'sharded as annotated:\n' + '\n'.join(f'  - {a}' for a in adjustments),
+      ShardingFitWarning,
+      stacklevel=3,
+  )
+
+
+def get_partition_spec(tree: PyTree) -> PyTree:
+  """Each leaf's annotation as written (logical names stay logical).
+
+  Plain arrays and ShapeDtypeStructs get ``PartitionSpec()``, non-array leaves
+  None.
+
+  Optimizer state: optax moments built from boxed parameters carry their
+  parameter's annotation. When computing shardings, a leaf of an optax state
+  whose rank differs from its annotation (adafactor's factored ``v_row`` /
+  ``v_col``, scalar counts) is replicated; full-rank moments follow their
+  parameter.
+
+  Example:
+    >>> import jax.numpy as jnp, flax_shardmeta as fsm
+    >>> fsm.get_partition_spec({'w': fsm.LogicalPartitioned(
+    ...     jnp.zeros((2, 2)), ('embed', 'mlp')), 'b': jnp.zeros(2)})
+    {'b': PartitionSpec(), 'w': PartitionSpec('embed', 'mlp')}
+  """
+  leaves, build = ann_lib.walk(tree)
+  out = []
+  for lf in leaves:
+    if lf.annotation is not None:
+      out.append(PartitionSpec(*lf.annotation.names))
+    elif leaf_shape(lf.value) is not None:
+      out.append(PartitionSpec())
+    else:
+      out.append(None)
+  return build(out)
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
+def logical_to_mesh(tree: PyTree, rules: LogicalRules | None = None) -> PyTree:
+  """Resolves every logical PartitionSpec leaf of ``tree`` to mesh axes.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> fsm.logical_to_mesh({'w': P('embed', 'mlp')}, [('mlp', 'model')])
+    {'w': PartitionSpec(None, 'model')}
+  """
+  rules_t = effective_rules(rules)
+  return jax.tree_util.tree_map(
+      lambda x: logical_to_mesh_axes(tuple(x), rules_t) if _is_spec(x) else x,
+      tree,
+      is_leaf=_is_spec,
+  )
+
+
+def logical_to_mesh_sharding(
+    tree: PyTree, mesh: AnyMesh, rules: LogicalRules | None = None
+) -> PyTree:
+  """Like :func:`logical_to_mesh`, then ``NamedSharding(mesh, spec)`` per leaf.
+
+  Mesh axes are checked against the mesh (shapes are unknown here, so
+  divisibility is checked later by :func:`get_sharding` or jax).
+
+  Example:
+    >>> import jax, flax_shardmeta as fsm
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+    >>> fsm.logical_to_mesh_sharding(P('batch'), mesh, [('batch', 'data')]).spec
+    PartitionSpec('data',)
+  """
+  specs = logical_to_mesh(tree, rules)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
+  problems = []
+  out = []
+  for path, spec in flat:
+    if not _is_spec(spec):
+      out.append(spec)
+      continue
+    # A shape as large as needed makes only the mesh-axis checks bite.
+    issues = check_spec((0,) * len(spec), tuple(spec), mesh)
+    problems += [
+        ShardingProblem(ann_lib.path_str(path), None, None, spec, r, h, d)
+        for r, h, d in issues
+    ]
+    out.append(named_sharding(mesh, spec))
+  if problems:
+    raise ShardingError(problems)
+  return jax.tree_util.tree_unflatten(treedef, out)
