@@ -21,7 +21,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[test,bench]'
-	$(BIN)/python -m benchmarks.run
+	$(BIN)/python benchmarks/plan_405b.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -5,6 +5,7 @@ through init, lifted transforms, optimizer state and checkpoints; turn it into
 validated ``NamedSharding`` trees or apply it eagerly.
 """
 
+from flax_shardmeta import nnx
 from flax_shardmeta.annotations import Annotation, register_annotation_type
 from flax_shardmeta.boxes import (
     PARTITION_NAME,
@@ -15,6 +16,7 @@ from flax_shardmeta.boxes import (
     with_logical_partitioning,
     with_partitioning,
 )
+from flax_shardmeta.checkpoint import as_abstract
 from flax_shardmeta.constraints import (
     RulesFallback,
     shard_value,
@@ -26,6 +28,7 @@ from flax_shardmeta.errors import (
     ShardingError,
     ShardingProblem,
 )
+from flax_shardmeta.plan import PlanEntry, ShardingPlan, plan, verify
 from flax_shardmeta.regex_rules import match_partition_rules
 from flax_shardmeta.rules import (
     composite_rules,
@@ -36,6 +39,7 @@ from flax_shardmeta.rules import (
     standard_logical_axis_rules,
 )
 from flax_shardmeta.rules import explain as explain_resolution
+from flax_shardmeta.sharded_init import sharded_init
 from flax_shardmeta.sharding import (
     ShardingFitWarning,
     get_partition_spec,
@@ -52,12 +56,15 @@ __all__ = [
     'LogicalPartitioned',
     'NoMeshError',
     'Partitioned',
+    'PlanEntry',
     'RuleConflictError',
     'RulesFallback',
     'ShardingError',
     'ShardingFitWarning',
+    'ShardingPlan',
     'ShardingProblem',
     '__version__',
+    'as_abstract',
     'composite_rules',
     'explain_resolution',
     'get_logical_axis_rules',
@@ -68,12 +75,16 @@ __all__ = [
     'logical_to_mesh_axes',
     'logical_to_mesh_sharding',
     'match_partition_rules',
+    'nnx',
+    'plan',
     'register_annotation_type',
     'replace_boxed',
     'set_logical_axis_rules',
     'shard_value',
+    'sharded_init',
     'standard_logical_axis_rules',
     'unbox',
+    'verify',
     'with_logical_constraint',
     'with_logical_partitioning',
     'with_partitioning',

@@ -9,7 +9,8 @@ this module (sharding, plan, checkpoint) sees only :class:`Annotation`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -40,6 +41,29 @@ class Annotation:
   mesh: AnyMesh | None = None
   keep_mesh_names: bool = False
   optimizer_state: bool = False
+  _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+  def __post_init__(self) -> None:
+    # Annotations key every layout cache lookup: hash the content once.
+    object.__setattr__(self, '_hash', hash((
+        self.names, self.logical, self.rules, self.mesh,
+        self.keep_mesh_names, self.optimizer_state)))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+
+@functools.lru_cache(maxsize=65536)
+def interned(
+    names: tuple[Any, ...],
+    logical: bool = False,
+    rules: tuple[tuple[str, Any], ...] | None = None,
+    mesh: AnyMesh | None = None,
+    keep_mesh_names: bool = False,
+    optimizer_state: bool = False,
+) -> Annotation:
+  """One shared Annotation per distinct content, so caches keyed on it hit fast."""
+  return Annotation(names, logical, rules, mesh, keep_mesh_names, optimizer_state)
 
 
 Reader = Callable[[Any], tuple[Any, Annotation | None]]
@@ -51,11 +75,14 @@ Rebuild = Callable[[Any, Any], Any]
 class _Entry(NamedTuple):
   kind: type
   read: Reader
-  rebuild: Rebuild
+  rebuild: Rebuild | None  # None: the result replaces the leaf
 
 
 _registry: list[_Entry] = []
-_leaf_types: tuple[type, ...] = ()
+# Per concrete type: its registry entry, _OPTIMIZER for optax state nodes, or
+# None. isinstance against ABCs is slow and trees hold few distinct types.
+_by_type: dict[type, Any] = {}
+_OPTIMIZER = object()
 
 
 def register_annotation_type(
@@ -69,49 +96,60 @@ def register_annotation_type(
     rebuild: how results are placed in output trees; by default the result
       replaces the leaf.
   """
-  global _leaf_types
-  _registry.append(_Entry(kind, read, rebuild or (lambda _leaf, r: r)))
-  _leaf_types = tuple(e.kind for e in _registry)
+  _registry.append(_Entry(kind, read, rebuild))
+  _by_type.clear()
 
 
-def _entry(x: Any) -> _Entry | None:
-  for e in _registry:
-    if isinstance(x, e.kind):
-      return e
-  return None
+def _classify(t: type) -> Any:
+  found = _by_type.get(t, _MISSING)
+  if found is _MISSING:
+    found = next((e for e in _registry if issubclass(t, e.kind)), None)
+    if found is None and _is_optax_state_type(t):
+      found = _OPTIMIZER
+    _by_type[t] = found
+  return found
+
+
+_MISSING = object()
 
 
 def is_annotated_leaf(x: Any) -> bool:
   """Whether ``x`` is a leaf type some reader understands."""
-  return isinstance(x, _leaf_types)
+  c = _classify(type(x))
+  return c is not None and c is not _OPTIMIZER
 
 
 def read(x: Any) -> tuple[Any, Annotation | None]:
   """``(value, annotation)`` of any leaf; plain leaves have no annotation."""
-  e = _entry(x)
-  if e is None:
+  e = _classify(type(x))
+  if e is None or e is _OPTIMIZER:
     return x, None
   return e.read(x)
 
 
 def rebuild(x: Any, result: Any) -> Any:
   """Places ``result`` where leaf ``x`` was."""
-  e = _entry(x)
-  return result if e is None else e.rebuild(x, result)
+  e = _classify(type(x))
+  if e is None or e is _OPTIMIZER or e.rebuild is None:
+    return result
+  return e.rebuild(x, result)
 
 
 # Optimizer state
 # ------------------------------------------------------------------------------
 
 
+def _is_optax_state_type(t: type) -> bool:
+  return (
+      issubclass(t, tuple)
+      and hasattr(t, '_fields')
+      and t.__module__.split('.', 1)[0] == 'optax'
+  )
+
+
 def is_optimizer_state(x: Any) -> bool:
   """Whether ``x`` is an optax state node (a NamedTuple defined by optax)."""
-  cls = type(x)
-  return (
-      isinstance(x, tuple)
-      and hasattr(cls, '_fields')
-      and cls.__module__.split('.', 1)[0] == 'optax'
-  )
+  return _classify(type(x)) is _OPTIMIZER
 
 
 # Traversal
@@ -131,13 +169,57 @@ def path_str(path: tuple[Any, ...]) -> str:
   return '/'.join(key_str(k) for k in path)
 
 
-class Leaf(NamedTuple):
-  """One leaf met by :func:`walk`."""
+class _KeyPaths:
+  """Key paths of a flattened tree, computed on first use (errors and plans
+  need them; the common get_sharding path does not)."""
 
-  path: str
-  leaf: Any
-  value: Any
-  annotation: Annotation | None
+  __slots__ = ('_tree', '_keys')
+
+  def __init__(self, tree: PyTree):
+    self._tree = tree
+    self._keys: list[tuple[Any, ...]] | None = None
+
+  def __getitem__(self, i: int) -> tuple[Any, ...]:
+    if self._keys is None:
+      flat, _ = jax.tree_util.tree_flatten_with_path(self._tree, is_leaf=_stop)
+      self._keys = [k for k, _ in flat]
+      self._tree = None
+    return self._keys[i]
+
+
+class Leaf:
+  """One leaf met by :func:`walk`; its text path is made only when asked for."""
+
+  __slots__ = ('_paths', '_index', 'leaf', 'value', 'annotation', '_prefix')
+
+  def __init__(self, paths, index, leaf, value, annotation, prefix=''):
+    self._paths = paths
+    self._index = index
+    self.leaf = leaf
+    self.value = value
+    self.annotation = annotation
+    self._prefix = prefix
+
+  @property
+  def keys(self) -> tuple[Any, ...]:
+    """The jax key path (below the optimizer-state prefix, if any)."""
+    return self._paths[self._index]
+
+  @property
+  def path(self) -> str:
+    """'/'-joined key path, e.g. ``params/Dense_0/kernel``."""
+    rest = path_str(self.keys)
+    prefix = str(self._prefix) if self._prefix else ''
+    if prefix:
+      return f'{prefix}/{rest}' if rest else prefix
+    return rest
+
+  def __repr__(self) -> str:
+    return f'Leaf({self.path!r}, annotation={self.annotation!r})'
+
+
+def _stop(x: Any) -> bool:
+  return _classify(type(x)) is not None
 
 
 def walk(tree: PyTree) -> tuple[list[Leaf], Callable[[list[Any]], PyTree]]:
@@ -147,47 +229,83 @@ def walk(tree: PyTree) -> tuple[list[Leaf], Callable[[list[Any]], PyTree]]:
   from one result per leaf (each placed by its type's ``rebuild``). Leaves
   under an optax state node are marked as optimizer state.
   """
+  flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_stop)
+  paths = _KeyPaths(tree)
   leaves: list[Leaf] = []
-  builders: list[Callable[[Iterator[Any]], Any]] = []
-
-  def is_stop(x: Any) -> bool:
-    return is_annotated_leaf(x) or is_optimizer_state(x)
-
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_stop)
-  for path, x in flat:
-    if is_optimizer_state(x):
-      sub_leaves, sub_build = _walk_optimizer(x, path_str(path))
+  # Only leaves needing more than "result replaces leaf" get a fix-up entry.
+  fixups: list[tuple[int, Any]] = []
+  for i, x in enumerate(flat):
+    c = _classify(type(x))
+    if c is None:
+      leaves.append(Leaf(paths, i, x, x, None))
+    elif c is _OPTIMIZER:
+      sub_leaves, sub_build = _walk_optimizer(x, paths, i)
+      fixups.append((len(leaves), (len(sub_leaves), sub_build)))
       leaves.extend(sub_leaves)
-      n = len(sub_leaves)
-      builders.append(
-          lambda it, n=n, b=sub_build: b([next(it) for _ in range(n)])
-      )
     else:
-      value, ann = read(x)
-      leaves.append(Leaf(path_str(path), x, value, ann))
-      builders.append(lambda it, x=x: rebuild(x, next(it)))
+      value, ann = c.read(x)
+      if c.rebuild is not None:
+        fixups.append((len(leaves), (c.rebuild, x)))
+      leaves.append(Leaf(paths, i, x, value, ann))
+
+  if not fixups:
+    return leaves, lambda results: jax.tree_util.tree_unflatten(treedef, results)
 
   def build(results: list[Any]) -> PyTree:
-    it = iter(results)
-    return jax.tree_util.tree_unflatten(treedef, [b(it) for b in builders])
+    out: list[Any] = []
+    pos = 0
+    for start, fix in fixups:
+      out.extend(results[pos:start])
+      if isinstance(fix[0], int):
+        n, sub_build = fix
+        out.append(sub_build(results[start:start + n]))
+        pos = start + n
+      else:
+        fn, leaf = fix
+        out.append(fn(leaf, results[start]))
+        pos = start + 1
+    out.extend(results[pos:])
+    return jax.tree_util.tree_unflatten(treedef, out)
 
   return leaves, build
 
 
-def _walk_optimizer(node: Any, prefix: str):
-  sub_leaves, sub_build = walk(tuple(node))
-  out = []
+class _Prefix:
+  """The text path of an optimizer-state node, made on first use."""
+
+  __slots__ = ('_paths', '_index')
+
+  def __init__(self, paths: _KeyPaths, index: int):
+    self._paths, self._index = paths, index
+
+  def __str__(self) -> str:
+    return path_str(self._paths[self._index])
+
+
+def _walk_optimizer(node: Any, paths: _KeyPaths, index: int):
+  fields = dict(zip(node._fields, node))
+  sub_leaves, sub_build = walk(fields)
+  outer = _Prefix(paths, index)
   for lf in sub_leaves:
-    ann = lf.annotation
-    if ann is not None:
-      ann = dataclasses.replace(ann, optimizer_state=True)
-    path = f'{prefix}/{lf.path}' if prefix else lf.path
-    out.append(Leaf(path, lf.leaf, lf.value, ann))
+    if lf.annotation is not None:
+      lf.annotation = _as_optimizer(lf.annotation)
+    lf._prefix = _JoinedPrefix(outer, lf._prefix) if lf._prefix else outer
+  return sub_leaves, lambda results: type(node)(**sub_build(results))
 
-  def build(results: list[Any]) -> Any:
-    return type(node)(*sub_build(results))
 
-  return out, build
+class _JoinedPrefix:
+  __slots__ = ('_outer', '_inner')
+
+  def __init__(self, outer: Any, inner: Any):
+    self._outer, self._inner = outer, inner
+
+  def __str__(self) -> str:
+    return '/'.join(p for p in (str(self._outer), str(self._inner)) if p)
+
+
+@functools.lru_cache(maxsize=16384)
+def _as_optimizer(ann: Annotation) -> Annotation:
+  return dataclasses.replace(ann, optimizer_state=True)
 
 
 # Readers for Linen boxes
@@ -195,13 +313,13 @@ def _walk_optimizer(node: Any, prefix: str):
 
 
 def _read_fsm_box(box: Partitioned[Any]) -> tuple[Any, Annotation]:
-  return box.value, Annotation(box.names, box.is_logical, box.rules, box.mesh)
+  return box.value, interned(box.names, box.is_logical, box.rules, box.mesh)
 
 
 def _read_flax_box(box: Any) -> tuple[Any, Annotation]:
   logical = isinstance(box, flax_linen_spmd.LogicallyPartitioned)
   rules = getattr(box, 'rules', None) if logical else None
-  return box.value, Annotation(tuple(box.names), logical, rules, box.mesh)
+  return box.value, interned(tuple(box.names), logical, rules, box.mesh)
 
 
 def _read_other_box(box: Any) -> tuple[Any, Annotation | None]:

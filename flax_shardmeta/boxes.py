@@ -34,7 +34,7 @@ class Partitioned(meta.AxisMetadata[A], Generic[A]):
     >>> import jax.numpy as jnp, flax_shardmeta as fsm
     >>> box = fsm.Partitioned(jnp.zeros((4, 8)), (None, 'model'))
     >>> box.get_partition_spec()
-    PartitionSpec(None, 'model')
+    P(None, 'model')
     >>> box.add_axis(0, {fsm.PARTITION_NAME: 'layers'}).names
     ('layers', None, 'model')
   """
@@ -110,7 +110,9 @@ class Partitioned(meta.AxisMetadata[A], Generic[A]):
 
   def to_nnx_metadata(self) -> dict[str, Any]:
     """Metadata for an ``nnx.Variable`` (used by ``nnx.bridge``)."""
+    # nnx.bridge builds the Variable from this dict alone, value included.
     return {
+        'value': self.value,
         'out_sharding': self.names,
         'mesh': self.mesh,
         'fsm_logical': False,
@@ -168,7 +170,7 @@ class LogicalPartitioned(Partitioned[A]):
     >>> import jax.numpy as jnp, flax_shardmeta as fsm
     >>> box = fsm.LogicalPartitioned(jnp.zeros((4, 8)), ('embed', 'mlp'))
     >>> box.get_partition_spec()  # as written: still logical
-    PartitionSpec('embed', 'mlp')
+    P('embed', 'mlp')
   """
 
   __slots__ = ('_rules',)
@@ -260,7 +262,10 @@ def with_partitioning(
 
   @functools.wraps(init_fn)
   def wrapper(*args: Any, **kwargs: Any) -> Partitioned[Any]:
-    return Partitioned(init_fn(*args, **kwargs), names, mesh=mesh)
+    from flax_shardmeta import constraints  # boxes sit below constraints
+
+    value = constraints.generate(init_fn, args, kwargs, names, mesh)
+    return Partitioned(value, names, mesh=mesh)
 
   return wrapper
 
@@ -281,9 +286,11 @@ def with_logical_partitioning(
 
   @functools.wraps(init_fn)
   def wrapper(*args: Any, **kwargs: Any) -> LogicalPartitioned[Any]:
-    return LogicalPartitioned(
-        init_fn(*args, **kwargs), names, mesh=mesh, rules=rules
-    )
+    from flax_shardmeta import constraints  # boxes sit below constraints
+
+    value = constraints.generate(
+        init_fn, args, kwargs, names, mesh, logical=True, rules=rules)
+    return LogicalPartitioned(value, names, mesh=mesh, rules=rules)
 
   return wrapper
 

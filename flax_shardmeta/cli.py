@@ -1,23 +1,274 @@
-"""Command-line interface: ``flax-shardmeta demo``."""
+"""Command-line interface: ``flax-shardmeta plan`` and ``flax-shardmeta demo``.
+
+``plan`` lays a model out on a mesh of any size without devices: the mesh is a
+``jax.sharding.AbstractMesh`` and the model is only traced by
+``jax.eval_shape``, so planning a 405B model for 4096 devices runs on a laptop.
+
+``--module pkg.mod:factory`` plans your own model. ``factory()`` is called
+with no arguments and returns either
+
+* ``(linen_module, *example_inputs)``: parameters come from
+  ``linen_module.init(key, *example_inputs)['params']``, evaluated abstractly
+  (inputs may be arrays or ``jax.ShapeDtypeStruct``); or
+* a zero-argument function building the variables: with ``--api linen`` it
+  returns a variables tree (its ``'params'`` entry is used when present); with
+  ``--api nnx`` it returns an ``nnx.Module`` whose ``nnx.Param`` state is used.
+
+The parameters are then planned with the optimizer state of ``--optimizer``
+and the rules of ``--rules`` (T5X's by default for your own models).
+
+Exit codes: 0 success, 1 the plan has problems (0 with ``--allow-problems``),
+2 bad arguments (one line on stderr).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import os
 import sys
+import tomllib
+import warnings
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+_BUILTIN_MODELS = ('mlp', 'llama3-8b', 'llama3-70b', 'llama3-405b')
+# Kept in step with models.MODEL_NAMES by a test; duplicated so that argument
+# errors are reported before jax and flax are imported.
 
 
-def main(argv: list[str] | None = None) -> int:
-  """Entry point of ``flax-shardmeta`` and ``python -m flax_shardmeta``."""
-  parser = argparse.ArgumentParser(prog='flax-shardmeta')
-  sub = parser.add_subparsers(dest='command', required=True)
-  demo = sub.add_parser('demo', help='annotate, lay out, init and train a small model')
+class UsageError(Exception):
+  """A bad command-line argument; reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse, but errors raise instead of printing usage and exiting."""
+
+  def error(self, message: str) -> NoReturn:
+    raise UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = _Parser(prog='flax-shardmeta', description=__doc__.split('\n')[0])
+  sub = parser.add_subparsers(dest='command', required=True, parser_class=_Parser)
+  demo = sub.add_parser('demo', help='plan, init and train a small model on 8 '
+                        'simulated devices, checking every sharding')
   demo.add_argument('--steps', type=int, default=5)
-  args = parser.parse_args(argv)
-  if args.command == 'demo':
-    from flax_shardmeta import demo as demo_lib
+  p = sub.add_parser(
+      'plan', help="show every array's layout, memory per device and problems",
+      description='Lay a model out on a mesh without devices.',
+      epilog=__doc__.split('\n\n', 2)[2],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  which = p.add_mutually_exclusive_group(required=True)
+  which.add_argument('--model', help=f'a built-in model: {", ".join(_BUILTIN_MODELS)}')
+  which.add_argument('--module', metavar='PKG.MOD:FACTORY',
+                     help='your own model (see below)')
+  p.add_argument('--mesh', required=True, metavar='AXIS=SIZE,...',
+                 help='mesh axes and sizes, e.g. data=32,model=8')
+  p.add_argument('--api', choices=('linen', 'nnx'), default='linen')
+  p.add_argument('--rules', metavar='t5x|t5x-2d|FILE.json|FILE.toml',
+                 help="logical axis rules (default: the built-in model's own, "
+                 'or t5x for --module)')
+  p.add_argument('--optimizer', choices=('adam', 'adafactor', 'none'), default='adam')
+  p.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32')
+  p.add_argument('--format', choices=('table', 'json'), default='table')
+  p.add_argument('--allow-problems', action='store_true',
+                 help='exit 0 even when the plan has problems')
+  p.add_argument('--fit', action='store_true',
+                 help='replicate dimensions that cannot be sharded, and list them')
+  return parser
 
-    return demo_lib.run(args.steps)
-  return 2
+
+def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  """``'data=32,model=8'`` -> ``(('data', 'model'), (32, 8))``.
+
+  Raises:
+    UsageError: for anything else, saying what was expected.
+
+  Example:
+    >>> parse_mesh('data=32,model=8')
+    (('data', 'model'), (32, 8))
+  """
+  names: list[str] = []
+  sizes: list[int] = []
+  for item in text.split(','):
+    name, eq, size = item.strip().partition('=')
+    name, size = name.strip(), size.strip()
+    if not eq or not name or not name.isidentifier():
+      raise UsageError(
+          f'malformed --mesh {text!r}: expected AXIS=SIZE pairs separated by '
+          "commas, e.g. 'data=32,model=8'")
+    if name in names:
+      raise UsageError(f'--mesh {text!r} names axis {name!r} twice')
+    if not size.isdigit() or int(size) < 1:
+      raise UsageError(
+          f'--mesh {text!r}: size of {name!r} is {size!r}; sizes must be '
+          'positive integers')
+    names.append(name)
+    sizes.append(int(size))
+  return tuple(names), tuple(sizes)
+
+
+def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
+  """Rules from ``t5x``, ``t5x-2d`` or a JSON / TOML file.
+
+  JSON: a list of ``[name, target]`` pairs. TOML: ``rules = [[name, target],
+  ...]``. A target is a mesh axis, a list of mesh axes, or null for
+  replicated; TOML has no null, so an empty list ``[]`` means replicated there
+  (and in JSON too).
+
+  Raises:
+    UsageError: if the file cannot be read or does not hold valid rules.
+  """
+  from flax_shardmeta.rules import normalize_rules, standard_logical_axis_rules
+
+  if spec == 't5x':
+    return standard_logical_axis_rules()
+  if spec == 't5x-2d':
+    return standard_logical_axis_rules(1, 2)
+  try:
+    with open(spec, 'rb') as f:
+      raw = f.read()
+  except OSError as e:
+    raise UsageError(f'cannot read rules file {spec!r}: {e.strerror}') from None
+  try:
+    if spec.endswith('.toml'):
+      data = tomllib.loads(raw.decode()).get('rules')
+    else:
+      data = json.loads(raw)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise UsageError(f'cannot parse rules file {spec!r}: {e}') from None
+  if not isinstance(data, list):
+    raise UsageError(
+        f'rules file {spec!r} must hold a list of [name, target] pairs '
+        '(TOML: rules = [[name, target], ...])')
+  # An empty list target means replicated, the only way to say None in TOML.
+  pairs = [
+      (r[0], None if r[1] == [] else r[1])
+      if isinstance(r, list) and len(r) == 2 else r
+      for r in data
+  ]
+  try:
+    return normalize_rules(pairs)
+  except ValueError as e:
+    raise UsageError(f'rules file {spec!r}: {e}') from None
+
+
+def _user_state(target: str, api: str, optimizer_name: str) -> Any:
+  """The abstract state of ``--module pkg.mod:factory`` (see the module doc)."""
+  module_name, colon, attr = target.partition(':')
+  if not colon or not module_name or not attr:
+    raise UsageError(f'--module {target!r}: expected PKG.MOD:FACTORY')
+  # Like `python -m`, let a module next to the user be found.
+  if os.getcwd() not in sys.path:
+    sys.path.insert(0, os.getcwd())
+  try:
+    factory = getattr(importlib.import_module(module_name), attr)
+  except (ImportError, AttributeError) as e:
+    raise UsageError(f'--module {target!r}: {e}') from None
+  import jax
+  from flax import linen as nn
+
+  from flax_shardmeta import models
+
+  made = factory()
+  if isinstance(made, tuple) and made and isinstance(made[0], nn.Module):
+    params = models.abstract_linen_params(made[0], *made[1:])
+  elif callable(made) and api == 'nnx':
+    from flax import nnx
+
+    params = nnx.state(nnx.eval_shape(made), nnx.Param)
+  elif callable(made):
+    variables = jax.eval_shape(made)
+    is_dict = isinstance(variables, dict) and 'params' in variables
+    params = variables['params'] if is_dict else variables
+  else:
+    raise UsageError(
+        f'--module {target!r}: the factory returned {type(made).__name__}; '
+        'expected (linen_module, *example_inputs) or a function with no '
+        'arguments building the variables')
+  return models.abstract_train_state(params, optimizer_name)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+  """The ``plan`` subcommand; returns the exit code."""
+  if args.model is not None and args.model not in _BUILTIN_MODELS:
+    raise UsageError(
+        f'unknown model {args.model!r}; choose from {", ".join(_BUILTIN_MODELS)} '
+        'or pass --module PKG.MOD:FACTORY')
+  axis_names, axis_sizes = parse_mesh(args.mesh)
+  rules = load_rules(args.rules) if args.rules else None
+
+  # Heavy imports only once the arguments are known to be good.
+  import jax
+  import jax.numpy as jnp
+
+  from flax_shardmeta import models
+  from flax_shardmeta.plan import plan
+
+  dtype = jnp.bfloat16 if args.dtype == 'bfloat16' else jnp.float32
+  if args.model is not None:
+    state = models.abstract_state(args.model, args.api, args.optimizer, dtype)
+    rules = models.default_rules(args.model) if rules is None else rules
+  else:
+    state = _user_state(args.module, args.api, args.optimizer)
+    if rules is None:
+      from flax_shardmeta.rules import standard_logical_axis_rules
+
+      rules = standard_logical_axis_rules()
+  mesh = jax.sharding.AbstractMesh(axis_sizes, axis_names)
+  with warnings.catch_warnings():
+    # Fit-mode changes are part of the output below; no need to warn twice.
+    warnings.simplefilter('ignore')
+    result = plan(state, mesh, rules, fit=args.fit)
+  if args.format == 'json':
+    print(json.dumps(result.to_dict(), indent=1))
+  else:
+    print(result)
+  if result.problems and not args.allow_problems:
+    print(f'flax-shardmeta plan: {len(result.problems)} problem(s); fix them, '
+          'pass --fit to replicate what cannot be sharded, or --allow-problems',
+          file=sys.stderr)
+    return 1
+  return 0
+
+
+def _simulate_cpu_devices(n: int) -> None:
+  """Asks jax for ``n`` CPU devices, if its backends have not started yet.
+
+  ``python -m flax_shardmeta`` sets the XLA flag before jax is imported; the
+  console script imports jax first, but no backend exists until the first
+  device query, so the config option still takes effect here.
+  """
+  import jax
+
+  try:
+    jax.config.update('jax_num_cpu_devices', n)
+  except RuntimeError:
+    pass  # already started (e.g. inside a test session): use what exists
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point of ``flax-shardmeta`` and ``python -m flax_shardmeta``.
+
+  Example:
+    >>> main(['plan', '--model', 'mlp', '--mesh', 'data=0'])
+    2
+  """
+  try:
+    args = _parser().parse_args(argv)
+    if args.command == 'demo':
+      _simulate_cpu_devices(8)
+      from flax_shardmeta import demo as demo_lib
+
+      return demo_lib.run(args.steps)
+    return run_plan(args)
+  except UsageError as e:
+    print(f'flax-shardmeta: error: {e}', file=sys.stderr)
+    return 2
+  except SystemExit as e:  # --help
+    return e.code if isinstance(e.code, int) else 0
 
 
 if __name__ == '__main__':

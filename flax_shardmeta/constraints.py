@@ -8,6 +8,7 @@ are Manual (inside ``jax.shard_map``) are left alone.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any
 
 import jax
@@ -147,7 +148,7 @@ def shard_value(
     >>> mesh = jax.make_mesh((1,), ('model',))
     >>> fsm.shard_value(jnp.ones((4, 2)), ('mlp', None), [('mlp', 'model')],
     ...                 mesh=mesh).sharding.spec
-    PartitionSpec('model', None)
+    P('model', None)
   """
   if names is None:
     return value
@@ -252,3 +253,92 @@ def constrain_box(box: Partitioned[Any]) -> Any:
         '<unboxed parameter>', tuple(value.shape), box.names, None, reason,
         hint)], context=' (fsm.plan or fsm.get_sharding name the path)')
   return apply_spec(value, entries, mesh, names=box.names)
+
+
+def generate(
+    init_fn: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    names: Any,
+    mesh: AnyMesh | None,
+    *,
+    logical: bool = False,
+    rules: LogicalRules | None = None,
+) -> Any:
+  """Calls an initializer so that each device generates only its own shard.
+
+  Why: under Explicit axes a random initializer's output is replicated (its
+  key is), so constraining it afterwards means every device first holds the
+  whole parameter, 8x its size on 8 devices plus temporaries; and eagerly, on
+  any mesh, the initializer would build the whole parameter on one device
+  before it is split. Here the initializer runs under ``jit`` (when eager)
+  and ``auto_axes`` (when Explicit) with the target sharding, so jax's
+  partitionable RNG generates each shard where it lives. Values are the same.
+  Inside a trace on an Auto mesh nothing is needed: the box's constraint
+  propagates back into the initializer.
+  """
+  mesh = mesh if mesh is not None else context_mesh()
+  if mesh is None or _manual_axes(mesh):
+    return init_fn(*args, **kwargs)
+  kinds = set(mesh.axis_types)
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  is_array = tuple(isinstance(x, jax.Array) for x in leaves)
+  tracing = any(isinstance(x, jax.core.Tracer) for x in leaves)
+  explicit = kinds == {AxisType.Explicit}
+  if (tracing and not explicit) or len(kinds) != 1:
+    return init_fn(*args, **kwargs)
+  names = tuple(names)
+  if logical:
+    all_rules = composite_rules(get_logical_axis_rules(), rules)
+    if not all_rules:
+      return init_fn(*args, **kwargs)
+    entries = tuple(None if r is UNASSIGNED else r for r in resolve(names, all_rules))
+  else:
+    entries = names
+  out = jax.eval_shape(lambda: init_fn(*args, **kwargs))
+  shape = getattr(out, 'shape', None)
+  if (
+      shape is None
+      or len(shape) != len(entries)
+      or check_spec(tuple(shape), entries, mesh)
+  ):
+    # Invalid layouts are reported, with the parameter path, by
+    # get_sharding / plan; here the value is just created as usual.
+    return init_fn(*args, **kwargs)
+  static = tuple(x for x, a in zip(leaves, is_array) if not a)
+  arrays = [x for x, a in zip(leaves, is_array) if a]
+  spec = PartitionSpec(*entries)
+  if tracing:
+    # Arrays (the key) enter auto_axes as arguments so their types become
+    # Auto; shapes and dtypes stay static.
+    call = _ArrayCall(init_fn, treedef, static, is_array)
+    return jax.sharding.auto_axes(call, out_sharding=spec)(*arrays)
+  try:
+    generator = _eager_generator(
+        init_fn, treedef, static, is_array, mesh, spec, explicit)
+  except TypeError:  # unhashable static arguments: no cached program
+    return apply_spec(init_fn(*args, **kwargs), entries, mesh, names=names)
+  return generator(*arrays)
+
+
+class _ArrayCall:
+  """``init_fn`` with its non-array arguments fixed, called on the arrays."""
+
+  def __init__(self, init_fn: Any, treedef: Any, static: tuple[Any, ...],
+               is_array: tuple[bool, ...]):
+    self.init_fn, self.treedef = init_fn, treedef
+    self.static, self.is_array = static, is_array
+
+  def __call__(self, *arrays: Any) -> Any:
+    arr, st = iter(arrays), iter(self.static)
+    full = [next(arr) if a else next(st) for a in self.is_array]
+    args, kwargs = jax.tree_util.tree_unflatten(self.treedef, full)
+    return self.init_fn(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _eager_generator(init_fn, treedef, static, is_array, mesh, spec, explicit):
+  call = _ArrayCall(init_fn, treedef, static, is_array)
+  if explicit:
+    call = jax.sharding.auto_axes(call, out_sharding=spec)
+  return jax.jit(call, out_shardings=NamedSharding(mesh, spec))

@@ -12,8 +12,8 @@ from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_shardmeta.models import MLP, MLP_RULES
+from flax_shardmeta.plan import plan, verify
 from flax_shardmeta.rules import logical_axis_rules
-from flax_shardmeta.sharding import get_partition_spec, get_sharding
 
 
 def run(steps: int = 5) -> int:
@@ -32,15 +32,9 @@ def run(steps: int = 5) -> int:
 
   with jax.set_mesh(mesh), logical_axis_rules(MLP_RULES):
     abstract = jax.eval_shape(init_fn, jax.random.key(0), x)
-    shardings = get_sharding(abstract, mesh)
-    names = get_partition_spec(abstract.params)
-    print(f'mesh {dict(mesh.shape)}, rules {MLP_RULES}')
-    for (path, spec), s in zip(
-        jax.tree_util.tree_leaves_with_path(names),
-        jax.tree_util.tree_leaves(shardings.params),
-    ):
-      p = '/'.join(str(getattr(k, 'key', k)) for k in path)
-      print(f'  params/{p}: {spec} -> {s.spec}')
+    layout = plan(abstract, mesh)
+    print(layout)
+    shardings = layout.shardings()
     x = jax.device_put(x, NamedSharding(mesh, PartitionSpec('data')))
     state = jax.jit(init_fn, out_shardings=shardings)(jax.random.key(0), x)
 
@@ -52,15 +46,20 @@ def run(steps: int = 5) -> int:
       loss, grads = jax.value_and_grad(loss_fn)(state.params)
       return state.apply_gradients(grads=grads), loss
 
+    losses = []
     for i in range(steps):
       state, loss = train_step(state, x)
-      print(f'  step {i}: loss {float(loss):.6f}')
-    bad = [
-        a for a, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings))
-        if not a.sharding.is_equivalent_to(s, a.ndim)
-    ]
-  if bad:
-    print(f'FAILED: {len(bad)} arrays are not laid out as planned')
+      losses.append(float(loss))
+      print(f'step {i}: loss {losses[-1]:.6f}')
+    mismatches = verify(state, layout)
+  for m in mismatches:
+    print(f'  not as planned: {m}')
+  if mismatches:
+    print(f'FAILED: {len(mismatches)} arrays are not laid out as planned')
     return 1
-  print('OK: every array carries its planned sharding')
+  if steps > 1 and not losses[-1] < losses[0]:
+    print(f'FAILED: the loss did not fall ({losses[0]:.6f} -> {losses[-1]:.6f})')
+    return 1
+  print(f'OK: all {len(layout.entries)} arrays carry their planned sharding; '
+        f'loss {losses[0]:.6f} -> {losses[-1]:.6f}')
   return 0

@@ -6,14 +6,16 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from jax.sharding import PartitionSpec
+
 
 def format_spec(spec: Any) -> str:
   """Short, stable rendering of a PartitionSpec or names tuple."""
   if spec is None:
     return 'None'
   entries = ', '.join(_format_entry(e) for e in tuple(spec))
-  prefix = 'P' if type(spec).__name__ == 'PartitionSpec' else ''
-  if prefix:
+  # jax >= 0.9 names the class `P`, so the type is checked, not its name.
+  if isinstance(spec, PartitionSpec):
     return f'P({entries})'
   return f'({entries}{"," if len(tuple(spec)) == 1 else ""})'
 

@@ -34,7 +34,7 @@ def match_partition_rules(
     >>> params = {'dense': {'kernel': jnp.zeros((4, 8)), 'bias': jnp.zeros(8)}}
     >>> fsm.match_partition_rules(
     ...     [('kernel', P(None, 'model')), ('.*', P())], params)
-    {'dense': {'bias': PartitionSpec(), 'kernel': PartitionSpec(None, 'model')}}
+    {'dense': {'bias': P(), 'kernel': P(None, 'model')}}
   """
   compiled = [(re.compile(pattern), spec) for pattern, spec in rules]
   unmatched: list[str] = []

@@ -67,7 +67,7 @@ def logical_axis_rules(rules: LogicalRules) -> Iterator[None]:
     >>> import flax_shardmeta as fsm
     >>> with fsm.logical_axis_rules([('mlp', 'model')]):
     ...   fsm.logical_to_mesh_axes(('embed', 'mlp'))
-    PartitionSpec(None, 'model')
+    P(None, 'model')
   """
   previous = _context.rules
   _context.rules = normalize_rules(rules)
@@ -111,6 +111,11 @@ def normalize_rules(rules: LogicalRules | None) -> tuple[tuple[str, Any], ...]:
       raise ValueError(
           f'Logical axis rule {rule!r}: a tuple target must hold mesh-axis '
           'names (str) only.'
+      )
+    if isinstance(target, tuple) and len(set(target)) != len(target):
+      raise ValueError(
+          f'Logical axis rule {rule!r}: a tuple target names a mesh axis more '
+          'than once; list each mesh axis once.'
       )
     if not (
         target is None
@@ -347,7 +352,7 @@ def logical_to_mesh_axes(
     >>> import flax_shardmeta as fsm
     >>> fsm.logical_to_mesh_axes(('bar', 'foo'),
     ...                          [('foo', 'model'), ('bar', 'model')])
-    PartitionSpec(None, 'model')
+    P(None, 'model')
   """
   if names is None:
     return None
@@ -391,7 +396,7 @@ def standard_logical_axis_rules(
     >>> import flax_shardmeta as fsm
     >>> rules = fsm.standard_logical_axis_rules(1, 2)
     >>> fsm.logical_to_mesh_axes(('embed', 'mlp'), rules)
-    PartitionSpec('data', 'model')
+    P('data', 'model')
   """
   base = (
       ('batch', 'data'),

@@ -47,12 +47,14 @@ class LeafLayout:
   spec: PartitionSpec | None
   issues: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
   adjustments: tuple[str, ...] = ()
+  sharding: NamedSharding | None = None
+  """``NamedSharding(mesh, spec)`` when the layout is valid."""
 
 
 def leaf_shape(value: Any) -> tuple[int, ...] | None:
   """Shape of an array-like leaf (arrays, ShapeDtypeStruct), else None."""
   shape = getattr(value, 'shape', None)
-  return None if shape is None else tuple(shape)
+  return shape if shape is None or type(shape) is tuple else tuple(shape)
 
 
 def effective_rules(rules: LogicalRules | None) -> tuple[tuple[str, Any], ...]:
@@ -76,19 +78,28 @@ def _layout_cached(shape, annotation, mesh, rules, fit) -> LeafLayout:
   if shape is None:
     return LeafLayout(None, None)
   if annotation is None:
-    return LeafLayout(shape, PartitionSpec())
+    return LeafLayout(shape, PartitionSpec(), sharding=named_sharding(
+        mesh, PartitionSpec()))
   names = annotation.names
   if len(names) != len(shape):
     if annotation.optimizer_state:
       # Documented rule: optimizer leaves whose rank differs from their
       # parameter (factored moments, counts) are replicated; they are small.
-      return LeafLayout(shape, PartitionSpec())
+      return LeafLayout(shape, PartitionSpec(), sharding=named_sharding(
+          mesh, PartitionSpec()))
     return LeafLayout(shape, None, (rank_issue(len(names), len(shape)),))
   try:
     entries = resolve_names(annotation, mesh, rules)
   except ValueError as e:
-    return LeafLayout(shape, None, ((str(e), 'fix the names or the rules', ()),))
+    return LeafLayout(
+        shape, None, ((str(e).rstrip('.'), 'fix the names or the rules', ()),))
   issues = check_spec(shape, entries, mesh)
+  if issues and annotation.optimizer_state:
+    # Same rank but another shape: adafactor's v_row/v_col of a rank-1
+    # parameter are shape (1,). Any real fault of the annotation is reported
+    # on the parameter itself, so replicating the small leaf hides nothing.
+    return LeafLayout(shape, PartitionSpec(), sharding=named_sharding(
+        mesh, PartitionSpec()))
   adjustments: list[str] = []
   if fit and any(dims for _, _, dims in issues):
     entries = list(entries)
@@ -102,8 +113,10 @@ def _layout_cached(shape, annotation, mesh, rules, fit) -> LeafLayout:
           entries[d] = None
     entries = tuple(entries)
     issues = check_spec(shape, entries, mesh)
+  spec = PartitionSpec(*entries)
   return LeafLayout(
-      shape, PartitionSpec(*entries), issues, tuple(adjustments)
+      shape, spec, issues, tuple(adjustments),
+      None if issues else named_sharding(mesh, spec),
   )
 
 
@@ -149,10 +162,15 @@ def layout_tree(
   """Walks ``tree`` and lays out every leaf; returns leaves, layouts, builder."""
   rules_t = effective_rules(rules)
   leaves, build = ann_lib.walk(tree)
-  layouts = [
-      layout_of(leaf_shape(lf.value), lf.annotation, mesh, rules_t, fit)
-      for lf in leaves
-  ]
+  # mesh, rules and fit are fixed for this call: memoize on what varies.
+  memo: dict[Any, LeafLayout] = {}
+  layouts = []
+  for lf in leaves:
+    key = (leaf_shape(lf.value), lf.annotation)
+    layout = memo.get(key)
+    if layout is None:
+      layout = memo[key] = layout_of(key[0], key[1], mesh, rules_t, fit)
+    layouts.append(layout)
   return leaves, layouts, build
 
 
@@ -190,19 +208,18 @@ def get_sharding(
     >>> tree = {'w': fsm.LogicalPartitioned(
     ...     jax.ShapeDtypeStruct((8, 16), jnp.float32), ('embed', 'mlp'))}
     >>> fsm.get_sharding(tree, mesh, [('mlp', 'model')])['w'].spec
-    PartitionSpec(None, 'model')
+    P(None, 'model')
   """
   leaves, layouts, build = layout_tree(tree, mesh, rules, fit)
   problems: list[ShardingProblem] = []
   adjustments: list[str] = []
   results: list[Any] = []
   for lf, lay in zip(leaves, layouts):
-    adjustments.extend(f'{lf.path}: {a}' for a in lay.adjustments)
+    if lay.adjustments:
+      adjustments.extend(f'{lf.path}: {a}' for a in lay.adjustments)
     if lay.issues:
       problems.extend(problems_of(lf.path, lf, lay))
-      results.append(None)
-    else:
-      results.append(None if lay.spec is None else named_sharding(mesh, lay.spec))
+    results.append(lay.sharding)
   if problems:
     raise ShardingError(problems)
   if adjustments:
@@ -228,15 +245,16 @@ def get_partition_spec(tree: PyTree) -> PyTree:
 
   Optimizer state: optax moments built from boxed parameters carry their
   parameter's annotation. When computing shardings, a leaf of an optax state
-  whose rank differs from its annotation (adafactor's factored ``v_row`` /
-  ``v_col``, scalar counts) is replicated; full-rank moments follow their
-  parameter.
+  whose shape the annotation does not fit (a different rank, as adafactor's
+  factored ``v_row`` / ``v_col`` and scalar counts, or size-1 stand-ins such as
+  the ``v_row`` of a rank-1 parameter) is replicated; full-rank moments follow
+  their parameter.
 
   Example:
     >>> import jax.numpy as jnp, flax_shardmeta as fsm
     >>> fsm.get_partition_spec({'w': fsm.LogicalPartitioned(
     ...     jnp.zeros((2, 2)), ('embed', 'mlp')), 'b': jnp.zeros(2)})
-    {'b': PartitionSpec(), 'w': PartitionSpec('embed', 'mlp')}
+    {'b': P(), 'w': P('embed', 'mlp')}
   """
   leaves, build = ann_lib.walk(tree)
   out = []
@@ -261,7 +279,7 @@ def logical_to_mesh(tree: PyTree, rules: LogicalRules | None = None) -> PyTree:
     >>> import flax_shardmeta as fsm
     >>> from jax.sharding import PartitionSpec as P
     >>> fsm.logical_to_mesh({'w': P('embed', 'mlp')}, [('mlp', 'model')])
-    {'w': PartitionSpec(None, 'model')}
+    {'w': P(None, 'model')}
   """
   rules_t = effective_rules(rules)
   return jax.tree_util.tree_map(
@@ -284,7 +302,7 @@ def logical_to_mesh_sharding(
     >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
     >>> fsm.logical_to_mesh_sharding(P('batch'), mesh, [('batch', 'data')]).spec
-    PartitionSpec('data',)
+    P('data',)
   """
   specs = logical_to_mesh(tree, rules)
   flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
@@ -300,7 +318,8 @@ def logical_to_mesh_sharding(
         ShardingProblem(ann_lib.path_str(path), None, None, spec, r, h, d)
         for r, h, d in issues
     ]
-    out.append(named_sharding(mesh, spec))
+    # jax rejects a bad spec on construction; collect every problem first.
+    out.append(None if issues else named_sharding(mesh, spec))
   if problems:
     raise ShardingError(problems)
   return jax.tree_util.tree_unflatten(treedef, out)

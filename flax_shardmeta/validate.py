@@ -60,9 +60,10 @@ def _check(
       ))
     for a in axis_names:
       if a in first_use:
+        where = (f'dimension {dim} twice' if first_use[a] == dim else
+                 f'both dimension {first_use[a]} and dimension {dim}')
         issues.append((
-            f"mesh axis '{a}' shards both dimension {first_use[a]} and "
-            f'dimension {dim}',
+            f"mesh axis '{a}' shards {where}",
             'a mesh axis may shard one dimension only; replicate one of them '
             '(None) or use another axis',
             (dim,),

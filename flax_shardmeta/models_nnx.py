@@ -1,0 +1,172 @@
+"""NNX versions of the reference models, with the same shapes and logical names.
+
+Layers are stacked with ``nnx.vmap`` (``transform_metadata`` adds the 'layers'
+name) and applied with ``nnx.scan``, mirroring ``nn.scan`` in the Linen models,
+so both front ends give the same plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flax_shardmeta.models import (
+    LLAMA_CONFIGS,
+    MODEL_NAMES,
+    LlamaConfig,
+    _attend,
+    _rms_norm,
+    _rope,
+    optimizer,
+)
+from flax_shardmeta.nnx import with_logical_partitioning
+
+_init = nnx.initializers.normal(0.02)
+_STACK = {nnx.PARTITION_NAME: 'layers'}
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...],
+           dtype: Any, init: Any = _init) -> nnx.Param[jax.Array]:
+  return nnx.Param(with_logical_partitioning(init, names)(rngs.params(), shape, dtype))
+
+
+class DotReluDot(nnx.Module):
+  """The notebook's layer in NNX: ``relu(x @ W1) @ W2``."""
+
+  def __init__(self, depth: int, width: int, dtype: Any = jnp.float32, *,
+               rngs: nnx.Rngs):
+    init = nnx.initializers.xavier_normal()
+    self.W1 = _param(rngs, (width, depth), ('embed', 'hidden'), dtype, init)
+    self.W2 = _param(rngs, (depth, width), ('hidden', 'embed'), dtype, init)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return jax.nn.relu(x @ self.W1[...]) @ self.W2[...]
+
+
+class MLP(nnx.Module):
+  """A stack of :class:`DotReluDot` layers on a 'layers' axis."""
+
+  def __init__(self, num_layers: int = 4, depth: int = 1024, width: int = 1024,
+               dtype: Any = jnp.float32, *, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata=_STACK)
+    def make(rngs: nnx.Rngs) -> DotReluDot:
+      return DotReluDot(depth, width, dtype, rngs=rngs)
+
+    self.layers = make(rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_STACK)
+    def body(x: jax.Array, layer: DotReluDot) -> jax.Array:
+      return layer(x)
+
+    return body(x, self.layers)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm with a learned scale named 'norm'."""
+
+  def __init__(self, dim: int, eps: float, dtype: Any, *, rngs: nnx.Rngs):
+    self.scale = _param(rngs, (dim,), ('norm',), dtype, nnx.initializers.ones)
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return _rms_norm(x, self.scale[...], self.eps)
+
+
+class LlamaBlock(nnx.Module):
+  """One Llama decoder layer; parameters named as in the Linen model."""
+
+  def __init__(self, c: LlamaConfig, dtype: Any, *, rngs: nnx.Rngs):
+    self.config = c
+    self.attention_norm = RMSNorm(c.dim, c.norm_eps, dtype, rngs=rngs)
+    self.wq = _param(rngs, (c.dim, c.num_heads, c.head_dim),
+                     ('embed', 'heads', 'head_dim'), dtype)
+    self.wk = _param(rngs, (c.dim, c.num_kv_heads, c.head_dim),
+                     ('embed', 'kv_heads', 'head_dim'), dtype)
+    self.wv = _param(rngs, (c.dim, c.num_kv_heads, c.head_dim),
+                     ('embed', 'kv_heads', 'head_dim'), dtype)
+    self.wo = _param(rngs, (c.num_heads, c.head_dim, c.dim),
+                     ('heads', 'head_dim', 'embed'), dtype)
+    self.ffn_norm = RMSNorm(c.dim, c.norm_eps, dtype, rngs=rngs)
+    self.w1 = _param(rngs, (c.dim, c.ffn_dim), ('embed', 'mlp'), dtype)
+    self.w3 = _param(rngs, (c.dim, c.ffn_dim), ('embed', 'mlp'), dtype)
+    self.w2 = _param(rngs, (c.ffn_dim, c.dim), ('mlp', 'embed'), dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    theta = self.config.rope_theta
+    h = self.attention_norm(x)
+    q = _rope(jnp.einsum('bse,ehd->bshd', h, self.wq[...]), theta)
+    k = _rope(jnp.einsum('bse,ehd->bshd', h, self.wk[...]), theta)
+    v = jnp.einsum('bse,ehd->bshd', h, self.wv[...])
+    x = x + jnp.einsum('bshd,hde->bse', _attend(q, k, v), self.wo[...])
+    h = self.ffn_norm(x)
+    return x + (jax.nn.silu(h @ self.w1[...]) * (h @ self.w3[...])) @ self.w2[...]
+
+
+class Llama(nnx.Module):
+  """Llama-3 decoder; layers stacked with ``nnx.vmap`` on a 'layers' axis."""
+
+  def __init__(self, c: LlamaConfig, dtype: Any = jnp.float32, *, rngs: nnx.Rngs):
+    self.embedding = _param(rngs, (c.vocab_size, c.dim), ('vocab', 'embed'), dtype)
+
+    @nnx.split_rngs(splits=c.num_layers)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata=_STACK)
+    def make(rngs: nnx.Rngs) -> LlamaBlock:
+      return LlamaBlock(c, dtype, rngs=rngs)
+
+    self.layers = make(rngs)
+    self.norm = RMSNorm(c.dim, c.norm_eps, dtype, rngs=rngs)
+    self.lm_head = _param(rngs, (c.dim, c.vocab_size), ('embed', 'vocab'), dtype)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    x = jnp.take(self.embedding[...], tokens, axis=0)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_STACK)
+    def body(x: jax.Array, layer: LlamaBlock) -> jax.Array:
+      return layer(x)
+
+    return self.norm(body(x, self.layers)) @ self.lm_head[...]
+
+
+def model(name: str, dtype: Any = jnp.float32, *, rngs: nnx.Rngs) -> nnx.Module:
+  """A built-in NNX model (call inside ``nnx.eval_shape`` to stay abstract).
+
+  Example:
+    >>> m = nnx.eval_shape(lambda: model('mlp', rngs=nnx.Rngs(0)))
+    >>> m.layers.W1.shape
+    (4, 1024, 1024)
+  """
+  if name == 'mlp':
+    return MLP(4, 1024, 1024, dtype, rngs=rngs)
+  if name not in LLAMA_CONFIGS:
+    raise ValueError(f'Unknown model {name!r}; choose from {", ".join(MODEL_NAMES)}.')
+  return Llama(LLAMA_CONFIGS[name], dtype, rngs=rngs)
+
+
+def abstract_state(
+    name: str, optimizer_name: str = 'adam', dtype: Any = jnp.float32
+) -> dict[str, Any]:
+  """``{'params': nnx.State, 'opt_state': nnx.State}``, all abstract.
+
+  The moments of ``nnx.Optimizer`` carry their parameter's annotation.
+
+  Example:
+    >>> state = abstract_state('mlp', 'none')
+    >>> state['params']['layers']['W2'].shape
+    (4, 1024, 1024)
+  """
+  tx = optimizer(optimizer_name)
+
+  def create() -> tuple[nnx.Module, nnx.Optimizer | None]:
+    m = model(name, dtype, rngs=nnx.Rngs(0))
+    return m, (nnx.Optimizer(m, tx, wrt=nnx.Param) if tx is not None else None)
+
+  m, opt = nnx.eval_shape(create)
+  state: dict[str, Any] = {'params': nnx.state(m, nnx.Param)}
+  if opt is not None:
+    state['opt_state'] = nnx.state(opt.opt_state)
+  return state

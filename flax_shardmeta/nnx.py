@@ -1,0 +1,413 @@
+"""Flax NNX adapter: annotated Variables, eager sharding, stacked layers, optimizers.
+
+NNX keeps annotations in a Variable's metadata rather than in a box. This
+module writes them (:func:`with_partitioning`, :func:`with_logical_partitioning`),
+reads them for the core (registered with
+:func:`flax_shardmeta.register_annotation_type` on import, so
+``fsm.get_partition_spec`` / ``fsm.get_sharding`` accept ``nnx.state(...)``)
+and lays modules out eagerly (:func:`shard_module`).
+
+Metadata layout. flax_shardmeta stores the names under ``out_sharding``, the
+key flax's ``nnx.vmap`` / ``nnx.scan`` update when ``transform_metadata=
+{nnx.PARTITION_NAME: 'layers'}`` adds an axis, plus ``fsm_logical`` (True:
+logical names resolved by flax_shardmeta's rules; False: mesh axes) and
+``eager_sharding=False`` so flax does not apply its own, stricter, resolution
+at construction. Variables without ``fsm_logical`` carry flax's own
+annotations; they are read under every key flax has used (``out_sharding``,
+``sharding_names``, ``sharding``, with ``sharding_rules`` and ``mesh``) with
+flax's renaming semantics: a name no rule maps stays itself when it is a mesh
+axis and is replicated otherwise.
+
+Optimizer state. ``nnx.Optimizer`` copies each parameter's metadata onto its
+moments (``nnx.OptState`` Variables), so full-rank moments follow their
+parameter, and leaves whose rank differs (adafactor's factored ``v_row`` /
+``v_col``) are replicated, as for optax states in Linen. A parameter's
+``optimizer_sharding`` metadata (see ``optimizer_names=``) replaces its
+layout for its moments, as flax does.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from flax_shardmeta import annotations as ann_lib
+from flax_shardmeta import sharding as sharding_lib
+from flax_shardmeta.constraints import apply_spec, context_mesh
+from flax_shardmeta.errors import NoMeshError, ShardingError, ShardingProblem
+from flax_shardmeta.rules import normalize_rules
+from flax_shardmeta.typing import AnyMesh, LogicalNames, LogicalRules, PyTree
+
+N = TypeVar('N')
+
+FSM_LOGICAL = 'fsm_logical'
+"""Metadata key marking a flax_shardmeta annotation: True for logical names,
+False for mesh-axis names. Its absence means the names are flax's own."""
+
+NAME_KEYS = ('out_sharding', 'sharding_names', 'sharding')
+"""Metadata keys flax has stored per-dimension names under, newest first."""
+
+OPTIMIZER_NAMES = 'optimizer_sharding'
+"""Metadata key whose names ``nnx.Optimizer`` gives a parameter's moments."""
+
+
+# Writing annotations
+# ------------------------------------------------------------------------------
+
+
+def with_partitioning(
+    init: Callable[..., Any],
+    names: LogicalNames,
+    mesh: AnyMesh | None = None,
+    *,
+    optimizer_names: LogicalNames | None = None,
+) -> Callable[..., nnx.VariableMetadata[Any]]:
+  """Wraps an initializer so the Variable it fills is annotated with mesh axes.
+
+  Under ``jax.set_mesh(mesh)`` (or with ``mesh=``) the value is created
+  already laid out; with no mesh it stays as is and keeps the annotation; in
+  ``nnx.eval_shape`` only the annotation exists.
+
+  Args:
+    init: any initializer, e.g. ``nnx.initializers.lecun_normal()``.
+    names: one mesh-axis name (or None) per dimension.
+    mesh: a mesh to lay the value out on instead of the context mesh.
+    optimizer_names: names for this parameter's optimizer moments, if they
+      should differ from ``names``.
+
+  Returns:
+    An initializer returning ``nnx.VariableMetadata``; pass it as
+    ``kernel_init=`` or call it inside ``nnx.Param(...)``.
+
+  Example:
+    >>> import jax.numpy as jnp, flax_shardmeta as fsm
+    >>> from flax import nnx
+    >>> p = nnx.Param(fsm.nnx.with_partitioning(
+    ...     lambda: jnp.ones((8, 4)), ('model', None))())
+    >>> fsm.get_partition_spec(p).get_value()
+    P('model', None)
+  """
+  return _annotating(init, names, False, None, mesh, optimizer_names)
+
+
+def with_logical_partitioning(
+    init: Callable[..., Any],
+    names: LogicalNames,
+    rules: LogicalRules | None = None,
+    mesh: AnyMesh | None = None,
+    *,
+    optimizer_names: LogicalNames | None = None,
+) -> Callable[..., nnx.VariableMetadata[Any]]:
+  """Wraps an initializer so the Variable it fills is annotated with logical names.
+
+  Names resolve through ``composite_rules(context rules, rules)`` like Linen's
+  ``LogicalPartitioned``: a name no rule maps is replicated.
+
+  Args:
+    init: any initializer.
+    names: one logical name (or None) per dimension.
+    rules: per-variable rules, composed with the context rules.
+    mesh: a mesh to lay the value out on instead of the context mesh.
+    optimizer_names: logical names for this parameter's optimizer moments.
+
+  Returns:
+    An initializer returning ``nnx.VariableMetadata``.
+
+  Example:
+    >>> import jax, flax_shardmeta as fsm
+    >>> from flax import nnx
+    >>> layer = nnx.Linear(4, 8, rngs=nnx.Rngs(0),
+    ...     kernel_init=fsm.nnx.with_logical_partitioning(
+    ...         nnx.initializers.lecun_normal(), ('embed', 'mlp')))
+    >>> mesh = jax.sharding.AbstractMesh((2,), ('model',))
+    >>> fsm.get_sharding(layer.kernel, mesh, [('mlp', 'model')]).get_value().spec
+    P(None, 'model')
+  """
+  return _annotating(init, names, True, rules, mesh, optimizer_names)
+
+
+def _annotating(init, names, logical, rules, mesh, optimizer_names):
+  names_t = _as_names(names)
+  rules_t = normalize_rules(rules) if rules is not None else None
+  metadata: dict[str, Any] = {
+      'out_sharding': names_t,
+      FSM_LOGICAL: logical,
+      # flax's own eager sharding errors on unmapped logical names and with no
+      # mesh; the value is laid out below by flax_shardmeta's resolution.
+      'eager_sharding': False,
+  }
+  # Only set keys flax reads when they carry something: flax's helpers
+  # (nnx.as_abstract) take a present 'mesh' key at its word, even if None.
+  if rules_t is not None:
+    metadata['sharding_rules'] = rules_t
+  if mesh is not None:
+    metadata['mesh'] = mesh
+  if optimizer_names is not None:
+    metadata[OPTIMIZER_NAMES] = _as_names(optimizer_names)
+  annotation = ann_lib.Annotation(names_t, logical, rules_t, mesh)
+
+  @functools.wraps(init)
+  def wrapper(*args: Any, **kwargs: Any) -> nnx.VariableMetadata[Any]:
+    value = init(*args, **kwargs)
+    extra: dict[str, Any] = {}
+    if isinstance(value, nnx.VariableMetadata):  # another metadata wrapper
+      extra, value = dict(value.metadata), value.raw_value
+    return nnx.VariableMetadata(
+        _place(value, annotation), metadata={**extra, **metadata}
+    )
+
+  return wrapper
+
+
+def _as_names(names: Any) -> tuple[Any, ...]:
+  if isinstance(names, str):
+    raise ValueError(
+        f'names must be a sequence with one entry per dimension, got the '
+        f'string {names!r}; write ({names!r},) for a rank-1 value.'
+    )
+  return tuple(tuple(n) if isinstance(n, list) else n for n in names)
+
+
+def _place(value: Any, annotation: ann_lib.Annotation) -> Any:
+  """Lays a freshly initialized value out on the known mesh, if any."""
+  mesh = annotation.mesh if annotation.mesh is not None else context_mesh()
+  shape = sharding_lib.leaf_shape(value)
+  if mesh is None or shape is None:
+    return value
+  layout = sharding_lib.layout_of(
+      shape, annotation, mesh, sharding_lib.effective_rules(None)
+  )
+  if layout.issues:
+    raise ShardingError(
+        [
+            ShardingProblem('<initializer>', shape, annotation.names,
+                            layout.spec, reason, hint, dims)
+            for reason, hint, dims in layout.issues
+        ],
+        context=(
+            ' (the path is not known while a Variable is being created; '
+            'fsm.get_sharding(nnx.state(nnx.eval_shape(create)), mesh) names it)'
+        ),
+    )
+  return apply_spec(value, tuple(layout.spec), mesh, names=annotation.names)
+
+
+# Reading annotations
+# ------------------------------------------------------------------------------
+
+
+def variable_annotation(variable: nnx.Variable[Any]) -> ann_lib.Annotation | None:
+  """The annotation a Variable's metadata carries, or None.
+
+  Example:
+    >>> import jax.numpy as jnp, flax_shardmeta as fsm
+    >>> from flax import nnx
+    >>> v = nnx.Param(jnp.ones((2, 2)), out_sharding=('a', None),
+    ...               eager_sharding=False)
+    >>> fsm.nnx.variable_annotation(v).keep_mesh_names  # flax's own names
+    True
+  """
+  metadata = variable.get_metadata()
+  raw = next((metadata[k] for k in NAME_KEYS if metadata.get(k)), None)
+  if raw is None:
+    return None
+  mesh = metadata.get('mesh')
+  if isinstance(raw, NamedSharding):  # flax also accepts full shardings
+    mesh = mesh if mesh is not None else raw.mesh
+    raw = raw.spec
+  names = _as_names(raw)
+  rules = metadata.get('sharding_rules')
+  rules = normalize_rules(rules) if rules else None
+  is_optimizer = isinstance(variable, nnx.OptState)
+  if FSM_LOGICAL in metadata:
+    return ann_lib.Annotation(
+        names, bool(metadata[FSM_LOGICAL]), rules, mesh,
+        optimizer_state=is_optimizer,
+    )
+  # flax's own annotation: renamed through rules, unmapped mesh axes kept.
+  return ann_lib.Annotation(
+      names, True, rules, mesh, keep_mesh_names=True,
+      optimizer_state=is_optimizer,
+  )
+
+
+def _read_variable(variable: nnx.Variable[Any]) -> tuple[Any, ann_lib.Annotation | None]:
+  return variable.get_value(), variable_annotation(variable)
+
+
+def _rebuild_variable(variable: nnx.Variable[Any], result: Any) -> Any:
+  # Results stay inside a Variable of the same type and metadata, so the output
+  # has exactly the structure of nnx.state(...) (jit's out_shardings needs it).
+  return variable.replace(result)
+
+
+ann_lib.register_annotation_type(nnx.Variable, _read_variable, _rebuild_variable)
+
+
+# Laying modules out
+# ------------------------------------------------------------------------------
+
+
+def shard_module(
+    node: N, mesh: AnyMesh | None = None, rules: LogicalRules | None = None
+) -> N:
+  """Lays every annotated Variable of ``node`` out as its annotation says.
+
+  Use it right after constructing a stack of layers with ``nnx.vmap`` /
+  ``nnx.scan``. Inside the transform each layer's initializer only sees one
+  layer and jax leaves the stacked dimension's layout open; flax adds the
+  layer name (``transform_metadata={nnx.PARTITION_NAME: 'layers'}``) after
+  the initializer has run, still inside the trace. So the stacked axis can
+  only be laid out once the transform has returned: this function does that,
+  resolving ``'layers'`` through the rules like any other name. It works
+  eagerly (``jax.device_put``) and inside ``jit`` (sharding constraints).
+  (``nnx.vmap(spmd_axis_name=...)`` can also shard the stacked axis, but by a
+  mesh axis fixed at the call site, bypassing the rules; Variable hooks such
+  as ``on_add_axis`` are deprecated and run inside the trace too.)
+
+  Args:
+    node: an ``nnx.Module`` (updated in place and returned), an
+      ``nnx.State`` or any tree of Variables (a new tree is returned).
+    mesh: the mesh; None uses the one set by ``jax.set_mesh``.
+    rules: logical axis rules; None uses the context rules.
+
+  Returns:
+    ``node`` with every array laid out.
+
+  Raises:
+    NoMeshError: no mesh was given or set.
+    ShardingError: naming the path of every Variable that cannot be laid out.
+
+  Example:
+    >>> import jax, flax_shardmeta as fsm
+    >>> from flax import nnx
+    >>> @nnx.vmap(in_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+    ... def stack(key):
+    ...   return nnx.Linear(2, 2, rngs=nnx.Rngs(key),
+    ...       kernel_init=fsm.nnx.with_logical_partitioning(
+    ...           nnx.initializers.lecun_normal(), ('embed', 'mlp')))
+    >>> mesh = jax.make_mesh((1,), ('data',))
+    >>> with jax.set_mesh(mesh), fsm.logical_axis_rules([('layers', 'data')]):
+    ...   layers = fsm.nnx.shard_module(stack(jax.random.split(jax.random.key(0), 2)))
+    >>> layers.kernel.get_value().sharding.spec
+    P('data', None, None)
+  """
+  mesh = mesh if mesh is not None else context_mesh()
+  if mesh is None:
+    raise NoMeshError(
+        'shard_module needs a mesh: pass mesh=... or call it inside '
+        '`with jax.set_mesh(mesh):`.'
+    )
+  is_graph = isinstance(node, nnx.Module)
+  state = nnx.state(node) if is_graph else node
+  shardings = sharding_lib.get_sharding(state, mesh, rules)
+
+  def lay_out(value: Any, sharding: Any) -> Any:
+    if sharding is None or not hasattr(value, 'shape'):
+      return value
+    if isinstance(value, jax.core.Tracer):
+      return apply_spec(value, tuple(sharding.spec), mesh)
+    return jax.device_put(value, sharding)
+
+  placed = jax.tree.map(
+      lay_out, state, shardings, is_leaf=lambda x: x is None
+  )
+  if is_graph:
+    nnx.update(node, placed)
+    return node
+  return placed
+
+
+def eval_shape(
+    create: Callable[[], N],
+    *,
+    mesh: AnyMesh | None = None,
+    rules: LogicalRules | None = None,
+) -> N:
+  """``nnx.eval_shape(create)`` whose abstract arrays carry fsm's shardings.
+
+  Plain ``nnx.eval_shape`` works on fsm-annotated modules outside any mesh,
+  and under an Explicit mesh. Under an Auto mesh flax then attaches shardings
+  itself, by its own renaming of ``out_sharding`` (ignoring flax_shardmeta's
+  rules), and fails on any logical name that is not a mesh axis. This runs
+  ``create`` abstractly with no mesh set and attaches the validated shardings
+  of :func:`flax_shardmeta.get_sharding` instead (if a mesh is given or set).
+
+  Args:
+    create: builds the module (or any graph node), e.g.
+      ``lambda: Model(rngs=nnx.Rngs(0))``.
+    mesh: the mesh; None uses the one set by ``jax.set_mesh`` (none set: the
+      abstract arrays carry no sharding).
+    rules: logical axis rules; None uses the context rules.
+
+  Returns:
+    The abstract module, every array a ``jax.ShapeDtypeStruct``.
+
+  Raises:
+    ShardingError: naming the path of every Variable that cannot be sharded.
+
+  Example:
+    >>> import jax, flax_shardmeta as fsm
+    >>> from flax import nnx
+    >>> mesh = jax.sharding.AbstractMesh((2,), ('model',))
+    >>> layer = fsm.nnx.eval_shape(lambda: nnx.Linear(4, 8, rngs=nnx.Rngs(0),
+    ...     kernel_init=fsm.nnx.with_logical_partitioning(
+    ...         nnx.initializers.lecun_normal(), ('embed', 'mlp'))),
+    ...     mesh=mesh, rules=[('mlp', 'model')])
+    >>> layer.kernel.get_value().sharding.spec
+    P(None, 'model')
+  """
+  mesh = mesh if mesh is not None else context_mesh()
+  with jax.set_mesh(None):
+    abstract = nnx.eval_shape(create)
+  if mesh is None:
+    return abstract
+  nnx.update(abstract, abstract_with_sharding(nnx.state(abstract), mesh, rules))
+  return abstract
+
+
+def abstract_with_sharding(
+    state: PyTree, mesh: AnyMesh, rules: LogicalRules | None = None
+) -> PyTree:
+  """``state`` with every array leaf a ``ShapeDtypeStruct`` carrying its sharding.
+
+  The NNX counterpart of feeding ``fsm.get_sharding`` to
+  ``jax.ShapeDtypeStruct``: the result can be given to checkpoint restoring or
+  ``jax.jit(...).lower``. Raises ShardingError like ``fsm.get_sharding``.
+
+  Example:
+    >>> import jax, flax_shardmeta as fsm
+    >>> from flax import nnx
+    >>> model = nnx.eval_shape(lambda: nnx.Linear(4, 8, rngs=nnx.Rngs(0),
+    ...     kernel_init=fsm.nnx.with_partitioning(
+    ...         nnx.initializers.lecun_normal(), (None, 'model'))))
+    >>> mesh = jax.sharding.AbstractMesh((2,), ('model',))
+    >>> fsm.nnx.abstract_with_sharding(nnx.state(model), mesh)['kernel'].sharding.spec
+    P(None, 'model')
+  """
+  shardings = sharding_lib.get_sharding(state, mesh, rules)
+
+  def attach(value: Any, sharding: Any) -> Any:
+    if sharding is None or not hasattr(value, 'shape'):
+      return value
+    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+
+  return jax.tree.map(attach, state, shardings, is_leaf=lambda x: x is None)
+
+
+__all__ = [
+    'FSM_LOGICAL',
+    'NAME_KEYS',
+    'OPTIMIZER_NAMES',
+    'abstract_with_sharding',
+    'eval_shape',
+    'shard_module',
+    'variable_annotation',
+    'with_logical_partitioning',
+    'with_partitioning',
+]

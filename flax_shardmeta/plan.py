@@ -1,0 +1,418 @@
+"""Sharding plans: every array's layout, memory and problems, before anything runs.
+
+A plan is computed from an abstract tree (``jax.eval_shape`` output, a
+TrainState, an NNX State) and a mesh that may be abstract and far larger than
+the machine. Layouts come from :mod:`flax_shardmeta.sharding`, which caches
+them per distinct pattern, so a 126-layer model costs about as much as one
+layer. Explanations are computed only when an entry's ``explain`` is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import PartitionSpec, Sharding
+
+from flax_shardmeta import annotations as ann_lib
+from flax_shardmeta import plan_format
+from flax_shardmeta.errors import ShardingError, ShardingProblem, format_spec
+from flax_shardmeta.plan_explain import ExplainedDim, explain_entry
+from flax_shardmeta.rules import mesh_axes_of
+from flax_shardmeta.sharding import (
+    LeafLayout,
+    effective_rules,
+    layout_tree,
+    named_sharding,
+    problems_of,
+    warn_adjustments,
+)
+from flax_shardmeta.typing import AnyMesh, LogicalRules, PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+  """The planned layout of one array leaf.
+
+  Attributes:
+    path: '/'-joined key path, e.g. ``params/layers/wq``.
+    shape: the global shape.
+    dtype: the element type.
+    names: the annotation as written, or None for an unannotated leaf.
+    spec: the resolved PartitionSpec (None when it could not be resolved).
+    shard_shape: the shape each device holds.
+    bytes_per_device: bytes of this array on each device.
+    adjustments: what fit mode changed, one sentence each.
+  """
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  names: tuple[Any, ...] | None
+  spec: PartitionSpec | None
+  shard_shape: tuple[int, ...]
+  bytes_per_device: int
+  adjustments: tuple[str, ...] = ()
+  annotation: ann_lib.Annotation | None = dataclasses.field(
+      default=None, repr=False, compare=False)
+  rules: tuple[tuple[str, Any], ...] = dataclasses.field(
+      default=(), repr=False, compare=False)
+  mesh_axis_names: tuple[str, ...] = dataclasses.field(
+      default=(), repr=False, compare=False)
+
+  @property
+  def size(self) -> int:
+    """Number of elements."""
+    return math.prod(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the whole (global) array."""
+    return self.size * _itemsize(self.dtype)
+
+  @property
+  def explain(self) -> tuple[ExplainedDim, ...]:
+    """Per dimension: which rule gave the mesh axes, which were skipped and why.
+
+    Computed on first read, not when the plan is made.
+    """
+    return explain_entry(
+        self.shape, self.annotation, self.rules, self.mesh_axis_names, self.spec)
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready form."""
+    return {
+        'path': self.path,
+        'shape': list(self.shape),
+        'dtype': str(self.dtype),
+        'names': _json_entries(self.names),
+        'spec': _json_entries(self.spec),
+        'shard_shape': list(self.shard_shape),
+        'bytes_per_device': self.bytes_per_device,
+    }
+
+  def __treescope_repr__(self, path: str, subtree_renderer: Any) -> Any:
+    import treescope  # only for notebooks: keeps the CLI start-up light
+
+    return treescope.repr_lib.render_object_constructor(
+        object_type=type(self),
+        attributes={
+            'shape': self.shape,
+            'dtype': str(self.dtype),
+            'names': self.names,
+            'spec': format_spec(self.spec),
+            'shard_shape': self.shard_shape,
+            'per_device': plan_format.format_bytes(self.bytes_per_device),
+        },
+        path=path,
+        subtree_renderer=subtree_renderer,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+  """An array whose actual sharding differs from its planned one."""
+
+  path: str
+  expected: Sharding | None
+  actual: Sharding | None
+
+  def __str__(self) -> str:
+    return (
+        f'{self.path}: planned {_spec_of(self.expected)}, '
+        f'found {_spec_of(self.actual)}'
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardingPlan:
+  """Every array leaf of a tree with its layout on a mesh, totals and problems.
+
+  Attributes:
+    entries: one :class:`PlanEntry` per array leaf, in tree order.
+    mesh: the mesh planned for (concrete or abstract).
+    rules: the logical axis rules used.
+    problems: every validation problem, each naming its path.
+    adjustments: what fit mode changed, as ``'path: change'`` lines.
+  """
+
+  entries: tuple[PlanEntry, ...]
+  mesh: AnyMesh
+  rules: tuple[tuple[str, Any], ...]
+  problems: tuple[ShardingProblem, ...]
+  adjustments: tuple[str, ...]
+  _entry_index: Sequence[int | None] = dataclasses.field(repr=False)
+  _build: Callable[[list[Any]], PyTree] = dataclasses.field(repr=False)
+
+  @property
+  def bytes_per_device(self) -> int:
+    """Bytes each device holds for all planned arrays."""
+    return sum(e.bytes_per_device for e in self.entries)
+
+  @property
+  def total_bytes(self) -> int:
+    """Bytes of all arrays, unsharded."""
+    return sum(e.nbytes for e in self.entries)
+
+  @property
+  def num_devices(self) -> int:
+    """Devices in the mesh."""
+    return math.prod(self.mesh.axis_sizes)
+
+  def num_elements(self, prefix: str = '') -> int:
+    """Elements of the entries whose path starts with ``prefix`` (all by default).
+
+    Example: ``plan.num_elements('params/')`` counts the parameters of a
+    TrainState or of ``{'params': ...}``.
+    """
+    return sum(e.size for e in self.entries if e.path.startswith(prefix))
+
+  def entry(self, path: str) -> PlanEntry:
+    """The entry at ``path``; KeyError listing a few known paths otherwise."""
+    for e in self.entries:
+      if e.path == path:
+        return e
+    known = ', '.join(e.path for e in self.entries[:5])
+    raise KeyError(f'No array at {path!r} in this plan; paths look like: {known}')
+
+  def shardings(self) -> PyTree:
+    """The planned ``NamedSharding`` per array leaf (None elsewhere).
+
+    Raises:
+      ShardingError: if the plan has problems.
+    """
+    self._require_valid()
+    return self._build([
+        None if i is None else named_sharding(self.mesh, self.entries[i].spec)
+        for i in self._entry_index
+    ])
+
+  def _require_valid(self) -> None:
+    if self.problems:
+      raise ShardingError(self.problems)
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-serializable form (see the CLI's ``--format json``)."""
+    return {
+        'mesh': dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)),
+        'rules': [[n, _json_entry(t)] for n, t in self.rules],
+        'entries': [e.to_dict() for e in self.entries],
+        'bytes_per_device': self.bytes_per_device,
+        'total_bytes': self.total_bytes,
+        'problems': [p.to_dict() for p in self.problems],
+        'adjustments': list(self.adjustments),
+    }
+
+  def __str__(self) -> str:
+    return plan_format.format_table(self)
+
+  def __repr__(self) -> str:
+    mesh = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
+    return (
+        f'ShardingPlan({len(self.entries)} arrays, mesh={mesh}, '
+        f'bytes_per_device={self.bytes_per_device}, '
+        f'total_bytes={self.total_bytes}, problems={len(self.problems)}, '
+        f'adjustments={len(self.adjustments)})'
+    )
+
+  def _treescope_view(self) -> dict[str, Any]:
+    modules: dict[str, Any] = {}
+    for e in self.entries:
+      node = modules
+      *parents, leaf = e.path.split('/')
+      for p in parents:
+        node = node.setdefault(p, {})
+      node[leaf] = e
+    return {
+        'mesh': dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)),
+        'bytes_per_device': plan_format.format_bytes(self.bytes_per_device),
+        'total_bytes': plan_format.format_bytes(self.total_bytes),
+        'problems': [str(p) for p in self.problems],
+        'adjustments': list(self.adjustments),
+        'entries': modules,
+    }
+
+  def _repr_html_(self) -> str:
+    import treescope
+
+    return treescope.render_to_html(self._treescope_view())
+
+  def show(self) -> None:
+    """Displays the plan as an interactive treescope tree in a notebook.
+
+    Outside IPython, where treescope cannot display, prints the table instead.
+    """
+    import treescope
+
+    try:
+      treescope.show(self._treescope_view())
+    except RuntimeError:
+      print(self)
+
+
+def plan(
+    tree: PyTree,
+    mesh: AnyMesh,
+    rules: LogicalRules | None = None,
+    *,
+    fit: bool = False,
+) -> ShardingPlan:
+  """Lays out every array leaf of ``tree`` on ``mesh`` without touching devices.
+
+  Problems do not raise: they are collected in ``plan.problems`` so the whole
+  picture is visible at once.
+
+  Args:
+    tree: an abstract (or concrete) tree: Linen variables, a TrainState, optax
+      states, an NNX State.
+    mesh: a ``Mesh`` or an ``AbstractMesh`` of any size.
+    rules: logical axis rules; None uses the context rules.
+    fit: replicate dimensions their mesh axes cannot divide instead of
+      reporting them; changes go to ``plan.adjustments`` and one warning.
+
+  Returns:
+    The :class:`ShardingPlan`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> mesh = jax.sharding.AbstractMesh((64, 16), ('data', 'model'))
+    >>> tree = {'w': fsm.LogicalPartitioned(
+    ...     jax.ShapeDtypeStruct((1024, 4096), jnp.float32), ('embed', 'mlp'))}
+    >>> p = fsm.plan(tree, mesh, [('embed', 'data'), ('mlp', 'model')])
+    >>> p.entries[0].spec, p.entries[0].shard_shape, p.bytes_per_device
+    (P('data', 'model'), (16, 256), 16384)
+  """
+  leaves, layouts, build = layout_tree(tree, mesh, rules, fit)
+  rules_t = effective_rules(rules)
+  sizes = tuple(zip(mesh.axis_names, mesh.axis_sizes))
+  axis_names = tuple(mesh.axis_names)
+  entries: list[PlanEntry] = []
+  index: list[int | None] = []
+  problems: list[ShardingProblem] = []
+  adjustments: list[str] = []
+  for lf, lay in zip(leaves, layouts):
+    if lay.shape is None:
+      index.append(None)
+      continue
+    index.append(len(entries))
+    entries.append(_entry(lf, lay, sizes, rules_t, axis_names))
+    adjustments.extend(f'{lf.path}: {a}' for a in lay.adjustments)
+    if lay.issues:
+      problems.extend(problems_of(lf.path, lf, lay))
+  if adjustments:
+    warn_adjustments(adjustments)
+  return ShardingPlan(
+      tuple(entries), mesh, rules_t, tuple(problems), tuple(adjustments),
+      index, build,
+  )
+
+
+def verify(
+    arrays: PyTree, plan_or_shardings: ShardingPlan | PyTree
+) -> list[Mismatch]:
+  """The arrays whose actual sharding differs from the planned one.
+
+  Args:
+    arrays: the concrete tree (boxes, TrainState, NNX State...).
+    plan_or_shardings: a :class:`ShardingPlan`, or a tree of shardings such
+      as :func:`flax_shardmeta.get_sharding` returns.
+
+  Returns:
+    One :class:`Mismatch` per differing array, with its path; empty when all
+    match. Shardings are compared with ``Sharding.is_equivalent_to``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> mesh = jax.make_mesh((8,), ('data',))
+    >>> x = {'w': jax.device_put(jnp.zeros((8, 2)), jax.NamedSharding(mesh, jax.P()))}
+    >>> fsm.verify(x, fsm.plan(x, mesh))
+    []
+    >>> [str(m) for m in fsm.verify(x, {'w': jax.NamedSharding(mesh, jax.P('data'))})]
+    ["w: planned P('data',), found P()"]
+  """
+  if isinstance(plan_or_shardings, ShardingPlan):
+    p = plan_or_shardings
+    expected = {e.path: named_sharding(p.mesh, e.spec) for e in p.entries
+                if e.spec is not None}
+  else:
+    sh_leaves, _ = ann_lib.walk(plan_or_shardings)
+    expected = {lf.path: lf.value for lf in sh_leaves
+                if isinstance(lf.value, Sharding)}
+  leaves, _ = ann_lib.walk(arrays)
+  out: list[Mismatch] = []
+  for lf in leaves:
+    shape = getattr(lf.value, 'shape', None)
+    if shape is None:
+      continue
+    want = expected.get(lf.path)
+    have = getattr(lf.value, 'sharding', None)
+    if want is None or have is None or not have.is_equivalent_to(want, len(shape)):
+      out.append(Mismatch(lf.path, want, have))
+  return out
+
+
+# Helpers
+# ------------------------------------------------------------------------------
+
+
+def _itemsize(dtype: Any) -> int:
+  return int(getattr(dtype, 'itemsize', 0) or 0)
+
+
+def _entry(
+    lf: ann_lib.Leaf,
+    lay: LeafLayout,
+    sizes: tuple[tuple[str, int], ...],
+    rules: tuple[tuple[str, Any], ...],
+    axis_names: tuple[str, ...],
+) -> PlanEntry:
+  shape = lay.shape or ()
+  dtype = getattr(lf.value, 'dtype', None)
+  shard = _shard_shape(shape, lay.spec, sizes)
+  ann = lf.annotation
+  names = ann.names if ann is not None and len(ann.names) == len(shape) else None
+  return PlanEntry(
+      lf.path, shape, dtype, names, lay.spec, shard,
+      math.prod(shard) * _itemsize(dtype), lay.adjustments, ann, rules, axis_names,
+  )
+
+
+@functools.lru_cache(maxsize=16384)
+def _shard_shape(
+    shape: tuple[int, ...],
+    spec: PartitionSpec | None,
+    mesh_sizes: tuple[tuple[str, int], ...],
+) -> tuple[int, ...]:
+  sizes = dict(mesh_sizes)
+  if spec is None:
+    return shape
+  out = []
+  for dim, n in enumerate(shape):
+    entry = spec[dim] if dim < len(spec) else None
+    factor = math.prod(sizes.get(a, 1) for a in mesh_axes_of(entry))
+    # Uneven shards (only in plans with problems) hold the padded size.
+    out.append(-(-n // factor))
+  return tuple(out)
+
+
+def _json_entry(entry: Any) -> Any:
+  if entry is None or isinstance(entry, str):
+    return entry
+  if isinstance(entry, tuple):
+    return [_json_entry(e) for e in entry]
+  return 'UNCONSTRAINED' if 'UNCONSTRAINED' in repr(entry) else repr(entry)
+
+
+def _json_entries(spec: Any) -> list[Any] | None:
+  return None if spec is None else [_json_entry(e) for e in tuple(spec)]
+
+
+def _spec_of(s: Sharding | None) -> str:
+  if s is None:
+    return 'no sharding'
+  spec = getattr(s, 'spec', None)
+  return repr(spec) if spec is not None else repr(s)

@@ -1,0 +1,110 @@
+"""Why each dimension of a plan entry has its mesh axes.
+
+Explanations are made on demand (``PlanEntry.explain``) and cached per
+distinct (shape, annotation, rules, mesh, spec), so plans stay cheap to build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from flax_shardmeta import annotations as ann_lib
+from flax_shardmeta.rules import RuleStep, composite_rules, explain
+
+
+@dataclasses.dataclass(frozen=True)
+class ExplainedDim:
+  """How one dimension of a plan entry got its mesh axes.
+
+  Attributes:
+    dim: the dimension's index.
+    name: the annotation entry as written (None when not annotated).
+    mesh_axes: the mesh axes the plan gives it (None: replicated).
+    steps: every rule that names it, in priority order, and what it did.
+    note: the outcome in words when no rule step says it all.
+  """
+
+  dim: int
+  name: Any
+  mesh_axes: Any
+  steps: tuple[RuleStep, ...] = ()
+  note: str = ''
+
+  def __str__(self) -> str:
+    parts = [str(s) for s in self.steps]
+    if self.note:
+      parts.append(self.note)
+    return f'dim {self.dim} {self.name!r} -> {self.mesh_axes!r}: ' + '; '.join(parts)
+
+
+@functools.lru_cache(maxsize=4096)
+def explain_entry(
+    shape: tuple[int, ...],
+    ann: ann_lib.Annotation | None,
+    rules: tuple[tuple[str, Any], ...],
+    mesh_axis_names: tuple[str, ...],
+    spec: PartitionSpec | None,
+) -> tuple[ExplainedDim, ...]:
+  """Per dimension of one entry: the rule steps and the outcome in words.
+
+  ``spec`` is the final (possibly fitted) spec, so a dimension the rules gave
+  mesh axes to but that ended up replicated says why.
+  """
+  given = tuple(spec) if spec is not None else ()
+  final = given + (None,) * (len(shape) - len(given))
+  if ann is None:
+    return tuple(ExplainedDim(d, None, None, (), 'not annotated, so replicated')
+                 for d in range(len(shape)))
+  if len(ann.names) != len(shape):
+    note = (
+        f'optimizer state under a rank-{len(ann.names)} annotation '
+        f'{ann.names!r}: replicated' if ann.optimizer_state
+        else f'{len(ann.names)} names for a rank-{len(shape)} array: not planned'
+    )
+    return tuple(ExplainedDim(d, None, final[d], (), note) for d in range(len(shape)))
+  if not ann.logical:
+    return tuple(
+        ExplainedDim(d, n, final[d], (), _fitted(
+            'mesh axes as written' if n is not None else 'replicated as written',
+            n, final[d], ann.optimizer_state))
+        for d, n in enumerate(ann.names))
+  try:
+    dims = explain(ann.names, composite_rules(rules, ann.rules))
+  except ValueError as e:
+    return tuple(ExplainedDim(d, n, final[d], (), f'not resolved: {e}')
+                 for d, n in enumerate(ann.names))
+  out = []
+  for d, x in enumerate(dims):
+    resolved = x.mesh_axes
+    if not isinstance(x.name, str):
+      note = 'passed through as written'
+    elif resolved is None and ann.keep_mesh_names and x.name in mesh_axis_names:
+      note = 'no rule gave it mesh axes; kept as the mesh axis of that name'
+      resolved = x.name
+    elif not x.steps:
+      note = 'no rule names it, so replicated'
+    elif not any(s.applied for s in x.steps):
+      note = 'every rule was skipped, so replicated'
+    else:
+      note = ''
+    out.append(ExplainedDim(d, x.name, final[d], x.steps,
+                            _fitted(note, resolved, final[d], ann.optimizer_state)))
+  return tuple(out)
+
+
+def _fitted(note: str, resolved: Any, final: Any, optimizer_state: bool) -> str:
+  """Says why the final axes differ from what the rules gave, if they do."""
+  if resolved is None or final is not None:
+    return note
+  if optimizer_state:
+    # The core replicates optimizer leaves their parameter's layout does not
+    # fit (e.g. adafactor's (1,)-shaped factors); problems show on the parameter.
+    change = f'optimizer state that {resolved!r} cannot shard, so replicated'
+  else:
+    change = f'fit mode replicated it instead of {resolved!r}'
+  return f'{note}; {change}' if note else change
+

@@ -1,0 +1,191 @@
+"""Sharded initialization that never materializes more than a chunk of a shard.
+
+``jax.jit(init, out_shardings=...)`` already generates every parameter on its
+own shards (jax's partitionable threefry), but on CPU each generator keeps
+about three shard-sized temporaries (the threefry loop state), and XLA runs
+the generators of independent parameters side by side; on a model of a few
+large matrices peak memory more than doubles. :func:`sharded_init` builds one
+program in which each large parameter is filled chunk by chunk on each device
+(see :mod:`flax_shardmeta.windowed`), so temporaries stay a small, fixed size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+
+from flax_shardmeta import windowed
+from flax_shardmeta.rules import logical_axis_rules
+from flax_shardmeta.sharding import get_sharding, layout_tree
+from flax_shardmeta.typing import AnyMesh, LogicalRules, PyTree
+
+CHUNK_BYTES = 16 * 2**20
+"""Per-device bytes generated at once for a large parameter."""
+
+
+class ShardedInit:
+  """``init_fn`` as one jitted program producing its output already sharded.
+
+  Call it like ``init_fn``; ``lower(*args)`` gives the ``jax.stages.Lowered``
+  program (e.g. for ``.compile().memory_analysis()``).
+  """
+
+  def __init__(
+      self,
+      init_fn: Callable[..., PyTree],
+      mesh: AnyMesh,
+      rules: LogicalRules | None = None,
+      chunk_bytes: int = CHUNK_BYTES,
+  ):
+    self.init_fn = init_fn
+    self.mesh = mesh
+    self.rules = rules
+    self.chunk_bytes = chunk_bytes
+    functools.update_wrapper(self, init_fn)
+
+  def _context(self) -> contextlib.ExitStack:
+    # The program is traced with every axis Auto: values do not depend on
+    # axis types, and under Explicit axes the random generators would be
+    # typed replicated. Outputs are placed on the caller's mesh at the end.
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(_all_auto(self.mesh)))
+    if self.rules is not None:
+      stack.enter_context(logical_axis_rules(self.rules))
+    return stack
+
+  def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    is_array = [isinstance(x, jax.Array) for x in leaves]
+    arrays = [_to_auto(x) for x, a in zip(leaves, is_array) if a]
+
+    def flat_init(*arrays: Any) -> list[Any]:
+      it = iter(arrays)
+      full = [next(it) if a else x for x, a in zip(leaves, is_array)]
+      a, kw = jax.tree_util.tree_unflatten(treedef, full)
+      return jax.tree_util.tree_leaves(self.init_fn(*a, **kw))
+
+    closed, out_tree = jax.make_jaxpr(flat_init, return_shape=True)(*arrays)
+    init_out = jax.eval_shape(
+        lambda *a: self._unflat_call(leaves, is_array, treedef, a), *arrays)
+    get_sharding(init_out, self.mesh, self.rules)  # raises every problem, by path
+    out_treedef = jax.tree_util.tree_structure(init_out)
+    shardings = _per_array_leaf(init_out, _all_auto(self.mesh), self.rules)
+    graph = windowed._Graph(closed)
+    plans: dict[int, windowed.WindowedOutput] = {}
+    for i, (aval, sharding) in enumerate(zip(out_tree, shardings)):
+      local = math.prod(sharding.shard_shape(aval.shape)) * np.dtype(
+          aval.dtype).itemsize
+      if local > self.chunk_bytes:
+        w = windowed.analyse(closed, graph, i)
+        if w is not None:
+          plans[i] = w
+    dtypes = [a.dtype for a in out_tree]
+
+    def program(*arrays: Any) -> list[Any]:
+      outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
+      for i, w in plans.items():
+        # The plain result of output i goes unused, so XLA drops it.
+        outs[i] = windowed.generate_sharded(
+            w, list(arrays), shardings[i], dtypes[i], self.chunk_bytes)
+      return outs
+
+    jitted = jax.jit(program, out_shardings=shardings)
+    return jitted, arrays, out_treedef
+
+  def _unflat_call(self, leaves, is_array, treedef, arrays):
+    it = iter(arrays)
+    full = [next(it) if a else x for x, a in zip(leaves, is_array)]
+    a, kw = jax.tree_util.tree_unflatten(treedef, full)
+    return self.init_fn(*a, **kw)
+
+  def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+    """The lowered single program for these arguments."""
+    with self._context():
+      jitted, arrays, _ = self._build(args, kwargs)
+      return jitted.lower(*arrays)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
+    with self._context():
+      jitted, arrays, out_treedef = self._build(args, kwargs)
+      outs = jitted(*arrays)
+    if _all_auto(self.mesh) is not self.mesh:
+      outs = [_retype(x, self.mesh) for x in outs]
+    return jax.tree_util.tree_unflatten(out_treedef, outs)
+
+
+def sharded_init(
+    init_fn: Callable[..., PyTree],
+    mesh: AnyMesh,
+    rules: LogicalRules | None = None,
+) -> ShardedInit:
+  """Returns a function that runs ``init_fn`` and returns its output sharded.
+
+  Each array leaf is laid out as ``fsm.get_sharding`` plans it (problems raise
+  :class:`fsm.ShardingError` before anything runs) and generated where it
+  lives; large parameters are filled chunk by chunk on each device, so no
+  device ever holds more than its shards plus a few chunk-sized
+  temporaries. Values equal ``init_fn``'s (up to floating-point rounding of
+  the last bit in a few initializers).
+
+  Args:
+    init_fn: e.g. ``model.init`` or a function building a TrainState.
+    mesh: the device mesh.
+    rules: logical axis rules; None uses the context rules.
+
+  Returns:
+    A :class:`ShardedInit` with ``init_fn``'s signature (and ``.lower``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, flax_shardmeta as fsm
+    >>> mesh = jax.make_mesh((1,), ('model',))
+    >>> model = nn.Dense(4, kernel_init=fsm.with_partitioning(
+    ...     nn.initializers.lecun_normal(), (None, 'model')))
+    >>> v = fsm.sharded_init(model.init, mesh)(jax.random.key(0), jnp.ones((1, 2)))
+    >>> v['params']['kernel'].value.sharding.spec
+    P(None, 'model')
+  """
+  return ShardedInit(init_fn, mesh, rules)
+
+
+def _per_array_leaf(
+    abstract: PyTree, mesh: AnyMesh, rules: LogicalRules | None
+) -> list[Any]:
+  """The sharding of each array leaf of ``abstract``, in flatten order."""
+  leaves, layouts, _ = layout_tree(abstract, mesh, rules)
+  out = []
+  for lf, layout in zip(leaves, layouts):
+    n = len(jax.tree_util.tree_leaves(lf.leaf))  # a box holds one array
+    out.extend([layout.sharding] * n)
+  return out
+
+
+@functools.lru_cache(maxsize=64)
+def _all_auto(mesh: AnyMesh) -> AnyMesh:
+  if all(t == AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  return jax.sharding.Mesh(
+      mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _to_auto(x: jax.Array) -> jax.Array:
+  """An input placed on an Explicit mesh, moved to its all-Auto twin."""
+  sharding = getattr(x, 'sharding', None)
+  if isinstance(sharding, NamedSharding):
+    auto = _all_auto(sharding.mesh)
+    if auto is not sharding.mesh:
+      return jax.device_put(x, NamedSharding(auto, sharding.spec))
+  return x
+
+
+def _retype(x: jax.Array, mesh: AnyMesh) -> jax.Array:
+  """The same buffers, with the sharding expressed on ``mesh`` (no copy)."""
+  sharding = NamedSharding(mesh, x.sharding.spec)
+  return jax.make_array_from_single_device_arrays(
+      x.shape, sharding, [s.data for s in x.addressable_shards])

@@ -1,0 +1,213 @@
+"""The command line: ``plan`` output, formats, exit codes, rules files, ``demo``."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from flax_shardmeta import cli, models
+
+MLP = ['plan', '--model', 'mlp', '--mesh', 'data=2,model=4']
+
+
+def run(capsys, *argv):
+  code = cli.main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def test_builtin_model_names_match_the_registry():
+  assert cli._BUILTIN_MODELS == models.MODEL_NAMES
+
+
+def test_plan_table(capsys):
+  code, out, err = run(capsys, *MLP)
+  assert code == 0, err
+  assert out.startswith('Sharding plan: 7 arrays on mesh data=2 x model=4 (8 devices)')
+  assert "P(None, 'model', None)" in out and 'problems: none' in out
+
+
+def test_plan_json_schema(capsys):
+  code, out, _ = run(capsys, *MLP, '--format', 'json', '--optimizer', 'none')
+  assert code == 0
+  d = json.loads(out)
+  assert {'entries', 'bytes_per_device', 'total_bytes', 'problems'} <= set(d)
+  assert [e['path'] for e in d['entries']] == [
+      'params/ScanDotReluDot_0/Dense_0/kernel', 'params/ScanDotReluDot_0/W2']
+  for e in d['entries']:
+    assert set(e) == {'path', 'shape', 'dtype', 'names', 'spec', 'shard_shape',
+                      'bytes_per_device'}
+    assert isinstance(e['bytes_per_device'], int)
+  assert d['entries'][1]['spec'] == [None, 'model', None]
+  assert d['total_bytes'] == 2 * 4 * 1024 * 1024 * 4
+  assert d['problems'] == []
+
+
+def test_dtype_and_optimizer_change_the_memory(capsys):
+  sizes = {}
+  for dtype in ('float32', 'bfloat16'):
+    for opt in ('adam', 'adafactor', 'none'):
+      code, out, _ = run(capsys, *MLP, '--format', 'json', '--dtype', dtype,
+                         '--optimizer', opt)
+      assert code == 0
+      sizes[dtype, opt] = json.loads(out)['total_bytes']
+  assert sizes['float32', 'none'] == 2 * sizes['bfloat16', 'none']
+  assert sizes['float32', 'adafactor'] < sizes['float32', 'adam']
+  assert sizes['float32', 'adam'] > 3 * sizes['float32', 'none']
+
+
+def test_nnx_api(capsys):
+  code, out, _ = run(capsys, *MLP, '--api', 'nnx', '--format', 'json')
+  assert code == 0
+  paths = {e['path']: e['spec'] for e in json.loads(out)['entries']}
+  assert paths['params/layers/W1'] == [None, None, 'model']
+  assert paths['opt_state/0/mu/layers/W2'] == [None, 'model', None]
+
+
+def test_problems_exit_1_unless_allowed(capsys):
+  bad = ['plan', '--model', 'mlp', '--mesh', 'data=3,model=5']
+  code, out, err = run(capsys, *bad)
+  assert code == 1
+  assert 'problems (2):' in out and 'not divisible' in out
+  assert '--allow-problems' in err
+  code, out, _ = run(capsys, *bad, '--allow-problems', '--format', 'json')
+  assert code == 0
+  problems = json.loads(out)['problems']
+  assert {p['path'] for p in problems} == {
+      'params/ScanDotReluDot_0/Dense_0/kernel', 'params/ScanDotReluDot_0/W2'}
+
+
+def test_fit_exits_0_and_lists_adjustments(capsys):
+  code, out, err = run(capsys, 'plan', '--model', 'mlp', '--mesh', 'data=3,model=5',
+                       '--fit', '--optimizer', 'none')
+  assert code == 0, err
+  assert 'fit mode adjustments (2):' in out
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--model', 'gpt5', '--mesh', 'data=2'], "unknown model 'gpt5'"),
+    (['--model', 'mlp', '--mesh', 'data2'], 'malformed --mesh'),
+    (['--model', 'mlp', '--mesh', 'data=2,,model=4'], 'malformed --mesh'),
+    (['--model', 'mlp', '--mesh', 'data=0'], 'positive integers'),
+    (['--model', 'mlp', '--mesh', 'data=-2'], 'positive integers'),
+    (['--model', 'mlp', '--mesh', 'data=1.5'], 'positive integers'),
+    (['--model', 'mlp', '--mesh', 'data=2,data=4'], 'twice'),
+    (['--model', 'mlp', '--mesh', 'data=2', '--rules', 'missing.json'],
+     "cannot read rules file 'missing.json'"),
+    (['--model', 'mlp', '--mesh', 'data=2', '--format', 'xml'], 'invalid choice'),
+    (['--mesh', 'data=2'], 'one of the arguments --model --module is required'),
+    (['--module', 'nocolon', '--mesh', 'data=2'], 'PKG.MOD:FACTORY'),
+    (['--module', 'no_such_pkg_xyz:f', '--mesh', 'data=2'], 'no_such_pkg_xyz'),
+])
+def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
+  code, out, err = run(capsys, 'plan', *argv)
+  assert code == 2
+  assert out == ''
+  assert err.count('\n') == 1 and err.startswith('flax-shardmeta: error: ')
+  assert message in err
+
+
+@pytest.mark.parametrize('text', ['{not json', '[["embed"]]', '{"rules": 1}'])
+def test_bad_rules_file_exits_2(capsys, tmp_path, text):
+  path = tmp_path / 'rules.json'
+  path.write_text(text)
+  code, _, err = run(capsys, *MLP, '--rules', str(path))
+  assert code == 2 and err.count('\n') == 1 and 'rules file' in err
+
+
+def test_rules_from_json_and_toml(capsys, tmp_path):
+  as_json = tmp_path / 'rules.json'
+  as_json.write_text(json.dumps([['hidden', ['data', 'model']], ['embed', None]]))
+  as_toml = tmp_path / 'rules.toml'
+  as_toml.write_text('rules = [["hidden", ["data", "model"]], ["embed", []]]\n')
+  specs = []
+  for path in (as_json, as_toml):
+    code, out, _ = run(capsys, *MLP, '--rules', str(path), '--format', 'json')
+    assert code == 0
+    specs.append(json.loads(out)['entries'][-1]['spec'])
+  assert specs[0] == specs[1] == [None, ['data', 'model'], None]
+
+
+@pytest.mark.parametrize('rules, embed', [('t5x', None), ('t5x-2d', 'data')])
+def test_standard_rules(capsys, rules, embed):
+  code, out, _ = run(capsys, 'plan', '--model', 'llama3-8b', '--mesh', 'data=4,model=2',
+                     '--rules', rules, '--format', 'json', '--optimizer', 'none')
+  assert code == 0
+  entries = {e['path']: e['spec'] for e in json.loads(out)['entries']}
+  assert entries['params/layers/w1'] == [None, embed, 'model']
+
+
+FACTORIES = textwrap.dedent('''
+    import jax, jax.numpy as jnp
+    from flax import linen as nn, nnx
+    import flax_shardmeta as fsm
+
+    class Tiny(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        return nn.Dense(16, kernel_init=fsm.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ('embed', 'mlp')))(x)
+
+    def linen_tuple():
+      return Tiny(), jax.ShapeDtypeStruct((2, 8), jnp.float32)
+
+    def linen_init():
+      return lambda: Tiny().init(jax.random.key(0), jnp.ones((2, 8)))
+
+    def nnx_init():
+      return lambda: nnx.Linear(8, 16, rngs=nnx.Rngs(0),
+          kernel_init=fsm.nnx.with_logical_partitioning(
+              nnx.initializers.lecun_normal(), ('embed', 'mlp')))
+
+    def wrong():
+      return 42
+''')
+
+
+@pytest.mark.parametrize('factory, api, path', [
+    ('linen_tuple', 'linen', 'params/Dense_0/kernel'),
+    ('linen_init', 'linen', 'params/Dense_0/kernel'),
+    ('nnx_init', 'nnx', 'params/kernel'),
+])
+def test_user_module(capsys, tmp_path, monkeypatch, factory, api, path):
+  (tmp_path / 'my_models.py').write_text(FACTORIES)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  code, out, err = run(capsys, 'plan', '--module', f'my_models:{factory}',
+                       '--api', api, '--mesh', 'data=2,model=4', '--format', 'json')
+  assert code == 0, err
+  entries = {e['path']: e['spec'] for e in json.loads(out)['entries']}
+  # t5x rules by default: 'mlp' goes to 'model', 'embed' is replicated.
+  assert entries[path] == [None, 'model']
+
+
+def test_user_module_with_a_wrong_factory(capsys, tmp_path, monkeypatch):
+  (tmp_path / 'my_models.py').write_text(FACTORIES)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  code, _, err = run(capsys, 'plan', '--module', 'my_models:wrong', '--mesh', 'data=2')
+  assert code == 2 and 'returned int' in err
+
+
+def test_demo(capsys):
+  code, out, _ = run(capsys, 'demo', '--steps', '3')
+  assert code == 0
+  assert 'Sharding plan:' in out and 'step 2: loss' in out
+  assert out.rstrip().splitlines()[-1].startswith('OK: all 8 arrays')
+
+
+def test_python_dash_m_in_a_subprocess():
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+  proc = subprocess.run(
+      [sys.executable, '-m', 'flax_shardmeta', 'plan', '--model', 'llama3-8b',
+       '--mesh', 'data=64,model=8', '--format', 'json', '--dtype', 'bfloat16'],
+      capture_output=True, text=True, env=env, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr
+  d = json.loads(proc.stdout)
+  assert len(d['entries']) == 3 * 12 + 1
+  assert d['problems'] == []
+  bad = subprocess.run(
+      [sys.executable, '-m', 'flax_shardmeta', 'plan', '--model', 'x', '--mesh', 'a=1'],
+      capture_output=True, text=True, env=env, timeout=120, check=False)
+  assert bad.returncode == 2 and bad.stderr.count('\n') == 1

@@ -1,0 +1,259 @@
+"""Applying layouts: shard_value and with_logical_constraint, eager and traced."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_shardmeta as fsm
+
+RULES = (('batch', 'data'), ('hidden', 'model'))
+
+
+def assert_layout(x, mesh, spec):
+  expected = NamedSharding(mesh, spec)
+  assert x.sharding.is_equivalent_to(expected, x.ndim), (x.sharding, expected)
+
+
+def traced_spec(x):
+  """The sharding jax tracks for a traced value (Explicit meshes only)."""
+  return jax.typeof(x).sharding.spec
+
+
+# shard_value
+# ------------------------------------------------------------------------------
+
+
+def test_shard_value_eager_mesh_argument(mesh):
+  x = jnp.arange(64.0).reshape(8, 8)
+  out = fsm.shard_value(x, ('data', 'model'), mesh=mesh)
+  assert_layout(out, mesh, P('data', 'model'))
+  np.testing.assert_array_equal(out, x)
+
+
+def test_shard_value_eager_logical(mesh):
+  x = jnp.ones((8, 8))
+  out = fsm.shard_value(x, ('hidden', 'batch'), RULES, mesh=mesh)
+  assert_layout(out, mesh, P('model', 'data'))
+  with fsm.logical_axis_rules(RULES):
+    out = fsm.shard_value(x, ('batch', 'embed'), mesh=mesh)
+  assert_layout(out, mesh, P('data', None))
+
+
+def test_shard_value_eager_under_set_mesh(mesh):
+  # flax's shard_value fails here with Auto axes.
+  x = jnp.ones((8, 8))
+  with jax.set_mesh(mesh):
+    out = fsm.shard_value(x, ('hidden', None), RULES)
+  assert_layout(out, mesh, P('model', None))
+
+
+def test_shard_value_inside_jit_mesh_argument(mesh):
+  @jax.jit
+  def f(x):
+    return fsm.shard_value(x * 2, (None, 'hidden'), RULES, mesh=mesh)
+
+  # Without jax.set_mesh, jit learns the devices of an Explicit mesh from its
+  # inputs, so the input lives on the mesh already.
+  x = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P()))
+  out = f(x)
+  assert_layout(out, mesh, P(None, 'model'))
+  np.testing.assert_array_equal(out, 2 * np.ones((8, 8)))
+
+
+def test_shard_value_inside_jit_under_set_mesh(mesh):
+  seen = []
+
+  @jax.jit
+  def f(x):
+    y = fsm.shard_value(x + 1, ('batch', 'hidden'), RULES)
+    if mesh.axis_types[0] == AxisType.Explicit:
+      seen.append(traced_spec(y))
+    return y
+
+  with jax.set_mesh(mesh):
+    out = f(jnp.ones((8, 8)))
+  assert_layout(out, mesh, P('data', 'model'))
+  if mesh.axis_types[0] == AxisType.Explicit:
+    assert seen == [P('data', 'model')]
+
+
+def test_shard_value_names_none_returns_value(mesh):
+  x = jnp.ones(4)
+  assert fsm.shard_value(x, None, mesh=mesh) is x
+
+
+def test_shard_value_accepts_a_partition_spec(mesh):
+  out = fsm.shard_value(jnp.ones((8, 8)), P('model'), mesh=mesh)
+  assert_layout(out, mesh, P('model', None))
+
+
+def test_shard_value_mixed_axis_types_raise():
+  mesh = jax.make_mesh((2, 4), ('data', 'model'),
+                       axis_types=(AxisType.Auto, AxisType.Explicit))
+  with pytest.raises(ValueError, match='mixes axis types') as info:
+    fsm.shard_value(jnp.ones((8, 8)), ('data', None), mesh=mesh)
+  message = str(info.value)
+  assert "'data': 'Auto'" in message or "'data': 'AxisType.Auto'" in message
+  assert 'model' in message and 'Explicit' in message
+  assert 'axis_types=' in message
+
+
+def test_shard_value_without_mesh_raises():
+  with pytest.raises(fsm.NoMeshError, match=r'pass mesh=\.\.\. or run inside'
+                     r' `with jax.set_mesh\(mesh\):`') as info:
+    fsm.shard_value(jnp.ones((8, 8)), ('data', None))
+  assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize('names, reason', [
+    (('model', None, None), '3 spec entries for a rank-2 array'),
+    (('data', 'data'), "mesh axis 'data' shards both dimension 0 and dimension 1"),
+    (('expert', None), "mesh axis 'expert' .dimension 0. is not in the mesh"),
+    ((None, 'model'), "dimension 1 of size 6 is not divisible by 'model'=4"),
+])
+def test_shard_value_bad_layout_raises(mesh, names, reason):
+  with pytest.raises(fsm.ShardingError, match=reason) as info:
+    fsm.shard_value(jnp.ones((8, 6)), names, mesh=mesh, path='acts/x')
+  (problem,) = info.value.problems
+  assert problem.path == 'acts/x'
+  assert problem.shape == (8, 6)
+  assert problem.names == names
+
+
+# with_logical_constraint
+# ------------------------------------------------------------------------------
+
+
+def test_constraint_without_rules_returns_x_itself(mesh):
+  x = jnp.ones((8, 8))
+  assert fsm.with_logical_constraint(x, ('batch', 'hidden'), mesh=mesh) is x
+  with jax.set_mesh(mesh):
+    assert fsm.with_logical_constraint(x, ('batch', 'hidden')) is x
+
+
+def test_constraint_without_mesh_returns_x_itself():
+  x = jnp.ones((8, 8))
+  assert fsm.with_logical_constraint(x, ('batch', 'hidden'), RULES) is x
+  with fsm.logical_axis_rules(RULES):
+    assert fsm.with_logical_constraint(x, ('batch', 'hidden')) is x
+
+
+def test_constraint_names_none_returns_x_itself(mesh):
+  x = jnp.ones((8, 8))
+  assert fsm.with_logical_constraint(x, None, RULES, mesh) is x
+
+
+def test_constraint_eager(mesh):
+  out = fsm.with_logical_constraint(jnp.ones((8, 8)), ('batch', 'hidden'),
+                                    RULES, mesh)
+  assert_layout(out, mesh, P('data', 'model'))
+
+
+def test_constraint_context_rules_and_mesh(mesh):
+  with fsm.logical_axis_rules(RULES), jax.set_mesh(mesh):
+    out = fsm.with_logical_constraint(jnp.ones((8, 8)), ('hidden', None))
+  assert_layout(out, mesh, P('model', None))
+
+
+@pytest.mark.parametrize('fallback, expected', [
+    (fsm.RulesFallback.AXIS_IS_UNSHARDED, P('data', None)),
+    (fsm.RulesFallback.NO_CONSTRAINT, None),
+    (fsm.RulesFallback.RAISE_ERROR, None),
+])
+def test_constraint_fallbacks(mesh, fallback, expected):
+  x = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P(None, 'model')))
+  names = ('batch', 'unmapped')
+  if fallback is fsm.RulesFallback.RAISE_ERROR:
+    with pytest.raises(fsm.ShardingError, match=r"no rule maps logical name\(s\) "
+                       r"\['unmapped'\]") as info:
+      fsm.with_logical_constraint(x, names, RULES, mesh, fallback=fallback)
+    assert 'AXIS_IS_UNSHARDED' in info.value.problems[0].hint
+    return
+  out = fsm.with_logical_constraint(x, names, RULES, mesh, fallback=fallback)
+  if expected is None:
+    assert out is x
+  else:
+    assert_layout(out, mesh, expected)
+
+
+def test_constraint_fallback_only_matters_for_unmapped_names(mesh):
+  x = jnp.ones((8, 8))
+  for fallback in fsm.RulesFallback:
+    out = fsm.with_logical_constraint(x, ('batch', None), RULES, mesh,
+                                      fallback=fallback)
+    assert_layout(out, mesh, P('data', None))
+
+
+def test_constraint_inside_jit(mesh):
+  @jax.jit
+  def f(x):
+    return fsm.with_logical_constraint(jnp.sin(x), ('batch', 'hidden'))
+
+  with fsm.logical_axis_rules(RULES), jax.set_mesh(mesh):
+    out = f(jnp.ones((8, 8)))
+  assert_layout(out, mesh, P('data', 'model'))
+  np.testing.assert_allclose(out, np.sin(np.ones((8, 8))), rtol=1e-6)
+
+
+def test_constraint_on_a_tree(mesh):
+  tree = {'a': jnp.ones((8, 8)), 'b': jnp.ones((4, 8))}
+  names = {'a': ('batch', 'hidden'), 'b': (None, 'hidden')}
+  out = fsm.with_logical_constraint(tree, names, RULES, mesh)
+  assert_layout(out['a'], mesh, P('data', 'model'))
+  assert_layout(out['b'], mesh, P(None, 'model'))
+
+
+def test_constraint_bad_layout_raises(mesh):
+  with pytest.raises(fsm.ShardingError, match="size 6 is not divisible by 'model'=4"):
+    fsm.with_logical_constraint(jnp.ones((8, 6)), ('batch', 'hidden'), RULES, mesh)
+
+
+# shard_map
+# ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('manual', [('data',), ('data', 'model')],
+                         ids=['data-manual', 'all-manual'])
+def test_constraints_inside_shard_map_leave_manual_axes(mesh, manual):
+  seen = []
+
+  def body(x):
+    y = fsm.with_logical_constraint(x * 2, ('batch', 'hidden'))
+    y = fsm.shard_value(y, ('batch', 'hidden'))
+    seen.append(jax.typeof(y).sharding.spec)
+    return y
+
+  in_spec = P('data', 'model') if 'model' in manual else P('data')
+  f = jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=in_spec,
+                    axis_names=set(manual))
+  # Explicit meshes require shard_map inputs to already have in_specs' layout.
+  x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, in_spec))
+  with fsm.logical_axis_rules(RULES), jax.set_mesh(mesh):
+    out = jax.jit(f)(x)
+  np.testing.assert_array_equal(out, 2 * x)
+  if mesh.axis_types[0] == AxisType.Explicit and 'model' not in manual:
+    # The remaining Explicit axis was laid out; the manual one was left alone.
+    assert seen == [P(None, 'model')]
+  assert len(seen) == 1
+
+
+def test_constrain_box_unbox_under_context(mesh):
+  box = fsm.LogicalPartitioned(jnp.ones((8, 8)), ('hidden', 'batch'))
+  with jax.set_mesh(mesh):
+    assert box.unbox() is box.value  # no rules: nothing to say about layout
+    with fsm.logical_axis_rules(RULES):
+      assert_layout(box.unbox(), mesh, P('model', 'data'))
+
+
+def test_unbox_rank_mismatch_raises(mesh):
+  box = fsm.Partitioned(jnp.ones((2, 8, 8)), ('model', None), mesh=mesh)
+  with pytest.raises(fsm.ShardingError, match='2 names for a rank-3 array'):
+    box.unbox()
+
+
+def test_shard_value_axis_twice_in_one_dimension(mesh):
+  with pytest.raises(fsm.ShardingError, match="mesh axis 'data' shards dimension 0 twice"):
+    fsm.shard_value(jnp.ones((8, 8)), (('data', 'data'), None), mesh=mesh)

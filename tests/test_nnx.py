@@ -1,0 +1,262 @@
+"""Tests for flax_shardmeta.nnx: annotated Variables, eager layout, reading."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_shardmeta as fsm
+
+RULES = [('batch', 'data'), ('mlp', 'model'), ('heads', 'model')]
+
+lecun = nnx.initializers.lecun_normal()
+zeros = nnx.initializers.zeros_init()
+
+
+def logical(names, init=lecun, **kwargs):
+  return fsm.nnx.with_logical_partitioning(init, names, **kwargs)
+
+
+class Mlp(nnx.Module):
+  """Two Linear layers with logical annotations, embed -> mlp -> embed."""
+
+  def __init__(self, embed: int, hidden: int, rngs: nnx.Rngs):
+    self.up = nnx.Linear(
+        embed, hidden, kernel_init=logical(('embed', 'mlp')),
+        bias_init=logical(('mlp',), zeros), rngs=rngs)
+    self.down = nnx.Linear(
+        hidden, embed, kernel_init=logical(('mlp', 'embed')),
+        use_bias=False, rngs=rngs)
+
+
+def spec_of(variable: nnx.Variable) -> P:
+  return variable.get_value().sharding.spec
+
+
+# Public surface
+# ------------------------------------------------------------------------------
+
+
+def test_nnx_adapter_is_public_and_documented():
+  assert 'nnx' in fsm.__all__
+  for name in fsm.nnx.__all__:
+    obj = getattr(fsm.nnx, name)
+    if callable(obj):
+      assert obj.__doc__, name
+
+
+# Annotating at construction
+# ------------------------------------------------------------------------------
+
+
+def test_param_from_wrapped_initializer_is_laid_out_under_a_mesh(mesh):
+  make = fsm.nnx.with_partitioning(lambda: jnp.ones((8, 4)), ('model', None))
+  with jax.set_mesh(mesh):
+    p = nnx.Param(make())
+  assert spec_of(p) == P('model', None)
+  assert fsm.get_partition_spec(p).get_value() == P('model', None)
+
+
+def test_eager_construction_uses_fsm_rules_and_replicates_unmapped_names(mesh):
+  # 'embed' has no rule: flax's own eager path raises on it, fsm replicates.
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    model = Mlp(16, 32, nnx.Rngs(0))
+  assert spec_of(model.up.kernel) == P(None, 'model')
+  assert spec_of(model.up.bias) == P('model')
+  assert spec_of(model.down.kernel) == P('model', None)
+
+
+def test_explicit_mesh_argument_needs_no_context():
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  init = fsm.nnx.with_logical_partitioning(
+      lambda: jnp.ones((8, 4)), ('embed', 'mlp'), rules=[('embed', 'data')],
+      mesh=mesh)
+  assert spec_of(nnx.Param(init())) == P('data', None)
+
+
+def test_without_mesh_values_stay_unsharded_and_keep_annotation():
+  model = Mlp(16, 32, nnx.Rngs(0))
+  kernel = model.up.kernel
+  assert len(kernel.get_value().sharding.device_set) == 1
+  assert fsm.get_partition_spec(nnx.state(model))['up']['kernel'].get_value() == (
+      P('embed', 'mlp'))
+
+
+def test_eval_shape_gives_abstract_values_with_annotation():
+  model = nnx.eval_shape(lambda: Mlp(16, 32, nnx.Rngs(0)))
+  assert isinstance(model.up.kernel.get_value(), jax.ShapeDtypeStruct)
+  assert model.up.kernel.get_metadata('out_sharding') == ('embed', 'mlp')
+
+
+def test_eval_shape_under_explicit_mesh_carries_fsm_layout():
+  mesh = jax.make_mesh((2, 4), ('data', 'model'),
+                       axis_types=(AxisType.Explicit,) * 2)
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    model = nnx.eval_shape(lambda: Mlp(16, 32, nnx.Rngs(0)))
+  value = model.up.kernel.get_value()
+  assert isinstance(value, jax.ShapeDtypeStruct)
+  assert value.sharding.spec == P(None, 'model')
+
+
+def test_fsm_eval_shape_under_any_mesh_carries_fsm_layout(mesh):
+  # Plain nnx.eval_shape under an Auto mesh lets flax attach shardings by its
+  # own renaming, which fails on 'embed'; fsm.nnx.eval_shape does not.
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    model = fsm.nnx.eval_shape(lambda: Mlp(16, 32, nnx.Rngs(0)))
+  kernel = model.up.kernel
+  assert isinstance(kernel.get_value(), jax.ShapeDtypeStruct)
+  assert kernel.get_value().sharding.spec == P(None, 'model')
+  assert kernel.get_metadata('out_sharding') == ('embed', 'mlp')
+
+
+def test_construction_error_names_shape_names_and_reason(mesh):
+  init = logical(('embed', 'mlp'))
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    with pytest.raises(fsm.ShardingError, match=r'size 6 is not divisible'):
+      nnx.Linear(16, 6, kernel_init=init, rngs=nnx.Rngs(0))
+
+
+def test_names_must_be_a_sequence():
+  with pytest.raises(ValueError, match=r"write \('model',\)"):
+    fsm.nnx.with_partitioning(zeros, 'model')
+
+
+# Reading: get_partition_spec / get_sharding on NNX state
+# ------------------------------------------------------------------------------
+
+
+def test_get_partition_spec_is_as_written_with_state_structure():
+  state = nnx.state(nnx.eval_shape(lambda: Mlp(16, 32, nnx.Rngs(0))))
+  specs = fsm.get_partition_spec(state)
+  assert jax.tree.structure(specs) == jax.tree.structure(state)
+  assert specs['down']['kernel'].get_value() == P('mlp', 'embed')
+  # Unannotated array leaves (rng state) get P().
+  assert specs['up']['bias'].get_value() == P('mlp')
+
+
+def test_get_sharding_has_exactly_the_state_structure(mesh):
+  state = nnx.state(nnx.eval_shape(lambda: Mlp(16, 32, nnx.Rngs(0))))
+  shardings = fsm.get_sharding(state, mesh, RULES)
+  assert jax.tree.structure(shardings) == jax.tree.structure(state)
+  assert all(isinstance(s, NamedSharding) for s in jax.tree.leaves(shardings))
+  assert shardings['up']['kernel'].get_value().spec == P(None, 'model')
+
+
+def test_out_shardings_from_state_made_outside_any_context(mesh):
+  # The abstract state comes from no mesh and no rules; the real one is
+  # created under both: the trees must still match for jit.
+  abstract = nnx.state(nnx.eval_shape(lambda: Mlp(16, 32, nnx.Rngs(0))))
+  shardings = fsm.get_sharding(abstract, mesh, RULES)
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    state = jax.jit(
+        lambda: nnx.state(Mlp(16, 32, nnx.Rngs(0))), out_shardings=shardings)()
+  assert jax.tree.leaves(jax.tree.map(
+      lambda a, s: a.sharding == s, state, shardings)) == [True] * 3
+
+
+@pytest.mark.parametrize('key', ['out_sharding', 'sharding_names', 'sharding'])
+def test_flax_own_annotations_under_every_key(key):
+  mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+  # from_metadata stores the metadata as given, as older flax versions (or
+  # states restored from them) hold it; the constructor would rename it.
+  var = nnx.Param.from_metadata(
+      jax.ShapeDtypeStruct((8, 16, 4), jnp.float32),
+      {key: ('data', 'mlp', 'unknown'), 'hijax': False, 'ref': False,
+       'eager_sharding': False, 'sharding_rules': (('mlp', 'model'),)})
+  # Flax semantics: 'data' is a mesh axis kept as is, 'mlp' renamed by the
+  # variable's rules, 'unknown' has no rule and no axis so it is replicated.
+  assert fsm.get_sharding(var, mesh).get_value().spec == P('data', 'model', None)
+  assert fsm.get_partition_spec(var).get_value() == P('data', 'mlp', 'unknown')
+
+
+def test_flax_own_annotation_with_context_rules_and_mesh_metadata(mesh):
+  with jax.set_mesh(mesh):
+    linear = nnx.Linear(
+        16, 32, rngs=nnx.Rngs(0),
+        kernel_init=nnx.with_partitioning(lecun, ('data', 'model'), mesh=mesh))
+  assert spec_of(linear.kernel) == P('data', 'model')
+  state = nnx.state(linear)
+  # Context rules rename through fsm's engine, priority-ordered.
+  with fsm.logical_axis_rules([('model', 'data'), ('data', 'model')]):
+    got = fsm.get_sharding(state, mesh)['kernel'].get_value().spec
+  assert got == P('model', 'data')
+
+
+def test_named_sharding_metadata_is_understood():
+  mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+  var = nnx.Param.from_metadata(
+      jax.ShapeDtypeStruct((8, 4), jnp.float32),
+      {'out_sharding': NamedSharding(mesh, P('model', None)), 'hijax': False,
+       'ref': False, 'eager_sharding': False})
+  assert fsm.get_sharding(var, mesh).get_value().spec == P('model', None)
+
+
+def test_errors_name_the_variable_path():
+  class Block(nnx.Module):
+
+    def __init__(self, rngs):
+      self.mlp = Mlp(16, 12, rngs)
+
+  class Model(nnx.Module):
+
+    def __init__(self):
+      self.blocks = nnx.List([Block(nnx.Rngs(i)) for i in range(4)])
+
+  state = nnx.state(nnx.eval_shape(Model))
+  mesh = jax.sharding.AbstractMesh((8,), ('model',))
+  with pytest.raises(fsm.ShardingError) as info:
+    fsm.get_sharding(state, mesh, RULES)
+  message = str(info.value)
+  assert 'blocks/3/mlp/up/kernel: shape (16, 12)' in message
+  assert "names ('embed', 'mlp')" in message
+  # Every problem is listed at once: 3 leaves per block, 4 blocks.
+  assert len(info.value.problems) == 12
+
+
+def test_rank_mismatch_is_reported_by_path():
+  var = nnx.Param(jnp.ones((2, 8, 4)), out_sharding=('mlp', None),
+                  fsm_logical=True, eager_sharding=False)
+  mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+  with pytest.raises(fsm.ShardingError, match=r'w: .*2 names for a rank-3'):
+    fsm.get_sharding({'w': var}, mesh)
+
+
+# nnx.bridge
+# ------------------------------------------------------------------------------
+
+
+def test_bridge_to_nnx_keeps_fsm_box_annotations(mesh):
+  import flax.linen as nn
+
+  class Dense(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(32, kernel_init=fsm.with_logical_partitioning(
+          nn.initializers.lecun_normal(), ('embed', 'mlp')))(x)
+      return nn.Dense(16, kernel_init=fsm.with_partitioning(
+          nn.initializers.lecun_normal(), ('model', None)))(x)
+
+  model = nnx.bridge.ToNNX(Dense(), rngs=nnx.Rngs(0)).lazy_init(jnp.ones((2, 16)))
+  state = nnx.state(model, nnx.Param)
+  specs = fsm.get_partition_spec(state)
+  assert specs['Dense_0']['kernel'].get_value() == P('embed', 'mlp')
+  assert specs['Dense_1']['kernel'].get_value() == P('model', None)
+  shardings = fsm.get_sharding(state, mesh, RULES)
+  assert shardings['Dense_0']['kernel'].get_value().spec == P(None, 'model')
+  assert shardings['Dense_1']['kernel'].get_value().spec == P('model', None)
+  # And back to Linen: the variables are fsm boxes again.
+  linen_vars = nnx.bridge.variables.to_linen_var(state['Dense_0']['kernel'])
+  assert isinstance(linen_vars, fsm.LogicalPartitioned)
+  assert linen_vars.names == ('embed', 'mlp')
+
+
+def test_mixed_axis_types_raise_at_construction():
+  mesh = jax.make_mesh((2, 4), ('data', 'model'),
+                       axis_types=(AxisType.Auto, AxisType.Explicit))
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match='mixes axis types'):
+    nnx.Param(fsm.nnx.with_partitioning(lambda: jnp.ones((8, 4)), ('model', None))())

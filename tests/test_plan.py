@@ -1,0 +1,264 @@
+"""Sharding plans: entries, totals, problems, fit mode, explanations, verify."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_shardmeta as fsm
+from flax_shardmeta import models, models_nnx
+from flax_shardmeta.models import LLAMA_RULES, MLP, MLP_RULES, LlamaConfig
+
+TINY_LLAMA = LlamaConfig(vocab_size=256, dim=64, num_layers=3, num_heads=4,
+                         num_kv_heads=2, head_dim=16, ffn_dim=128)
+
+
+def _sds(shape, dtype=jnp.float32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _mlp_state(use_scan=True, num_layers=4, depth=1024, optimizer='adam'):
+  params = models.abstract_linen_params(
+      MLP(num_layers=num_layers, depth=depth, use_scan=use_scan), _sds((8, depth)))
+  return models.abstract_train_state(params, optimizer)
+
+
+def test_plan_on_abstract_64x16_mesh():
+  mesh = AbstractMesh((64, 16), ('data', 'model'))
+  p = fsm.plan(_mlp_state(), mesh, MLP_RULES)
+  assert isinstance(p, fsm.ShardingPlan)
+  kernel = p.entry('params/ScanDotReluDot_0/Dense_0/kernel')
+  assert isinstance(kernel, fsm.PlanEntry)
+  assert kernel.shape == (4, 1024, 1024)
+  assert kernel.dtype == jnp.float32
+  assert kernel.names == ('layers', 'embed', 'hidden')
+  assert kernel.spec == P(None, None, 'model')
+  assert kernel.shard_shape == (4, 1024, 64)
+  assert kernel.bytes_per_device == 4 * 1024 * 64 * 4
+  # Adam moments mirror their parameter.
+  assert p.entry('opt_state/0/mu/ScanDotReluDot_0/W2').spec == P(None, 'model', None)
+  assert p.entry('opt_state/0/count').spec == P()
+  assert p.total_bytes == sum(e.size * 4 for e in p.entries)
+  assert p.bytes_per_device == sum(e.bytes_per_device for e in p.entries)
+  assert p.num_devices == 1024
+  assert p.num_elements('params/') == 2 * 4 * 1024 * 1024
+  assert not p.problems and not p.adjustments
+
+
+def test_llama3_70b_has_the_published_parameter_count():
+  mesh = AbstractMesh((32, 8), ('data', 'model'))
+  state = models.abstract_state('llama3-70b', optimizer_name='none')
+  p = fsm.plan(state, mesh, LLAMA_RULES)
+  assert p.num_elements('params/') == 70_553_706_496
+  assert not p.problems
+
+
+@pytest.mark.parametrize('name', ['llama3-8b', 'llama3-405b'])
+def test_llama_configs_match_their_names(name):
+  billions = models.LLAMA_CONFIGS[name].num_params / 1e9
+  assert round(billions) == {'llama3-8b': 8, 'llama3-405b': 406}[name]
+
+
+def test_nnx_and_linen_models_give_the_same_plan():
+  mesh = AbstractMesh((2, 4), ('data', 'model'))
+
+  def linen():
+    module = models.Llama(TINY_LLAMA)
+    return models.abstract_train_state(
+        models.abstract_linen_params(module, _sds((1, 4), jnp.int32)), 'adam')
+
+  def create():
+    m = models_nnx.Llama(TINY_LLAMA, rngs=nnx.Rngs(0))
+    return m, nnx.Optimizer(m, models.optimizer('adam'), wrt=nnx.Param)
+
+  def nnx_state():
+    m, opt = nnx.eval_shape(create)
+    return {'params': nnx.state(m, nnx.Param), 'opt_state': nnx.state(opt.opt_state)}
+
+  def rows(p):
+    return {(e.path, e.shape, e.spec) for e in p.entries}
+
+  a = fsm.plan(linen(), mesh, LLAMA_RULES)
+  b = fsm.plan(nnx_state(), mesh, LLAMA_RULES)
+  assert rows(a) == rows(b)
+  assert a.entry('params/layers/wk').spec == P(None, 'data', 'model', None)
+  assert a.num_elements('params/') == TINY_LLAMA.num_params
+
+
+def test_problems_for_a_mesh_that_divides_nothing():
+  mesh = AbstractMesh((3, 7), ('data', 'model'))
+  rules = [('embed', 'data'), ('hidden', 'model'), ('layers', None)]
+  p = fsm.plan(_mlp_state(optimizer='none'), mesh, rules)
+  paths = sorted({pr.path for pr in p.problems})
+  assert paths == ['params/ScanDotReluDot_0/Dense_0/kernel', 'params/ScanDotReluDot_0/W2']
+  assert len(p.problems) == 4  # both sharded dimensions of both kernels
+  assert all('not divisible' in pr.reason for pr in p.problems)
+  # The plan is still there, with every entry.
+  assert len(p.entries) == 2
+  with pytest.raises(fsm.ShardingError, match='ScanDotReluDot_0/W2'):
+    p.shardings()
+  assert 'problems (4):' in str(p)
+
+
+def test_rank_problem_is_reported_not_raised():
+  tree = {'w': fsm.LogicalPartitioned(_sds((4, 4)), ('embed', 'mlp', 'x'))}
+  p = fsm.plan(tree, AbstractMesh((2,), ('model',)), [])
+  assert [pr.path for pr in p.problems] == ['w']
+  assert p.entries[0].spec is None and p.entries[0].shard_shape == (4, 4)
+
+
+def test_fit_mode_replicates_and_lists_adjustments():
+  mesh = AbstractMesh((3, 7), ('data', 'model'))
+  rules = [('embed', 'data'), ('hidden', 'model'), ('layers', None)]
+  with pytest.warns(fsm.ShardingFitWarning, match='Dense_0/kernel'):
+    p = fsm.plan(_mlp_state(optimizer='none'), mesh, rules, fit=True)
+  assert not p.problems
+  assert len(p.adjustments) == 4
+  assert p.adjustments[0].startswith('params/ScanDotReluDot_0/Dense_0/kernel: dimension 1')
+  kernel = p.entry('params/ScanDotReluDot_0/Dense_0/kernel')
+  assert kernel.spec == P(None, None, None)
+  assert kernel.adjustments
+  assert 'fit mode replicated it' in str(kernel.explain[2])
+  assert 'fit mode adjustments (4)' in str(p)
+
+
+def test_fit_mode_in_get_sharding_warns_once():
+  mesh = AbstractMesh((3,), ('model',))
+  tree = {'a': fsm.Partitioned(_sds((4,)), ('model',)),
+          'b': fsm.Partitioned(_sds((8,)), ('model',))}
+  with pytest.warns(fsm.ShardingFitWarning) as record:
+    out = fsm.get_sharding(tree, mesh, fit=True)
+  assert len(record) == 1 and 'a: ' in str(record[0].message)
+  assert out['a'].spec == P(None)
+
+
+def test_explain_says_which_rule_gave_and_which_were_skipped():
+  mesh = AbstractMesh((2, 4), ('data', 'model'))
+  tree = {'w': fsm.LogicalPartitioned(_sds((8, 8, 8)), ('bar', 'foo', 'baz'))}
+  p = fsm.plan(tree, mesh, [('foo', 'model'), ('bar', 'model'), ('bar', 'data')])
+  bar, foo, baz = p.entries[0].explain
+  assert foo.mesh_axes == 'model' and foo.steps[0].applied
+  assert bar.mesh_axes == 'data'
+  assert [s.applied for s in bar.steps] == [False, True]
+  assert "mesh axis 'model' already used by dimension 1 ('foo')" in bar.steps[0].reason
+  assert baz.mesh_axes is None and 'no rule names it' in str(baz)
+  assert str(bar).startswith("dim 0 'bar' -> 'data': rule #1")
+
+
+def test_explain_for_mesh_axes_and_plain_leaves():
+  mesh = AbstractMesh((2, 4), ('data', 'model'))
+  tree = {'m': fsm.Partitioned(_sds((8, 8)), (None, 'model')), 'x': _sds((3,))}
+  p = fsm.plan(tree, mesh)
+  assert [d.note for d in p.entry('m').explain] == [
+      'replicated as written', 'mesh axes as written']
+  assert p.entry('x').explain[0].note == 'not annotated, so replicated'
+
+
+def test_explain_for_optimizer_moments_their_parameter_cannot_shard():
+  mesh = AbstractMesh((3, 5), ('data', 'model'))
+  p = fsm.plan(_mlp_state(depth=64), mesh, MLP_RULES)
+  # The problem is reported on the parameter; its moments are replicated.
+  assert {pr.path for pr in p.problems} == {
+      'params/ScanDotReluDot_0/Dense_0/kernel', 'params/ScanDotReluDot_0/W2'}
+  mu = p.entry('opt_state/0/mu/ScanDotReluDot_0/W2')
+  assert mu.spec == P()
+  assert "optimizer state that 'model' cannot shard" in str(mu.explain[1])
+
+
+def test_explain_for_factored_optimizer_state():
+  mesh = AbstractMesh((2, 4), ('data', 'model'))
+  p = fsm.plan(_mlp_state(depth=64, optimizer='adafactor'), mesh, MLP_RULES)
+  v_row = p.entry('opt_state/0/v_row/ScanDotReluDot_0/W2')
+  assert v_row.spec == P() and v_row.names is None
+  assert 'optimizer state' in v_row.explain[0].note
+  assert not p.problems
+
+
+def test_to_dict_is_json_with_the_documented_schema():
+  mesh = AbstractMesh((2, 4), ('data', 'model'))
+  p = fsm.plan(_mlp_state(depth=64), mesh, MLP_RULES)
+  d = json.loads(json.dumps(p.to_dict()))
+  assert {'entries', 'bytes_per_device', 'total_bytes', 'problems'} <= set(d)
+  entry = next(e for e in d['entries'] if e['path'] == 'params/ScanDotReluDot_0/W2')
+  assert entry == {
+      'path': 'params/ScanDotReluDot_0/W2', 'shape': [4, 64, 64],
+      'dtype': 'float32', 'names': ['layers', 'hidden', 'embed'],
+      'spec': [None, 'model', None], 'shard_shape': [4, 16, 64],
+      'bytes_per_device': 4 * 16 * 64 * 4,
+  }
+  assert d['bytes_per_device'] == p.bytes_per_device
+
+
+def test_table_groups_modules_and_summarizes_unrolled_stacks():
+  mesh = AbstractMesh((2, 4), ('data', 'model'))
+  p = fsm.plan(_mlp_state(use_scan=False, num_layers=6, depth=64, optimizer='none'),
+               mesh, MLP_RULES)
+  text = str(p)
+  assert 'params/DotReluDot_{0..5}/  [6 identical copies]' in text
+  assert text.count('  W2 ') == 1
+  assert 'total: ' in text and 'per device' in text and 'problems: none' in text
+  scanned = str(fsm.plan(_mlp_state(depth=64, optimizer='none'), mesh, MLP_RULES))
+  assert '[scanned, 4 layers]' in scanned
+
+
+def test_rich_view():
+  mesh = AbstractMesh((2, 4), ('data', 'model'))
+  p = fsm.plan(_mlp_state(depth=64, optimizer='none'), mesh, MLP_RULES)
+  assert 'treescope' in p._repr_html_()
+  import treescope
+
+  text = treescope.render_to_text(p._treescope_view())
+  assert "'W2': PlanEntry(" in text and "spec=\"P(None, 'model', None)\"" in text
+
+
+def test_plan_of_train_state_and_verify(mesh):
+  import optax
+  from flax.training import train_state
+
+  model = MLP(num_layers=2, depth=32)
+  x = jnp.ones((8, 32))
+
+  def init(key):
+    params = model.init(key, x)['params']
+    return train_state.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+
+  with fsm.logical_axis_rules(MLP_RULES):
+    p = fsm.plan(jax.eval_shape(init, jax.random.key(0)), mesh)
+    state = jax.jit(init, out_shardings=p.shardings())(jax.random.key(0))
+    assert fsm.verify(state, p) == []
+    assert fsm.verify(state, fsm.get_sharding(state, mesh)) == []
+  assert 'step' in {e.path for e in p.entries}
+
+
+def test_verify_reports_differences_by_path():
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  tree = {'w': fsm.Partitioned(jnp.zeros((8, 8)), (None, 'model')),
+          'b': jnp.zeros(8)}
+  p = fsm.plan(tree, mesh)
+  arrays = {'w': fsm.Partitioned(
+      jax.device_put(jnp.zeros((8, 8)), NamedSharding(mesh, P('data'))), (None, 'model')),
+      'b': jax.device_put(jnp.zeros(8), NamedSharding(mesh, P()))}
+  [m] = fsm.verify(arrays, p)
+  assert m.path == 'w'
+  assert m.expected.spec == P(None, 'model') and m.actual.spec == P('data')
+  assert "w: planned P(None, 'model'), found P('data'" in str(m)
+
+
+def test_repr_and_show_outside_a_notebook(capsys):
+  mesh = AbstractMesh((2, 4), ('data', 'model'))
+  p = fsm.plan(_mlp_state(depth=64, optimizer='none'), mesh, MLP_RULES)
+  assert repr(p).startswith("ShardingPlan(2 arrays, mesh={'data': 2, 'model': 4}")
+  p.show()
+  assert capsys.readouterr().out.startswith('Sharding plan: 2 arrays')
+
+
+@pytest.mark.parametrize('name', ['plan', 'ShardingPlan', 'PlanEntry', 'as_abstract',
+                                  'verify'])
+def test_plan_names_are_public_and_documented(name):
+  assert name in fsm.__all__
+  assert getattr(fsm, name).__doc__

@@ -1,0 +1,89 @@
+"""match_partition_rules: specs for unannotated models by regex over paths."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import flax_shardmeta as fsm
+
+PARAMS = {
+    'encoder': {
+        'attn': {'query': {'kernel': jnp.zeros((8, 16)), 'bias': jnp.zeros(16)}},
+        'mlp': {'wi': {'kernel': jnp.zeros((8, 32))}},
+    },
+    'embed': {'embedding': jnp.zeros((100, 8))},
+    'scale': jnp.float32(1.0),
+}
+
+
+def test_first_match_wins():
+  rules = [
+      ('attn/.*/kernel', P(None, 'model')),
+      ('kernel', P('model', None)),
+      ('embedding', P('model', 'data')),
+      ('.*', P()),
+  ]
+  specs = fsm.match_partition_rules(rules, PARAMS)
+  assert specs['encoder']['attn']['query']['kernel'] == P(None, 'model')
+  assert specs['encoder']['mlp']['wi']['kernel'] == P('model', None)
+  assert specs['embed']['embedding'] == P('model', 'data')
+  assert specs['encoder']['attn']['query']['bias'] == P()
+
+
+def test_search_not_fullmatch():
+  specs = fsm.match_partition_rules([('wi', P('data')), ('.*', P())], PARAMS)
+  assert specs['encoder']['mlp']['wi']['kernel'] == P('data')
+
+
+def test_scalars_get_empty_spec_without_a_rule():
+  specs = fsm.match_partition_rules([('kernel|bias|embedding', P('data'))], PARAMS)
+  assert specs['scale'] == P()
+
+
+def test_min_size_replicates_small_leaves():
+  rules = [('.*', P('model'))]
+  specs = fsm.match_partition_rules(rules, PARAMS, min_size=200)
+  assert specs['encoder']['attn']['query']['bias'] == P()  # 16 elements
+  assert specs['encoder']['attn']['query']['kernel'] == P()  # 128 elements
+  assert specs['encoder']['mlp']['wi']['kernel'] == P('model')  # 256
+  assert specs['embed']['embedding'] == P('model')  # 800
+
+
+def test_long_specs_are_trimmed_to_rank():
+  specs = fsm.match_partition_rules([('.*', P('data', 'model', None))], PARAMS)
+  assert specs['encoder']['attn']['query']['bias'] == P('data')
+  assert specs['embed']['embedding'] == P('data', 'model')
+
+
+def test_unmatched_leaves_raise_naming_paths():
+  with pytest.raises(ValueError, match='No partition rule matches 2 leaf') as info:
+    fsm.match_partition_rules([('kernel', P())], PARAMS)
+  message = str(info.value)
+  assert 'encoder/attn/query/bias (16,)' in message
+  assert 'embed/embedding (100, 8)' in message
+  assert "('.*', P())" in message
+  assert 'scale' not in message
+
+
+def test_non_array_leaves_map_to_none():
+  specs = fsm.match_partition_rules([('.*', P())], {'a': jnp.zeros(2), 'b': 'x'})
+  assert specs == {'a': P(), 'b': None}
+
+
+def test_on_model_variables_and_get_sharding(mesh):
+  model = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(8)])
+  variables = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((4, 8)))
+  specs = fsm.match_partition_rules(
+      [('layers_0/kernel', P(None, 'model')), ('layers_2/kernel', P('model')),
+       ('bias', P())], variables)
+  assert specs['params']['layers_0']['kernel'] == P(None, 'model')
+  assert specs['params']['layers_2']['kernel'] == P('model')
+  shardings = jax.tree_util.tree_map(
+      lambda s: jax.sharding.NamedSharding(mesh, s), specs,
+      is_leaf=lambda x: isinstance(x, P))
+  params = jax.jit(model.init, out_shardings=shardings)(
+      jax.random.key(0), jnp.ones((4, 8)))
+  kernel = params['params']['layers_0']['kernel']
+  assert kernel.sharding.is_equivalent_to(shardings['params']['layers_0']['kernel'], 2)

@@ -1,0 +1,438 @@
+"""Extraction, resolution and validation of shardings over whole trees."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_shardmeta as fsm
+
+KEY = jax.random.key(0)
+RULES = (('batch', 'data'), ('hidden', 'model'), ('embed', None))
+
+
+class DotReluDot(nn.Module):
+  depth: int
+  names1: tuple
+  names2: tuple
+  logical: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    wrap = fsm.with_logical_partitioning if self.logical else fsm.with_partitioning
+    init = nn.initializers.xavier_normal()
+    y = nn.Dense(self.depth, use_bias=False,
+                 kernel_init=wrap(init, self.names1))(x)
+    w2 = self.param('W2', wrap(init, self.names2), (self.depth, x.shape[-1]))
+    return jax.nn.relu(y) @ w2
+
+
+class Net(nn.Module):
+  depth: int = 16
+  names1: tuple = (None, 'model')
+  names2: tuple = ('model', None)
+  logical: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    x = DotReluDot(self.depth, self.names1, self.names2, self.logical)(x)
+    return nn.Dense(x.shape[-1], use_bias=True)(x)
+
+
+def abstract_vars(model, width=8, batch=8):
+  return jax.eval_shape(model.init, KEY, jnp.ones((batch, width)))
+
+
+def make_state(model, tx, width=8):
+  def init(key, x):
+    params = model.init(key, x)['params']
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  return init, (KEY, jnp.ones((8, width)))
+
+
+def spec_leaves(tree):
+  return [s.spec if s is not None else None for s in jax.tree_util.tree_leaves(
+      tree, is_leaf=lambda x: x is None)]
+
+
+# get_partition_spec
+# ------------------------------------------------------------------------------
+
+
+def test_get_partition_spec_is_as_written():
+  tree = {
+      'mesh': fsm.Partitioned(jnp.zeros((2, 4)), (None, 'model')),
+      'logical': fsm.LogicalPartitioned(jnp.zeros((2, 4)), ('embed', 'mlp')),
+      'flax': nn.LogicallyPartitioned(jnp.zeros((2, 4)), ('embed', 'mlp')),
+      'plain': jnp.zeros(3),
+      'abstract': jax.ShapeDtypeStruct((4,), jnp.float32),
+      'scalar': jnp.float32(1.0),
+      'other': 'a string',
+      'count': 3,
+  }
+  specs = fsm.get_partition_spec(tree)
+  assert specs['mesh'] == P(None, 'model')
+  assert specs['logical'] == P('embed', 'mlp')
+  assert specs['flax'] == P('embed', 'mlp')
+  assert specs['plain'] == P()
+  assert specs['abstract'] == P()
+  assert specs['scalar'] == P()
+  assert specs['other'] is None
+  assert specs['count'] is None
+
+
+def test_get_partition_spec_of_model_variables():
+  variables = abstract_vars(Net(logical=True, names1=('embed', 'hidden'),
+                                names2=('hidden', 'embed')))
+  specs = fsm.get_partition_spec(variables)
+  assert specs['params']['DotReluDot_0']['Dense_0']['kernel'] == P('embed', 'hidden')
+  assert specs['params']['DotReluDot_0']['W2'] == P('hidden', 'embed')
+  assert specs['params']['Dense_0']['kernel'] == P()
+
+
+# get_sharding
+# ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('logical', [False, True])
+def test_get_sharding_on_eval_shape(mesh, logical):
+  names = (('embed', 'hidden'), ('hidden', 'embed')) if logical else (
+      (None, 'model'), ('model', None))
+  variables = abstract_vars(Net(16, *names, logical=logical))
+  shardings = fsm.get_sharding(variables, mesh, RULES)
+  params = shardings['params']
+  assert params['DotReluDot_0']['Dense_0']['kernel'] == NamedSharding(
+      mesh, P(None, 'model'))
+  assert params['DotReluDot_0']['W2'] == NamedSharding(mesh, P('model', None))
+  assert params['Dense_0']['kernel'] == NamedSharding(mesh, P())
+  assert params['Dense_0']['bias'] == NamedSharding(mesh, P())
+  # The output has the input's structure, boxes included.
+  assert isinstance(params['DotReluDot_0']['W2'], NamedSharding)
+  assert jax.tree_util.tree_structure(
+      jax.tree_util.tree_map(lambda _: 0, shardings)) == jax.tree_util.tree_structure(
+          jax.tree_util.tree_map(lambda _: 0, fsm.unbox(variables)))
+
+
+def test_get_sharding_uses_context_rules(mesh):
+  variables = abstract_vars(Net(16, ('embed', 'hidden'), ('hidden', 'embed'),
+                                logical=True))
+  with fsm.logical_axis_rules([('hidden', 'data')]):
+    ctx = fsm.get_sharding(variables, mesh)
+  assert ctx['params']['DotReluDot_0']['W2'].spec == P('data', None)
+  # Explicit rules win over the context.
+  with fsm.logical_axis_rules([('hidden', 'data')]):
+    explicit = fsm.get_sharding(variables, mesh, RULES)
+  assert explicit['params']['DotReluDot_0']['W2'].spec == P('model', None)
+  # No rules at all: logical names are replicated.
+  none = fsm.get_sharding(variables, mesh)
+  assert none['params']['DotReluDot_0']['W2'].spec == P(None, None)
+
+
+def test_get_sharding_composes_per_variable_rules(mesh):
+  tree = {
+      'w': fsm.LogicalPartitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32),
+                                  ('embed', 'mlp'), rules=[('mlp', 'model')]),
+      'v': fsm.LogicalPartitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32),
+                                  ('embed', 'mlp'), rules=[('embed', 'data')]),
+  }
+  out = fsm.get_sharding({'w': tree['w']}, mesh,
+                         [('embed', 'model'), ('embed', 'data')])
+  # Global 'embed' takes 'model', so the local 'mlp' rule finds it used.
+  assert out['w'].spec == P('model', None)
+  # A conflict between global and per-variable rules is reported by path.
+  with pytest.raises(fsm.ShardingError, match="conflicting first choices") as info:
+    fsm.get_sharding(tree, mesh, [('embed', 'model')])
+  (problem,) = info.value.problems
+  assert problem.path == 'v'
+  assert "('embed', 'model')" in problem.reason
+  assert "('embed', 'data')" in problem.reason
+  assert '.. Fix' not in str(info.value)
+
+
+def test_duplicate_logical_name_is_reported_by_path(mesh):
+  tree = {'layer': {'w': fsm.LogicalPartitioned(
+      jax.ShapeDtypeStruct((8, 8), jnp.float32), ('embed', 'embed'))}}
+  with pytest.raises(fsm.ShardingError, match="'embed' appears more than once"):
+    fsm.get_sharding(tree, mesh, RULES)
+
+
+def test_get_sharding_with_abstract_mesh():
+  mesh = AbstractMesh((2, 4), ('data', 'model'))
+  variables = abstract_vars(Net())
+  out = fsm.get_sharding(variables, mesh)
+  assert out['params']['DotReluDot_0']['W2'].spec == P('model', None)
+  assert out['params']['DotReluDot_0']['W2'].mesh == mesh
+
+
+def test_get_sharding_non_array_leaves_are_none(mesh):
+  out = fsm.get_sharding({'a': 'text', 'b': None, 'c': jnp.zeros(2)}, mesh)
+  assert out['a'] is None and out['b'] is None
+  assert out['c'] == NamedSharding(mesh, P())
+
+
+def test_get_sharding_flax_own_boxes(mesh):
+  tree = {
+      'mesh': nn.Partitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32),
+                             ('data', 'model')),
+      'logical': nn.LogicallyPartitioned(
+          jax.ShapeDtypeStruct((8, 8), jnp.float32), ('embed', 'hidden'),
+          rules=(('embed', 'data'),)),
+  }
+  out = fsm.get_sharding(tree, mesh, [('hidden', 'model')])
+  assert out['mesh'].spec == P('data', 'model')
+  # The box's own rules compose with the global ones.
+  assert out['logical'].spec == P('data', 'model')
+  with pytest.raises(fsm.ShardingError, match='conflicting first choices'):
+    fsm.get_sharding(tree, mesh, [('embed', None)])
+
+
+@pytest.mark.parametrize('tx', [optax.adam(1e-3), optax.sgd(1e-2, momentum=0.9)],
+                         ids=['adam', 'sgd-momentum'])
+def test_get_sharding_train_state(mesh, tx):
+  model = Net(16)
+  init, args = make_state(model, tx)
+  state = jax.eval_shape(init, *args)
+  shardings = fsm.get_sharding(state, mesh)
+  assert shardings.step == NamedSharding(mesh, P())
+  kernel = NamedSharding(mesh, P(None, 'model'))
+  assert shardings.params['DotReluDot_0']['Dense_0']['kernel'] == kernel
+  # Every full-rank moment mirrors its parameter.
+  moments = [
+      leaf for path, leaf in jax.tree_util.tree_flatten_with_path(
+          shardings.opt_state)[0]
+      if 'DotReluDot_0' in jax.tree_util.keystr(path)
+      and 'Dense_0' in jax.tree_util.keystr(path)
+  ]
+  assert moments and all(m == kernel for m in moments)
+  real = jax.jit(init, out_shardings=shardings)(*args)
+  for s, a in zip(jax.tree_util.tree_leaves(shardings), jax.tree_util.tree_leaves(real)):
+    assert a.sharding.is_equivalent_to(s, a.ndim)
+
+
+class BiasedNet(nn.Module):
+  """Rank-1 and rank-2 sharded parameters, large enough to be factored."""
+
+  @nn.compact
+  def __call__(self, x):
+    dense = nn.Dense(
+        256,
+        kernel_init=fsm.with_partitioning(nn.initializers.lecun_normal(),
+                                          ('data', 'model')),
+        bias_init=fsm.with_partitioning(nn.initializers.zeros, ('model',)),
+    )
+    return dense(x)
+
+
+@pytest.mark.parametrize('min_dim_size_to_factor', [128, 100_000],
+                         ids=['factored', 'unfactored'])
+def test_adafactor_state_gets_valid_shardings(mesh, min_dim_size_to_factor):
+  tx = optax.adafactor(1e-3, min_dim_size_to_factor=min_dim_size_to_factor)
+  init, args = make_state(BiasedNet(), tx, width=128)
+  state = jax.eval_shape(init, *args)
+  shardings = fsm.get_sharding(state, mesh)
+  factored = shardings.opt_state[0]
+  abstract = state.opt_state[0]
+  for field in ('v_row', 'v_col', 'v'):
+    for name in ('kernel', 'bias'):
+      sharding = getattr(factored, field)['Dense_0'][name]
+      leaf = getattr(abstract, field)['Dense_0'][name].value
+      # jax accepts the sharding for that exact shape.
+      placed = jax.device_put(jnp.zeros(leaf.shape, leaf.dtype), sharding)
+      assert placed.sharding == sharding
+  # Moments that still have the parameter's shape follow it.
+  if min_dim_size_to_factor > 256:
+    assert factored.v['Dense_0']['kernel'].spec == P('data', 'model')
+  else:
+    assert factored.v_row['Dense_0']['kernel'].spec == P()
+    assert factored.v_col['Dense_0']['kernel'].spec == P()
+  assert factored.v['Dense_0']['bias'].spec == P('model')
+  assert factored.v_row['Dense_0']['bias'].spec == P()  # shape (1,)
+  real = jax.jit(init, out_shardings=shardings)(*args)
+  for s, a in zip(jax.tree_util.tree_leaves(shardings), jax.tree_util.tree_leaves(real)):
+    assert a.sharding.is_equivalent_to(s, a.ndim)
+
+
+# ShardingError
+# ------------------------------------------------------------------------------
+
+KERNEL = 'params/DotReluDot_0/Dense_0/kernel'
+
+
+@pytest.mark.parametrize('names1, depth, reason', [
+    (('data', None, 'model'), 16, '3 names for a rank-2 array'),
+    ((None, 'expert'), 16, r"mesh axis 'expert' \(dimension 1\) is not in the "
+     r'mesh \(data=2, model=4\)'),
+    (('model', 'model'), 16, "mesh axis 'model' shards both dimension 0 and "
+     'dimension 1'),
+    ((None, 'model'), 6, "dimension 1 of size 6 is not divisible by 'model'=4"),
+    ((None, ('data', 'model')), 12,
+     r"dimension 1 of size 12 is not divisible by 'data'=2 x 'model'=4 \(= 8\)"),
+])
+def test_sharding_error_names_the_parameter(mesh, names1, depth, reason):
+  variables = abstract_vars(Net(depth, names1, (None, None)))
+  with pytest.raises(fsm.ShardingError, match=reason) as info:
+    fsm.get_sharding(variables, mesh)
+  error = info.value
+  assert isinstance(error, ValueError)
+  (problem,) = error.problems
+  assert problem.path == KERNEL
+  assert problem.shape == (8, depth)
+  assert problem.names == names1
+  message = str(error)
+  assert f'{KERNEL}: shape (8, {depth})' in message
+  assert 'Fix: ' in message and problem.hint in message
+  assert problem.reason in message
+  if len(names1) == 2:
+    assert problem.spec == P(*names1)
+    assert 'spec P(' in message
+  else:
+    assert 'metadata_params' in problem.hint
+
+
+def test_sharding_error_logical_names_show_the_resolved_spec(mesh):
+  variables = abstract_vars(Net(6, ('embed', 'hidden'), ('hidden', 'embed'),
+                                logical=True))
+  with pytest.raises(fsm.ShardingError) as info:
+    fsm.get_sharding(variables, mesh, RULES)
+  problems = {p.path: p for p in info.value.problems}
+  assert set(problems) == {KERNEL, 'params/DotReluDot_0/W2'}
+  kernel = problems[KERNEL]
+  assert kernel.names == ('embed', 'hidden')
+  assert kernel.spec == P(None, 'model')
+  assert "names ('embed', 'hidden'), spec P(None, 'model')" in str(info.value)
+
+
+def test_several_bad_leaves_reported_together(mesh):
+  variables = abstract_vars(Net(6, ('data', None, 'model'), ('model', 'expert')))
+  with pytest.raises(fsm.ShardingError, match='^3 leaves cannot be sharded') as info:
+    fsm.get_sharding(variables, mesh)
+  problems = info.value.problems
+  assert sorted(p.path for p in problems) == [
+      'params/DotReluDot_0/Dense_0/kernel',
+      'params/DotReluDot_0/W2',
+      'params/DotReluDot_0/W2',
+  ]
+  reasons = ' | '.join(p.reason for p in problems)
+  assert '3 names for a rank-2 array' in reasons
+  assert "mesh axis 'expert'" in reasons
+  assert 'dimension 0 of size 6 is not divisible' in reasons
+  assert len(str(info.value).splitlines()) == 4
+
+
+def test_problem_to_dict(mesh):
+  variables = abstract_vars(Net(6))
+  with pytest.raises(fsm.ShardingError) as info:
+    fsm.get_sharding(variables, mesh)
+  record = info.value.problems[0].to_dict()
+  assert record['path'] in (KERNEL, 'params/DotReluDot_0/W2')
+  assert set(record) == {'path', 'shape', 'names', 'spec', 'reason', 'hint'}
+
+
+def test_box_that_lost_its_rank_after_a_transform_is_reported(mesh):
+  # jax.vmap knows nothing of boxes: it stacks the values, the names stay.
+  model = Net(16)
+  keys = jax.random.split(KEY, 2)
+  variables = jax.eval_shape(jax.vmap(model.init, in_axes=(0, None)),
+                             keys, jnp.ones((8, 8)))
+  box = variables['params']['DotReluDot_0']['W2']
+  assert box.value.shape == (2, 16, 8) and box.names == ('model', None)
+  with pytest.raises(fsm.ShardingError, match='2 names for a rank-3 array') as info:
+    fsm.get_sharding(variables, mesh)
+  paths = sorted(p.path for p in info.value.problems)
+  assert paths == [KERNEL, 'params/DotReluDot_0/W2']
+  assert all('metadata_params' in p.hint for p in info.value.problems)
+
+
+def test_flax_lifted_vmap_keeps_names_in_step(mesh):
+  layer = nn.vmap(
+      DotReluDot, in_axes=0, out_axes=0, variable_axes={'params': 0},
+      split_rngs={'params': True}, metadata_params={fsm.PARTITION_NAME: 'data'})
+  model = layer(16, (None, 'model'), ('model', None))
+  variables = jax.eval_shape(model.init, KEY, jnp.ones((2, 4, 8)))
+  out = fsm.get_sharding(variables, mesh)
+  assert out['params']['W2'].spec == P('data', 'model', None)
+
+
+# logical_to_mesh, logical_to_mesh_sharding
+# ------------------------------------------------------------------------------
+
+
+def test_logical_to_mesh():
+  tree = {'w': P('embed', 'hidden'), 'b': P('hidden'), 'n': None, 's': 'x'}
+  out = fsm.logical_to_mesh(tree, RULES)
+  assert out == {'w': P(None, 'model'), 'b': P('model'), 'n': None, 's': 'x'}
+  with fsm.logical_axis_rules([('hidden', 'data')]):
+    assert fsm.logical_to_mesh(tree)['b'] == P('data')
+
+
+def test_logical_to_mesh_of_partition_specs_from_boxes():
+  variables = abstract_vars(Net(16, ('embed', 'hidden'), ('hidden', 'embed'),
+                                logical=True))
+  specs = fsm.logical_to_mesh(fsm.get_partition_spec(variables), RULES)
+  assert specs['params']['DotReluDot_0']['W2'] == P('model', None)
+  assert specs['params']['Dense_0']['kernel'] == P()
+
+
+def test_logical_to_mesh_sharding(mesh):
+  out = fsm.logical_to_mesh_sharding(
+      {'x': P('batch', 'embed'), 'w': P('embed', 'hidden')}, mesh, RULES)
+  assert out['x'] == NamedSharding(mesh, P('data', None))
+  assert out['w'] == NamedSharding(mesh, P(None, 'model'))
+
+
+def test_logical_to_mesh_sharding_reports_missing_axes(mesh):
+  with pytest.raises(fsm.ShardingError, match="mesh axis 'expert'") as info:
+    fsm.logical_to_mesh_sharding({'moe': P('experts', 'hidden')}, mesh,
+                                 [('experts', 'expert'), ('hidden', 'model')])
+  assert info.value.problems[0].path == 'moe'
+  assert info.value.problems[0].spec == P('expert', 'model')
+
+
+# fit=True
+# ------------------------------------------------------------------------------
+
+
+def test_fit_replicates_and_warns(mesh):
+  variables = abstract_vars(Net(6, (None, 'model'), ('model', 'expert')))
+  with pytest.warns(fsm.ShardingFitWarning) as record:
+    out = fsm.get_sharding(variables, mesh, fit=True)
+  params = out['params']['DotReluDot_0']
+  assert params['Dense_0']['kernel'].spec == P(None, None)
+  assert params['W2'].spec == P(None, None)
+  (warning,) = record
+  text = str(warning.message)
+  assert 'fit=True replicated 3 dimension(s)' in text
+  assert f"{KERNEL}: dimension 1: 'model' -> None" in text
+  assert "params/DotReluDot_0/W2: dimension 1: 'expert' -> None" in text
+
+
+def test_fit_keeps_what_fits_and_is_silent_when_nothing_changes(mesh):
+  variables = abstract_vars(Net(8, ('data', 'model'), ('model', None)))
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    out = fsm.get_sharding(variables, mesh, fit=True)
+  assert out['params']['DotReluDot_0']['Dense_0']['kernel'].spec == P('data', 'model')
+
+
+def test_fit_cannot_fix_a_rank_mismatch(mesh):
+  variables = abstract_vars(Net(16, ('data', None, 'model'), (None, None)))
+  with pytest.raises(fsm.ShardingError, match='3 names for a rank-2 array'):
+    fsm.get_sharding(variables, mesh, fit=True)
+
+
+def test_shardings_place_real_arrays(mesh):
+  model = Net(16)
+  variables = jax.jit(model.init)(KEY, jnp.ones((8, 8)))
+  shardings = fsm.get_sharding(variables, mesh)
+  placed = jax.device_put(fsm.unbox(variables), fsm.unbox(shardings))
+  w2 = placed['params']['DotReluDot_0']['W2']
+  assert w2.sharding == NamedSharding(mesh, P('model', None))
+  np.testing.assert_array_equal(
+      w2, variables['params']['DotReluDot_0']['W2'].value)
