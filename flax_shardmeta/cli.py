@@ -246,7 +246,7 @@ def _simulate_cpu_devices(n: int) -> None:
   try:
     jax.config.update('jax_num_cpu_devices', n)
   except RuntimeError:
-    pass  # already started (e.g. inside a test session): use what exists
+    pass  # already started (e.g. under pytest): use the devices that exist
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -50,14 +50,18 @@ class ShardedInit:
     self.chunk_bytes = chunk_bytes
     functools.update_wrapper(self, init_fn)
 
+  def _rules(self) -> contextlib.AbstractContextManager[None]:
+    if self.rules is None:
+      return contextlib.nullcontext()
+    return logical_axis_rules(self.rules)
+
   def _context(self) -> contextlib.ExitStack:
     # The program is traced with every axis Auto: values do not depend on
     # axis types, and under Explicit axes the random generators would be
     # typed replicated. Outputs are placed on the caller's mesh at the end.
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(_all_auto(self.mesh)))
-    if self.rules is not None:
-      stack.enter_context(logical_axis_rules(self.rules))
+    stack.enter_context(self._rules())
     return stack
 
   def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
@@ -65,16 +69,21 @@ class ShardedInit:
     is_array = [isinstance(x, jax.Array) for x in leaves]
     arrays = [_to_auto(x) for x, a in zip(leaves, is_array) if a]
 
-    def flat_init(*arrays: Any) -> list[Any]:
+    def call(*arrays: Any) -> PyTree:
       it = iter(arrays)
       full = [next(it) if a else x for x, a in zip(leaves, is_array)]
       a, kw = jax.tree_util.tree_unflatten(treedef, full)
-      return jax.tree_util.tree_leaves(self.init_fn(*a, **kw))
+      return self.init_fn(*a, **kw)
 
-    closed, out_tree = jax.make_jaxpr(flat_init, return_shape=True)(*arrays)
-    init_out = jax.eval_shape(
-        lambda *a: self._unflat_call(leaves, is_array, treedef, a), *arrays)
-    get_sharding(init_out, self.mesh, self.rules)  # raises every problem, by path
+    # Validate outside the mesh first, so every problem is reported with its
+    # path (under the mesh the first constraint would fail without one).
+    with self._rules():
+      init_out = jax.eval_shape(call, *arrays)
+      get_sharding(init_out, self.mesh, self.rules)
+    with self._context():
+      closed, out_tree = jax.make_jaxpr(
+          lambda *a: jax.tree_util.tree_leaves(call(*a)), return_shape=True
+      )(*arrays)
     out_treedef = jax.tree_util.tree_structure(init_out)
     shardings = _per_array_leaf(init_out, _all_auto(self.mesh), self.rules)
     graph = windowed._Graph(closed)
@@ -99,21 +108,15 @@ class ShardedInit:
     jitted = jax.jit(program, out_shardings=shardings)
     return jitted, arrays, out_treedef
 
-  def _unflat_call(self, leaves, is_array, treedef, arrays):
-    it = iter(arrays)
-    full = [next(it) if a else x for x, a in zip(leaves, is_array)]
-    a, kw = jax.tree_util.tree_unflatten(treedef, full)
-    return self.init_fn(*a, **kw)
-
   def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
     """The lowered single program for these arguments."""
+    jitted, arrays, _ = self._build(args, kwargs)
     with self._context():
-      jitted, arrays, _ = self._build(args, kwargs)
       return jitted.lower(*arrays)
 
   def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
+    jitted, arrays, out_treedef = self._build(args, kwargs)
     with self._context():
-      jitted, arrays, out_treedef = self._build(args, kwargs)
       outs = jitted(*arrays)
     if _all_auto(self.mesh) is not self.mesh:
       outs = [_retype(x, self.mesh) for x in outs]
@@ -124,6 +127,8 @@ def sharded_init(
     init_fn: Callable[..., PyTree],
     mesh: AnyMesh,
     rules: LogicalRules | None = None,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> ShardedInit:
   """Returns a function that runs ``init_fn`` and returns its output sharded.
 
@@ -138,6 +143,8 @@ def sharded_init(
     init_fn: e.g. ``model.init`` or a function building a TrainState.
     mesh: the device mesh.
     rules: logical axis rules; None uses the context rules.
+    chunk_bytes: per-device bytes of a parameter generated at once; larger
+      per-device shards are filled chunk by chunk.
 
   Returns:
     A :class:`ShardedInit` with ``init_fn``'s signature (and ``.lower``).
@@ -151,7 +158,7 @@ def sharded_init(
     >>> v['params']['kernel'].value.sharding.spec
     P(None, 'model')
   """
-  return ShardedInit(init_fn, mesh, rules)
+  return ShardedInit(init_fn, mesh, rules, chunk_bytes)
 
 
 def _per_array_leaf(

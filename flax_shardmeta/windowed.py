@@ -133,6 +133,7 @@ class WindowedOutput:
   out: int
   shape: tuple[int, ...]
   used_inputs: list[int]
+  _inner: dict[int, WindowedOutput] = dataclasses.field(default_factory=dict)
 
   def evaluate(self, inputs: list[Any], offsets: list[Any],
                wshape: tuple[int, ...]) -> Any:
@@ -173,6 +174,8 @@ class WindowedOutput:
           node.aval.dtype)
     if name in _LAYOUT and node.inputs[0] in spatial:
       return ins[0]
+    if name == 'scan':
+      return self._window_scan(node, ins, offsets, wshape)
     if name in _ELEMENTWISE:
       args = []
       for i, x in zip(node.inputs, ins):
@@ -180,6 +183,33 @@ class WindowedOutput:
             x, self.shape, offsets, wshape))
       return _bind(node, args, drop_sharding=True)
     raise Unsupported(f'{name} is not elementwise')
+
+
+  def _window_scan(self, node, ins, offsets, wshape):
+    # A stacked output of a scan (e.g. nn.scan's per-layer parameters): each
+    # layer in the window is the body's output for that iteration, computed
+    # window by window, provided it does not depend on the loop carry.
+    p = node.params
+    n_consts, n_carry = p['num_consts'], p['num_carry']
+    y = p['_index'] - n_carry
+    if p.get('reverse') or y < 0 or not self.shape:
+      raise Unsupported('scan carry or reversed scan')
+    key = id(node)
+    inner = self._inner.get(key)
+    if inner is None:
+      inner = analyse(p['jaxpr'], None, n_carry + y, check=False)
+      if inner is None or any(
+          n_consts <= i < n_consts + n_carry for i in inner.used_inputs):
+        raise Unsupported('scan output depends on the carry')
+      self._inner[key] = inner
+    consts, xs = ins[:n_consts], ins[n_consts + n_carry:]
+    pieces = []
+    for i in range(wshape[0]):
+      step = offsets[0] + np.uint32(i)
+      body_in = list(consts) + [None] * n_carry + [
+          lax.dynamic_index_in_dim(x, step, keepdims=False) for x in xs]
+      pieces.append(inner.evaluate(body_in, list(offsets[1:]), wshape[1:]))
+    return jnp.stack(pieces)
 
 
 def _bind(node: _Node, args: list[Any], drop_sharding: bool = False) -> Any:
@@ -241,14 +271,14 @@ def _window_bits(key: Any, bit_width: int, shape, offsets, wshape) -> Any:
   raise Unsupported(f'{bit_width}-bit random bits')
 
 
-def analyse(closed: jex.ClosedJaxpr, graph: _Graph | None, index: int
-            ) -> WindowedOutput | None:
+def analyse(closed: jex.ClosedJaxpr, graph: _Graph | None, index: int,
+            check: bool = True) -> WindowedOutput | None:
   """A window evaluator for output ``index``, or None when not possible."""
   graph = graph or _Graph(closed)
   out = graph.outputs[index]
   aval = graph.nodes[out].aval
   shape = tuple(aval.shape)
-  if not shape or math.prod(shape) >= 2**32:
+  if math.prod(shape) >= 2**32 or (check and not shape):
     return None
   if not jax.config.jax_threefry_partitionable:
     return None
@@ -261,6 +291,8 @@ def analyse(closed: jex.ClosedJaxpr, graph: _Graph | None, index: int
         return None  # only jax's default threefry keys have windowed bits
   used = [i for i, n in enumerate(graph.inputs) if n in set(order)]
   w = WindowedOutput(graph, order, out, shape, used)
+  if not check:
+    return w
   try:
     # Dry run on a one-element window validates every primitive on the path.
     probe = [jax.ShapeDtypeStruct(graph.nodes[n].aval.shape,

@@ -1,0 +1,163 @@
+"""sharded_init and window-by-window generation (flax_shardmeta.windowed)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_shardmeta as fsm
+from flax_shardmeta import windowed
+
+RULES = (('embed', 'data'), ('mlp', 'model'), ('layers', None))
+
+
+def _dot(a, b):
+  # Explicit axes need the output layout of a sharded contraction spelled out.
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = not mesh.empty and mesh.are_all_axes_explicit
+  return jnp.dot(a, b, out_sharding=P() if explicit else None)
+
+
+class Block(nn.Module):
+  kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, x, _):
+    h = nn.Dense(64, kernel_init=fsm.with_logical_partitioning(
+        self.kernel_init, ('embed', 'mlp')),
+        bias_init=fsm.with_logical_partitioning(nn.initializers.zeros, ('mlp',)))(x)
+    h = nn.relu(h)
+    w = self.param('w_out', fsm.with_logical_partitioning(
+        nn.initializers.normal(0.02), ('mlp', 'embed')), (64, x.shape[-1]))
+    return _dot(h, w), None
+
+
+class Stack(nn.Module):
+  scan: bool
+  kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, x):
+    if self.scan:
+      x, _ = nn.scan(Block, length=3, variable_axes={'params': 0},
+                     split_rngs={'params': True},
+                     metadata_params={fsm.PARTITION_NAME: 'layers'})(self.kernel_init)(x, None)
+    else:
+      for _ in range(3):
+        x, _ = Block(self.kernel_init)(x, None)
+    emb = self.param('embedding', fsm.with_logical_partitioning(
+        nn.initializers.variance_scaling(1.0, 'fan_in', 'uniform'),
+        ('embed', 'mlp')), (x.shape[-1], 256))
+    return _dot(x, emb)
+
+
+def _check_same(got, want, shardings):
+  for g, w, s in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                     jax.tree.leaves(shardings)):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    # A few initializers may round their last bit differently once fused.
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=1e-9)
+    assert g.sharding.is_equivalent_to(s, g.ndim), (g.sharding, s)
+
+
+@pytest.mark.parametrize('scan', [False, True], ids=['unrolled', 'scan'])
+@pytest.mark.parametrize('init', [nn.initializers.lecun_normal(),
+                                  nn.initializers.orthogonal()],
+                         ids=['lecun', 'orthogonal'])
+def test_values_and_layout_match_plain_jitted_init(mesh, scan, init):
+  model = Stack(scan, init)
+  x = jnp.ones((4, 32))
+  key = jax.random.key(0)
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    abstract = jax.eval_shape(model.init, key, x)
+    shardings = fsm.get_sharding(abstract, mesh)
+    want = jax.jit(model.init, out_shardings=shardings)(key, x)
+  # A tiny chunk size forces chunked generation on these small arrays.
+  got = fsm.sharded_init(model.init, mesh, RULES, chunk_bytes=512)(key, x)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  _check_same(got, want, shardings)
+  assert got['params']['embedding'].names == ('embed', 'mlp')
+
+
+def test_train_state_with_optimizer(mesh):
+  model = Stack(True)
+  tx = optax.adam(1e-3)
+
+  def init_fn(key, x):
+    params = model.init(key, x)['params']
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+  x = jnp.ones((4, 32))
+  got = fsm.sharded_init(init_fn, mesh, RULES, chunk_bytes=512)(jax.random.key(1), x)
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    shardings = fsm.get_sharding(jax.eval_shape(init_fn, jax.random.key(1), x), mesh)
+    want = jax.jit(init_fn, out_shardings=shardings)(jax.random.key(1), x)
+  _check_same(got, want, shardings)
+
+
+def test_chunked_program_keeps_temporaries_small(mesh):
+  # Structure, not speed: the chunked program's temporaries are a few chunks,
+  # the plain one's are three times the largest shard.
+  model = nn.Dense(1024, use_bias=False, kernel_init=fsm.with_logical_partitioning(
+      nn.initializers.lecun_normal(), ('embed', 'mlp')))
+  x = jnp.ones((2, 1024))
+  key = jax.random.key(0)
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    shardings = fsm.get_sharding(jax.eval_shape(model.init, key, x), mesh)
+    plain = jax.jit(model.init, out_shardings=shardings).lower(key, x).compile()
+  chunk = 32 * 1024
+  chunked = fsm.sharded_init(model.init, mesh, RULES, chunk_bytes=chunk)
+  compiled = chunked.lower(key, x).compile().memory_analysis()
+  shard = 1024 * 1024 * 4 // 8
+  assert compiled.output_size_in_bytes == shard
+  plain_temps = plain.memory_analysis().temp_size_in_bytes
+  assert plain_temps >= 2 * shard
+  assert compiled.temp_size_in_bytes <= 6 * chunk < plain_temps / 4
+
+
+def test_problems_raise_before_anything_runs(mesh):
+  model = nn.Dense(6, kernel_init=fsm.with_logical_partitioning(
+      nn.initializers.lecun_normal(), ('embed', 'mlp')))
+  with pytest.raises(fsm.ShardingError, match='params/kernel'):
+    fsm.sharded_init(model.init, mesh, RULES)(jax.random.key(0), jnp.ones((1, 6)))
+
+
+@pytest.mark.parametrize('offsets,window', [((0, 0, 0), (6, 10, 4)),
+                                            ((2, 3, 1), (3, 5, 2)),
+                                            ((5, 9, 3), (1, 1, 1))])
+def test_window_bits_are_jax_bits(offsets, window):
+  key = jax.random.key(3)
+  shape = (6, 10, 4)
+  full = jax.random.bits(key, shape, jnp.uint32)
+  got = windowed._window_bits(key, 32, shape, [jnp.uint32(o) for o in offsets], window)
+  sl = tuple(slice(o, o + w) for o, w in zip(offsets, window))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(full[sl]))
+
+
+def test_unsupported_initializers_are_detected():
+  key = jax.random.key(0)
+  ortho = jax.make_jaxpr(lambda k: [nn.initializers.orthogonal()(k, (8, 8))])(key)
+  normal = jax.make_jaxpr(lambda k: [nn.initializers.normal()(k, (8, 8))])(key)
+  assert windowed.analyse(ortho, None, 0) is None
+  assert windowed.analyse(normal, None, 0) is not None
+  rbg = jax.random.key(0, impl='rbg')
+  rbg_jaxpr = jax.make_jaxpr(lambda k: [nn.initializers.normal()(k, (8, 8))])(rbg)
+  assert windowed.analyse(rbg_jaxpr, None, 0) is None
+
+
+def test_output_on_explicit_mesh_keeps_explicit_axes():
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  model = nn.Dense(64, kernel_init=fsm.with_partitioning(
+      nn.initializers.lecun_normal(), ('data', 'model')))
+  out = fsm.sharded_init(model.init, mesh, chunk_bytes=512)(
+      jax.random.key(0), jnp.ones((2, 32)))
+  kernel = out['params']['kernel'].value
+  assert kernel.sharding == NamedSharding(mesh, P('data', 'model'))
+  # Explicit-axis arrays compute as usual afterwards.
+  with jax.set_mesh(mesh):
+    assert jax.jit(lambda k: k * 2)(kernel).sharding.spec == P('data', 'model')
