@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from typing import Any
 
 import jax
@@ -295,7 +296,10 @@ def generate(
     entries = tuple(None if r is UNASSIGNED else r for r in resolve(names, all_rules))
   else:
     entries = names
-  out = jax.eval_shape(lambda: init_fn(*args, **kwargs))
+  try:
+    out = jax.eval_shape(lambda: init_fn(*args, **kwargs))
+  except TypeError:  # returns something that is not arrays: nothing to place
+    return init_fn(*args, **kwargs)
   shape = getattr(out, 'shape', None)
   if (
       shape is None
@@ -313,9 +317,10 @@ def generate(
     # Auto; shapes and dtypes stay static.
     call = _ArrayCall(init_fn, treedef, static, is_array)
     return jax.sharding.auto_axes(call, out_sharding=spec)(*arrays)
+  avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays)
   try:
     generator = _eager_generator(
-        init_fn, treedef, static, is_array, mesh, spec, explicit)
+        init_fn, treedef, static, is_array, avals, mesh, spec, explicit)
   except TypeError:  # unhashable static arguments: no cached program
     return apply_spec(init_fn(*args, **kwargs), entries, mesh, names=names)
   return generator(*arrays)
@@ -337,8 +342,21 @@ class _ArrayCall:
 
 
 @functools.lru_cache(maxsize=1024)
-def _eager_generator(init_fn, treedef, static, is_array, mesh, spec, explicit):
+def _eager_generator(init_fn, treedef, static, is_array, avals, mesh, spec,
+                     explicit):
+  from flax_shardmeta import windowed  # windowed sits above this module
+
   call = _ArrayCall(init_fn, treedef, static, is_array)
+  sharding = NamedSharding(mesh, spec)
+  closed = jax.make_jaxpr(lambda *a: [call(*a)])(*avals)
+  out = closed.out_avals[0]
+  local = math.prod(sharding.shard_shape(out.shape)) * out.dtype.itemsize
+  w = windowed.analyse(closed, None, 0) if local > windowed.CHUNK_BYTES else None
+  if w is not None:
+    # Large parameter: each device fills its shard chunk by chunk.
+    return jax.jit(
+        lambda *a: windowed.generate_sharded(w, list(a), sharding, out.dtype),
+        out_shardings=sharding)
   if explicit:
     call = jax.sharding.auto_axes(call, out_sharding=spec)
-  return jax.jit(call, out_shardings=NamedSharding(mesh, spec))
+  return jax.jit(call, out_shardings=sharding)

@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 
 from flax_shardmeta import annotations as ann_lib
 from flax_shardmeta import sharding as sharding_lib
-from flax_shardmeta.constraints import apply_spec, context_mesh
+from flax_shardmeta.constraints import generate, apply_spec, context_mesh
 from flax_shardmeta.errors import NoMeshError, ShardingError, ShardingProblem
 from flax_shardmeta.rules import normalize_rules
 from flax_shardmeta.typing import AnyMesh, LogicalNames, LogicalRules, PyTree
@@ -153,7 +153,10 @@ def _annotating(init, names, logical, rules, mesh, optimizer_names):
 
   @functools.wraps(init)
   def wrapper(*args: Any, **kwargs: Any) -> nnx.VariableMetadata[Any]:
-    value = init(*args, **kwargs)
+    # Generated directly on its shards when a mesh is set (see
+    # constraints.generate): never the whole parameter on one device.
+    value = generate(init, args, kwargs, names_t, mesh, logical=logical,
+                     rules=rules_t)
     extra: dict[str, Any] = {}
     if isinstance(value, nnx.VariableMetadata):  # another metadata wrapper
       extra, value = dict(value.metadata), value.raw_value

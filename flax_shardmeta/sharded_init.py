@@ -26,8 +26,7 @@ from flax_shardmeta.rules import logical_axis_rules
 from flax_shardmeta.sharding import get_sharding, layout_tree
 from flax_shardmeta.typing import AnyMesh, LogicalRules, PyTree
 
-CHUNK_BYTES = 16 * 2**20
-"""Per-device bytes generated at once for a large parameter."""
+CHUNK_BYTES = windowed.CHUNK_BYTES
 
 
 class ShardedInit:

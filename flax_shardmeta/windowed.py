@@ -48,6 +48,9 @@ stop_gradient sub tan tanh xor
 _LAYOUT = frozenset({'sharding_constraint', 'reshard', 'mesh_cast', 'pvary',
                      'pcast'})
 
+CHUNK_BYTES = 16 * 2**20
+"""Per-device bytes of a parameter generated at once."""
+
 _INLINE_PARAMS = ('jaxpr', 'call_jaxpr', 'fun_jaxpr')
 
 
@@ -322,7 +325,7 @@ def generate_sharded(
     inputs: list[Any],
     sharding: NamedSharding,
     dtype: Any,
-    target_bytes: int = 16 * 2**20,
+    target_bytes: int = CHUNK_BYTES,
 ) -> Any:
   """The output, laid out as ``sharding``, each device filling its own shard
   chunk by chunk. Call inside ``jit``."""
