@@ -21,7 +21,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[test,bench]'
-	$(BIN)/python benchmarks/plan_405b.py
+	$(BIN)/python benchmarks/run.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import re
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from _common import ROOT, machine, write_section
 
 COMMAND = [
     sys.executable, '-m', 'flax_shardmeta', 'plan', '--model', 'llama3-405b',
@@ -27,7 +26,6 @@ COMMAND = [
 TARGET_SECONDS = 5.0
 TARGET_RSS_GIB = 1.5
 SECTION = '## Plan: llama3-405b on 4096 devices'
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_once() -> tuple[float, float, int]:
@@ -42,28 +40,6 @@ def run_once() -> tuple[float, float, int]:
     raise SystemExit(f'{" ".join(COMMAND)} exited with {proc.returncode}')
   cpu = usage.ru_utime + usage.ru_stime
   return wall, cpu, usage.ru_maxrss * 1024  # Linux reports KiB
-
-
-def machine() -> dict[str, str]:
-  """What the numbers were measured on."""
-  import flax
-  import jax
-
-  cpu = 'unknown'
-  try:
-    text = Path('/proc/cpuinfo').read_text()
-    found = re.search(r'^model name\s*:\s*(.+)$', text, re.M)
-    cpu = found.group(1).strip() if found else cpu
-  except OSError:
-    pass
-  return {
-      'load': ', '.join(f'{x:.2f}' for x in os.getloadavg()),
-      'nproc': str(os.cpu_count()),
-      'cpu': cpu,
-      'python': platform.python_version(),
-      'jax': jax.__version__,
-      'flax': flax.__version__,
-  }
 
 
 def report(
@@ -108,19 +84,6 @@ def report(
   ])
 
 
-def write(section: str, path: Path = ROOT / 'BENCHMARKS.md') -> None:
-  """Replaces (or appends) this benchmark's section of BENCHMARKS.md."""
-  text = path.read_text() if path.exists() else '# Benchmarks\n\n'
-  start = text.find(SECTION)
-  if start == -1:
-    text = text.rstrip('\n') + '\n\n' + section
-  else:
-    nxt = text.find('\n## ', start + len(SECTION))
-    end = len(text) if nxt == -1 else nxt + 1
-    text = text[:start] + section + ('\n' + text[end:] if nxt != -1 else '')
-  path.write_text(text)
-
-
 def main() -> int:
   """Runs the benchmark; exit 1 when a target is missed."""
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -137,7 +100,7 @@ def main() -> int:
     print(f'run {i}: {wall:.2f} s wall, {cpu:.2f} s CPU, peak RSS {peak / 2**20:.0f} MiB')
   section = report(walls, cpus, rss, info)
   if not args.no_write:
-    write(section)
+    write_section(SECTION, section[len(SECTION):])
   print(section)
   return 0 if statistics.median(walls) < TARGET_SECONDS and \
       max(rss) < TARGET_RSS_GIB * 2**30 else 1

