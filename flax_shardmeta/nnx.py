@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 
 from flax_shardmeta import annotations as ann_lib
 from flax_shardmeta import sharding as sharding_lib
-from flax_shardmeta.constraints import generate, apply_spec, context_mesh
+from flax_shardmeta.constraints import apply_spec, context_mesh, generate
 from flax_shardmeta.errors import NoMeshError, ShardingError, ShardingProblem
 from flax_shardmeta.rules import normalize_rules
 from flax_shardmeta.typing import AnyMesh, LogicalNames, LogicalRules, PyTree

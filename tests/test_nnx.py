@@ -260,3 +260,4 @@ def test_mixed_axis_types_raise_at_construction():
                        axis_types=(AxisType.Auto, AxisType.Explicit))
   with jax.set_mesh(mesh), pytest.raises(ValueError, match='mixes axis types'):
     nnx.Param(fsm.nnx.with_partitioning(lambda: jnp.ones((8, 4)), ('model', None))())
+
