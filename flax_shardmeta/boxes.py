@@ -43,7 +43,7 @@ class Partitioned(meta.AxisMetadata[A], Generic[A]):
 
   def __init__(self, value: A, names: LogicalNames, mesh: AnyMesh | None = None):
     self.value = value
-    self.names = _as_names(names)
+    self.names = as_names(names)
     self.mesh = mesh
 
   # -- AxisMetadata -----------------------------------------------------------
@@ -214,7 +214,8 @@ def _all_slots(cls: type) -> tuple[str, ...]:
   return tuple(dict.fromkeys(slots))
 
 
-def _as_names(names: Any) -> tuple[Any, ...]:
+def as_names(names: Any) -> tuple[Any, ...]:
+  """Names as a tuple (lists become tuples); a bare string is refused."""
   if isinstance(names, str):
     raise ValueError(
         f'names must be a sequence with one entry per dimension, got the '

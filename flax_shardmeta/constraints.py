@@ -282,9 +282,8 @@ def generate(
   if mesh is None or _manual_axes(mesh):
     return init_fn(*args, **kwargs)
   kinds = set(mesh.axis_types)
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  is_array = tuple(isinstance(x, jax.Array) for x in leaves)
-  tracing = any(isinstance(x, jax.core.Tracer) for x in leaves)
+  call, arrays = ArrayCall.split(init_fn, args, kwargs)
+  tracing = any(isinstance(x, jax.core.Tracer) for x in arrays)
   explicit = kinds == {AxisType.Explicit}
   if (tracing and not explicit) or len(kinds) != 1:
     return init_fn(*args, **kwargs)
@@ -309,30 +308,48 @@ def generate(
     # Invalid layouts are reported, with the parameter path, by
     # get_sharding / plan; here the value is just created as usual.
     return init_fn(*args, **kwargs)
-  static = tuple(x for x, a in zip(leaves, is_array) if not a)
-  arrays = [x for x, a in zip(leaves, is_array) if a]
   spec = PartitionSpec(*entries)
   if tracing:
     # Arrays (the key) enter auto_axes as arguments so their types become
     # Auto; shapes and dtypes stay static.
-    call = _ArrayCall(init_fn, treedef, static, is_array)
     return jax.sharding.auto_axes(call, out_sharding=spec)(*arrays)
   avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays)
   try:
-    generator = _eager_generator(
-        init_fn, treedef, static, is_array, avals, mesh, spec, explicit)
+    generator = _eager_generator(call, avals, mesh, spec, explicit)
   except TypeError:  # unhashable static arguments: no cached program
     return apply_spec(init_fn(*args, **kwargs), entries, mesh, names=names)
   return generator(*arrays)
 
 
-class _ArrayCall:
-  """``init_fn`` with its non-array arguments fixed, called on the arrays."""
+class ArrayCall:
+  """``init_fn`` with its non-array arguments fixed, called on the arrays.
+
+  jax transformations take arrays; initializers also take shapes and dtypes.
+  """
+
+  @classmethod
+  def split(cls, init_fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+            ) -> tuple[ArrayCall, list[Any]]:
+    """The call with the non-arrays fixed, and the arrays to call it on."""
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    is_array = tuple(isinstance(x, jax.Array) for x in leaves)
+    static = tuple(x for x, a in zip(leaves, is_array) if not a)
+    return (cls(init_fn, treedef, static, is_array),
+            [x for x, a in zip(leaves, is_array) if a])
 
   def __init__(self, init_fn: Any, treedef: Any, static: tuple[Any, ...],
                is_array: tuple[bool, ...]):
     self.init_fn, self.treedef = init_fn, treedef
     self.static, self.is_array = static, is_array
+
+  def _key(self) -> tuple[Any, ...]:
+    return (self.init_fn, self.treedef, self.static, self.is_array)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, ArrayCall) and self._key() == other._key()
+
+  def __hash__(self) -> int:  # TypeError for unhashable static arguments
+    return hash(self._key())
 
   def __call__(self, *arrays: Any) -> Any:
     arr, st = iter(arrays), iter(self.static)
@@ -342,11 +359,9 @@ class _ArrayCall:
 
 
 @functools.lru_cache(maxsize=1024)
-def _eager_generator(init_fn, treedef, static, is_array, avals, mesh, spec,
-                     explicit):
+def _eager_generator(call, avals, mesh, spec, explicit):
   from flax_shardmeta import windowed  # windowed sits above this module
 
-  call = _ArrayCall(init_fn, treedef, static, is_array)
   sharding = NamedSharding(mesh, spec)
   closed = jax.make_jaxpr(lambda *a: [call(*a)])(*avals)
   out = closed.out_avals[0]

@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding
 
 from flax_shardmeta import annotations as ann_lib
 from flax_shardmeta import sharding as sharding_lib
+from flax_shardmeta.boxes import as_names
 from flax_shardmeta.constraints import apply_spec, context_mesh, generate
 from flax_shardmeta.errors import NoMeshError, ShardingError, ShardingProblem
 from flax_shardmeta.rules import normalize_rules
@@ -132,7 +133,7 @@ def with_logical_partitioning(
 
 
 def _annotating(init, names, logical, rules, mesh, optimizer_names):
-  names_t = _as_names(names)
+  names_t = as_names(names)
   rules_t = normalize_rules(rules) if rules is not None else None
   metadata: dict[str, Any] = {
       'out_sharding': names_t,
@@ -148,7 +149,7 @@ def _annotating(init, names, logical, rules, mesh, optimizer_names):
   if mesh is not None:
     metadata['mesh'] = mesh
   if optimizer_names is not None:
-    metadata[OPTIMIZER_NAMES] = _as_names(optimizer_names)
+    metadata[OPTIMIZER_NAMES] = as_names(optimizer_names)
   annotation = ann_lib.Annotation(names_t, logical, rules_t, mesh)
 
   @functools.wraps(init)
@@ -165,15 +166,6 @@ def _annotating(init, names, logical, rules, mesh, optimizer_names):
     )
 
   return wrapper
-
-
-def _as_names(names: Any) -> tuple[Any, ...]:
-  if isinstance(names, str):
-    raise ValueError(
-        f'names must be a sequence with one entry per dimension, got the '
-        f'string {names!r}; write ({names!r},) for a rank-1 value.'
-    )
-  return tuple(tuple(n) if isinstance(n, list) else n for n in names)
 
 
 def _place(value: Any, annotation: ann_lib.Annotation) -> Any:
@@ -223,7 +215,7 @@ def variable_annotation(variable: nnx.Variable[Any]) -> ann_lib.Annotation | Non
   if isinstance(raw, NamedSharding):  # flax also accepts full shardings
     mesh = mesh if mesh is not None else raw.mesh
     raw = raw.spec
-  names = _as_names(raw)
+  names = as_names(raw)
   rules = metadata.get('sharding_rules')
   rules = normalize_rules(rules) if rules else None
   is_optimizer = isinstance(variable, nnx.OptState)

@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
 from flax_shardmeta import windowed
+from flax_shardmeta.constraints import ArrayCall
 from flax_shardmeta.rules import logical_axis_rules
 from flax_shardmeta.sharding import get_sharding, layout_tree
 from flax_shardmeta.typing import AnyMesh, LogicalRules, PyTree
@@ -64,15 +65,8 @@ class ShardedInit:
     return stack
 
   def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    is_array = [isinstance(x, jax.Array) for x in leaves]
-    arrays = [_to_auto(x) for x, a in zip(leaves, is_array) if a]
-
-    def call(*arrays: Any) -> PyTree:
-      it = iter(arrays)
-      full = [next(it) if a else x for x, a in zip(leaves, is_array)]
-      a, kw = jax.tree_util.tree_unflatten(treedef, full)
-      return self.init_fn(*a, **kw)
+    call, arrays = ArrayCall.split(self.init_fn, args, kwargs)
+    arrays = [_to_auto(x) for x in arrays]
 
     # Validate outside the mesh first, so every problem is reported with its
     # path (under the mesh the first constraint would fail without one).
