@@ -161,3 +161,24 @@ def test_output_on_explicit_mesh_keeps_explicit_axes():
   # Explicit-axis arrays compute as usual afterwards.
   with jax.set_mesh(mesh):
     assert jax.jit(lambda k: k * 2)(kernel).sharding.spec == P('data', 'model')
+
+
+def test_eager_nnx_construction_fills_large_parameters_by_chunks(mesh, monkeypatch):
+  from flax import nnx
+
+  # Make this small kernel count as large so the chunked generator is used.
+  monkeypatch.setattr(windowed, 'CHUNK_BYTES', 256)
+  calls = []
+  real = windowed.generate_sharded
+  monkeypatch.setattr(windowed, 'generate_sharded',
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  base = nnx.initializers.truncated_normal(0.5)
+  init = fsm.nnx.with_logical_partitioning(base, ('embed', 'mlp'))
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    layer = nnx.Linear(72, 136, use_bias=False, kernel_init=init, rngs=nnx.Rngs(3))
+  kernel = layer.kernel.get_value()
+  assert calls, 'the chunked generator was not used'
+  assert kernel.sharding.is_equivalent_to(NamedSharding(mesh, P('data', 'model')), 2)
+  want = nnx.Linear(72, 136, use_bias=False, kernel_init=base, rngs=nnx.Rngs(3))
+  np.testing.assert_allclose(np.asarray(kernel), np.asarray(want.kernel.get_value()),
+                             rtol=2e-6, atol=1e-9)
