@@ -75,3 +75,11 @@ def write_section(title: str, body: str, path: Path = ROOT / 'BENCHMARKS.md') ->
     rest = '' if nxt == -1 else '\n' + text[nxt + 1:]
     text = text[:start] + section + rest
   path.write_text(text)
+
+
+def publish(title: str, lines: list[str], write: bool) -> None:
+  """Prints a benchmark's section and, if ``write``, stores it in BENCHMARKS.md."""
+  body = '\n'.join(lines)
+  print(body)
+  if write:
+    write_section(title, body)

@@ -150,7 +150,7 @@ def main() -> int:
   if args.worker:
     print(json.dumps(worker(args.worker)))
     return 0
-  from _common import machine, machine_line, write_section
+  from _common import machine, machine_line, publish
 
   info = machine()
   lines = [
@@ -221,10 +221,7 @@ def main() -> int:
       '',
       machine_line(info),
   ]
-  body = '\n'.join(lines)
-  print(body)
-  if not args.no_write:
-    write_section(SECTION, body)
+  publish(SECTION, lines, write=not args.no_write)
   return 0 if ok else 1
 
 

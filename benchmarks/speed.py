@@ -24,7 +24,7 @@ os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from _common import alternate, machine, machine_line, write_section  # noqa: E402
+from _common import alternate, machine, machine_line, publish  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import flax_shardmeta as fsm  # noqa: E402
@@ -156,10 +156,7 @@ def main() -> int:
       '',
       machine_line(info),
   ]
-  body = '\n'.join(lines)
-  print(body)
-  if not args.no_write:
-    write_section(SECTION, body)
+  publish(SECTION, lines, write=not args.no_write)
   return 0 if ok else 1
 
 
