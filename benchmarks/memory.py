@@ -120,7 +120,7 @@ def llama_case() -> dict[str, float]:
   import jax.numpy as jnp
 
   import flax_shardmeta as fsm
-  from flax_shardmeta import models
+  from flax_shardmeta.examples import linen as models
 
   config = dataclasses.replace(models.LLAMA_CONFIGS['llama3-8b'], num_layers=4)
   model = models.Llama(config, jnp.float32)

@@ -6,8 +6,8 @@ validated ``NamedSharding`` trees or apply it eagerly.
 """
 
 from flax_shardmeta import nnx
-from flax_shardmeta.annotations import Annotation, register_annotation_type
-from flax_shardmeta.boxes import (
+from flax_shardmeta._annotation import Annotation, register_annotation_type
+from flax_shardmeta._boxes import (
     PARTITION_NAME,
     LogicalPartitioned,
     Partitioned,
@@ -16,21 +16,21 @@ from flax_shardmeta.boxes import (
     with_logical_partitioning,
     with_partitioning,
 )
-from flax_shardmeta.checkpoint import as_abstract
-from flax_shardmeta.constraints import (
+from flax_shardmeta._checkpoint import as_abstract
+from flax_shardmeta._constraints import (
     RulesFallback,
     shard_value,
     with_logical_constraint,
 )
-from flax_shardmeta.errors import (
+from flax_shardmeta._errors import (
     NoMeshError,
     RuleConflictError,
     ShardingError,
     ShardingProblem,
 )
-from flax_shardmeta.plan import PlanEntry, ShardingPlan, plan, verify
-from flax_shardmeta.regex_rules import match_partition_rules
-from flax_shardmeta.rules import (
+from flax_shardmeta._plan import PlanEntry, ShardingPlan, plan, verify
+from flax_shardmeta._regex_rules import match_partition_rules
+from flax_shardmeta._rules import (
     composite_rules,
     get_logical_axis_rules,
     logical_axis_rules,
@@ -38,9 +38,9 @@ from flax_shardmeta.rules import (
     set_logical_axis_rules,
     standard_logical_axis_rules,
 )
-from flax_shardmeta.rules import explain as explain_resolution
-from flax_shardmeta.sharded_init import sharded_init
-from flax_shardmeta.sharding import (
+from flax_shardmeta._rules import explain as explain_resolution
+from flax_shardmeta._sharded_init import sharded_init
+from flax_shardmeta._sharding import (
     ShardingFitWarning,
     get_partition_spec,
     get_sharding,

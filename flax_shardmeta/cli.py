@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 _BUILTIN_MODELS = ('mlp', 'llama3-8b', 'llama3-70b', 'llama3-405b')
-# Kept in step with models.MODEL_NAMES by a test; duplicated so that argument
+# Kept in step with examples.linen.MODEL_NAMES by a test; duplicated so that argument
 # errors are reported before jax and flax are imported.
 
 
@@ -121,7 +121,7 @@ def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
   Raises:
     UsageError: if the file cannot be read or does not hold valid rules.
   """
-  from flax_shardmeta.rules import normalize_rules, standard_logical_axis_rules
+  from flax_shardmeta._rules import normalize_rules, standard_logical_axis_rules
 
   if spec == 't5x':
     return standard_logical_axis_rules()
@@ -155,6 +155,123 @@ def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
     raise UsageError(f'rules file {spec!r}: {e}') from None
 
 
+# The planning entry point: abstract state of a built-in or user model
+# ------------------------------------------------------------------------------
+
+OPTIMIZERS = ('adam', 'adafactor', 'none')
+"""Names ``--optimizer`` accepts."""
+
+
+def default_rules(name: str) -> tuple[tuple[str, Any], ...]:
+  """The logical axis rules a built-in model is meant to be planned with."""
+  from flax_shardmeta.examples import _common
+
+  return _common.MLP_RULES if name == 'mlp' else _common.LLAMA_RULES
+
+
+def optimizer(name: str) -> Any:
+  """The optax transformation behind an ``--optimizer`` name (None for 'none')."""
+  import optax  # only when an optimizer is planned
+
+  if name == 'adam':
+    return optax.adam(1e-3)
+  if name == 'adafactor':
+    return optax.adafactor(1e-3)
+  if name == 'none':
+    return None
+  raise UsageError(f'unknown optimizer {name!r}; choose from {", ".join(OPTIMIZERS)}')
+
+
+def abstract_linen_params(module: Any, *inputs: Any) -> Any:
+  """``module``'s annotated parameters as ShapeDtypeStructs; nothing is allocated.
+
+  Example:
+    >>> from flax_shardmeta.examples import linen
+    >>> params = abstract_linen_params(*linen.model('mlp'))
+    >>> params['ScanDotReluDot_0']['W2'].value.shape
+    (4, 1024, 1024)
+  """
+  import jax
+
+  def init(*xs: Any) -> Any:
+    return module.init(jax.random.key(0), *xs)['params']
+
+  return jax.eval_shape(init, *inputs)
+
+
+def abstract_train_state(params: Any, optimizer_name: str = 'adam') -> dict[str, Any]:
+  """``{'params': params, 'opt_state': ...}`` with the optimizer state abstract.
+
+  Optax moments keep their parameter's box, so they are planned like it.
+  """
+  import jax
+
+  tx = optimizer(optimizer_name)
+  if tx is None:
+    return {'params': params}
+  return {'params': params, 'opt_state': jax.eval_shape(tx.init, params)}
+
+
+def abstract_nnx_state(name: str, optimizer_name: str = 'adam', dtype: Any = None
+                       ) -> dict[str, Any]:
+  """``{'params': nnx.State, 'opt_state': nnx.State}`` of a built-in NNX model.
+
+  The moments of ``nnx.Optimizer`` carry their parameter's annotation.
+
+  Example:
+    >>> state = abstract_nnx_state('mlp', 'none')
+    >>> state['params']['layers']['W2'].shape
+    (4, 1024, 1024)
+  """
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from flax_shardmeta.examples import nnx as nnx_models
+
+  tx = optimizer(optimizer_name)
+
+  def create() -> tuple[Any, Any]:
+    m = nnx_models.model(name, dtype or jnp.float32, rngs=nnx.Rngs(0))
+    return m, (nnx.Optimizer(m, tx, wrt=nnx.Param) if tx is not None else None)
+
+  m, opt = nnx.eval_shape(create)
+  state: dict[str, Any] = {'params': nnx.state(m, nnx.Param)}
+  if opt is not None:
+    state['opt_state'] = nnx.state(opt.opt_state)
+  return state
+
+
+def abstract_state(
+    name: str, api: str = 'linen', optimizer_name: str = 'adam', dtype: Any = None,
+) -> dict[str, Any]:
+  """A built-in model's abstract parameters (and optimizer state) for planning.
+
+  Args:
+    name: one of ``examples.linen.MODEL_NAMES``.
+    api: 'linen' or 'nnx'.
+    optimizer_name: one of :data:`OPTIMIZERS`.
+    dtype: the parameters' dtype (float32 by default).
+
+  Returns:
+    ``{'params': ..., 'opt_state': ...}`` (no 'opt_state' for 'none').
+
+  Example:
+    >>> state = abstract_state('mlp', optimizer_name='none')
+    >>> sorted(state)
+    ['params']
+  """
+  import jax.numpy as jnp
+
+  if api == 'linen':
+    from flax_shardmeta.examples import linen
+
+    module, x = linen.model(name, dtype or jnp.float32)
+    return abstract_train_state(abstract_linen_params(module, x), optimizer_name)
+  if api == 'nnx':
+    return abstract_nnx_state(name, optimizer_name, dtype)
+  raise UsageError(f"unknown api {api!r}; choose 'linen' or 'nnx'")
+
+
 def _user_state(target: str, api: str, optimizer_name: str) -> Any:
   """The abstract state of ``--module pkg.mod:factory`` (see the module doc)."""
   module_name, colon, attr = target.partition(':')
@@ -170,11 +287,9 @@ def _user_state(target: str, api: str, optimizer_name: str) -> Any:
   import jax
   from flax import linen as nn
 
-  from flax_shardmeta import models
-
   made = factory()
   if isinstance(made, tuple) and made and isinstance(made[0], nn.Module):
-    params = models.abstract_linen_params(made[0], *made[1:])
+    params = abstract_linen_params(made[0], *made[1:])
   elif callable(made) and api == 'nnx':
     from flax import nnx
 
@@ -188,7 +303,7 @@ def _user_state(target: str, api: str, optimizer_name: str) -> Any:
         f'--module {target!r}: the factory returned {type(made).__name__}; '
         'expected (linen_module, *example_inputs) or a function with no '
         'arguments building the variables')
-  return models.abstract_train_state(params, optimizer_name)
+  return abstract_train_state(params, optimizer_name)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -204,17 +319,16 @@ def run_plan(args: argparse.Namespace) -> int:
   import jax
   import jax.numpy as jnp
 
-  from flax_shardmeta import models
-  from flax_shardmeta.plan import plan
+  from flax_shardmeta._plan import plan
 
   dtype = jnp.bfloat16 if args.dtype == 'bfloat16' else jnp.float32
   if args.model is not None:
-    state = models.abstract_state(args.model, args.api, args.optimizer, dtype)
-    rules = models.default_rules(args.model) if rules is None else rules
+    state = abstract_state(args.model, args.api, args.optimizer, dtype)
+    rules = default_rules(args.model) if rules is None else rules
   else:
     state = _user_state(args.module, args.api, args.optimizer)
     if rules is None:
-      from flax_shardmeta.rules import standard_logical_axis_rules
+      from flax_shardmeta._rules import standard_logical_axis_rules
 
       rules = standard_logical_axis_rules()
   mesh = jax.sharding.AbstractMesh(axis_sizes, axis_names)
@@ -260,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == 'demo':
       _simulate_cpu_devices(8)
-      from flax_shardmeta import demo as demo_lib
+      from flax_shardmeta.examples import demo as demo_lib
 
       return demo_lib.run(args.steps)
     return run_plan(args)

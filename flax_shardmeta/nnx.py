@@ -36,13 +36,14 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from flax_shardmeta import annotations as ann_lib
-from flax_shardmeta import sharding as sharding_lib
-from flax_shardmeta.boxes import as_names
-from flax_shardmeta.constraints import apply_spec, context_mesh, generate
-from flax_shardmeta.errors import NoMeshError, ShardingError, ShardingProblem
-from flax_shardmeta.rules import normalize_rules
-from flax_shardmeta.typing import AnyMesh, LogicalNames, LogicalRules, PyTree
+from flax_shardmeta import _annotation as ann_lib
+from flax_shardmeta import _sharding as sharding_lib
+from flax_shardmeta._boxes import as_names
+from flax_shardmeta._errors import NoMeshError, ShardingError, ShardingProblem
+from flax_shardmeta._generate import generate
+from flax_shardmeta._placement import apply_spec, context_mesh
+from flax_shardmeta._rules import normalize_rules
+from flax_shardmeta._typing import AnyMesh, LogicalNames, LogicalRules, PyTree
 
 N = TypeVar('N')
 

@@ -8,7 +8,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta.models import MLP, MLP_RULES
+from flax_shardmeta.examples.linen import MLP, MLP_RULES
 
 ocp = pytest.importorskip('orbax.checkpoint')
 

@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 
-from flax_shardmeta import cli, models
+from flax_shardmeta import cli
+from flax_shardmeta.examples import linen as models
 
 MLP = ['plan', '--model', 'mlp', '--mesh', 'data=2,model=4']
 

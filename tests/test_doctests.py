@@ -11,14 +11,14 @@ import flax_shardmeta
 # Adapters other modules build on top of the core are collected too, so a new
 # module's examples are checked as soon as it exists.
 MODULES = sorted(
-    m.name for m in pkgutil.iter_modules(
+    m.name for m in pkgutil.walk_packages(
         flax_shardmeta.__path__, prefix='flax_shardmeta.')
     if m.name != 'flax_shardmeta.__main__'
 )
 
 
 def test_every_core_module_is_collected():
-  for name in ('rules', 'boxes', 'sharding', 'constraints', 'regex_rules'):
+  for name in ('_rules', '_boxes', '_sharding', '_constraints', '_regex_rules'):
     assert f'flax_shardmeta.{name}' in MODULES
 
 

@@ -10,8 +10,10 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta import models, models_nnx
-from flax_shardmeta.models import LLAMA_RULES, MLP, MLP_RULES, LlamaConfig
+from flax_shardmeta import cli
+from flax_shardmeta.examples import linen as models
+from flax_shardmeta.examples import nnx as models_nnx
+from flax_shardmeta.examples.linen import LLAMA_RULES, MLP, MLP_RULES, LlamaConfig
 
 TINY_LLAMA = LlamaConfig(vocab_size=256, dim=64, num_layers=3, num_heads=4,
                          num_kv_heads=2, head_dim=16, ffn_dim=128)
@@ -22,9 +24,9 @@ def _sds(shape, dtype=jnp.float32):
 
 
 def _mlp_state(use_scan=True, num_layers=4, depth=1024, optimizer='adam'):
-  params = models.abstract_linen_params(
+  params = cli.abstract_linen_params(
       MLP(num_layers=num_layers, depth=depth, use_scan=use_scan), _sds((8, depth)))
-  return models.abstract_train_state(params, optimizer)
+  return cli.abstract_train_state(params, optimizer)
 
 
 def test_plan_on_abstract_64x16_mesh():
@@ -51,7 +53,7 @@ def test_plan_on_abstract_64x16_mesh():
 
 def test_llama3_70b_has_the_published_parameter_count():
   mesh = AbstractMesh((32, 8), ('data', 'model'))
-  state = models.abstract_state('llama3-70b', optimizer_name='none')
+  state = cli.abstract_state('llama3-70b', optimizer_name='none')
   p = fsm.plan(state, mesh, LLAMA_RULES)
   assert p.num_elements('params/') == 70_553_706_496
   assert not p.problems
@@ -68,12 +70,12 @@ def test_nnx_and_linen_models_give_the_same_plan():
 
   def linen():
     module = models.Llama(TINY_LLAMA)
-    return models.abstract_train_state(
-        models.abstract_linen_params(module, _sds((1, 4), jnp.int32)), 'adam')
+    return cli.abstract_train_state(
+        cli.abstract_linen_params(module, _sds((1, 4), jnp.int32)), 'adam')
 
   def create():
     m = models_nnx.Llama(TINY_LLAMA, rngs=nnx.Rngs(0))
-    return m, nnx.Optimizer(m, models.optimizer('adam'), wrt=nnx.Param)
+    return m, nnx.Optimizer(m, cli.optimizer('adam'), wrt=nnx.Param)
 
   def nnx_state():
     m, opt = nnx.eval_shape(create)

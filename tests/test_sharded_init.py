@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta import windowed
+from flax_shardmeta import _windowed as windowed
 
 RULES = (('embed', 'data'), ('mlp', 'model'), ('layers', None))
 

@@ -21,11 +21,11 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
-from flax_shardmeta import windowed
-from flax_shardmeta.constraints import ArrayCall
-from flax_shardmeta.rules import logical_axis_rules
-from flax_shardmeta.sharding import get_sharding, layout_tree
-from flax_shardmeta.typing import AnyMesh, LogicalRules, PyTree
+from flax_shardmeta import _windowed as windowed
+from flax_shardmeta._generate import ArrayCall
+from flax_shardmeta._rules import logical_axis_rules
+from flax_shardmeta._sharding import get_sharding, layout_tree
+from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 
 CHUNK_BYTES = windowed.CHUNK_BYTES
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from flax_shardmeta.errors import format_spec
+from flax_shardmeta._errors import format_spec
 
 if TYPE_CHECKING:
-  from flax_shardmeta.plan import PlanEntry, ShardingPlan
+  from flax_shardmeta._plan import PlanEntry, ShardingPlan
 
 _INDEX = re.compile(r'(?<=_)\d+$|^\d+$')
 _MIN_STACK = 3

@@ -16,9 +16,18 @@ import jax
 from flax.core import meta
 from jax.sharding import PartitionSpec
 
-from flax_shardmeta.errors import format_spec
-from flax_shardmeta.rules import normalize_rules
-from flax_shardmeta.typing import AnyMesh, LogicalNames, LogicalRules, PyTree
+from flax_shardmeta._errors import ShardingError, ShardingProblem, format_spec
+from flax_shardmeta._generate import generate
+from flax_shardmeta._placement import apply_spec, context_mesh
+from flax_shardmeta._rules import (
+  UNASSIGNED,
+  composite_rules,
+  get_logical_axis_rules,
+  normalize_rules,
+  resolve,
+)
+from flax_shardmeta._typing import AnyMesh, LogicalNames, LogicalRules, PyTree
+from flax_shardmeta._validate import rank_issue
 
 A = TypeVar('A')
 
@@ -53,9 +62,7 @@ class Partitioned(meta.AxisMetadata[A], Generic[A]):
     annotated layout first."""
     if not apply_constraint:
       return self.value
-    from flax_shardmeta import constraints  # boxes sit below constraints
-
-    return constraints.constrain_box(self)
+    return constrain_box(self)
 
   def replace_boxed(self, val: Any) -> Partitioned[Any]:
     """A box with the same metadata around ``val``."""
@@ -248,6 +255,33 @@ for _cls in (Partitioned, LogicalPartitioned):
   )
 
 
+def constrain_box(box: Partitioned[Any]) -> Any:
+  """The box's value constrained to its layout when a mesh is known.
+
+  Logical boxes with no rules at all are left unconstrained (there is nothing
+  to say about their layout yet).
+  """
+  mesh = box.mesh if box.mesh is not None else context_mesh()
+  value = box.value
+  if mesh is None or not hasattr(value, 'shape'):
+    return value
+  if box.is_logical:
+    rules = composite_rules(get_logical_axis_rules(), box.rules)
+    if not rules:
+      return value
+    entries = tuple(
+        None if r is UNASSIGNED else r for r in resolve(box.names, rules)
+    )
+  else:
+    entries = box.names
+  if len(entries) != len(value.shape):
+    reason, hint, _ = rank_issue(len(entries), len(value.shape))
+    raise ShardingError([ShardingProblem(
+        '<unboxed parameter>', tuple(value.shape), box.names, None, reason,
+        hint)], context=' (fsm.plan or fsm.get_sharding name the path)')
+  return apply_spec(value, entries, mesh, names=box.names)
+
+
 def with_partitioning(
     init_fn: Callable[..., Any],
     names: LogicalNames,
@@ -263,9 +297,7 @@ def with_partitioning(
 
   @functools.wraps(init_fn)
   def wrapper(*args: Any, **kwargs: Any) -> Partitioned[Any]:
-    from flax_shardmeta import constraints  # boxes sit below constraints
-
-    value = constraints.generate(init_fn, args, kwargs, names, mesh)
+    value = generate(init_fn, args, kwargs, names, mesh)
     return Partitioned(value, names, mesh=mesh)
 
   return wrapper
@@ -287,9 +319,7 @@ def with_logical_partitioning(
 
   @functools.wraps(init_fn)
   def wrapper(*args: Any, **kwargs: Any) -> LogicalPartitioned[Any]:
-    from flax_shardmeta import constraints  # boxes sit below constraints
-
-    value = constraints.generate(
+    value = generate(
         init_fn, args, kwargs, names, mesh, logical=True, rules=rules)
     return LogicalPartitioned(value, names, mesh=mesh, rules=rules)
 

@@ -1,4 +1,4 @@
-"""NNX versions of the reference models, with the same shapes and logical names.
+"""NNX versions of the example models, with the same shapes and logical names.
 
 Layers are stacked with ``nnx.vmap`` (``transform_metadata`` adds the 'layers'
 name) and applied with ``nnx.scan``, mirroring ``nn.scan`` in the Linen models,
@@ -13,14 +13,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_shardmeta.models import (
+from flax_shardmeta.examples._common import (
     LLAMA_CONFIGS,
     MODEL_NAMES,
     LlamaConfig,
-    _attend,
-    _rms_norm,
-    _rope,
-    optimizer,
+    attend,
+    rms_norm,
+    rope,
 )
 from flax_shardmeta.nnx import with_logical_partitioning
 
@@ -74,7 +73,7 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return _rms_norm(x, self.scale[...], self.eps)
+    return rms_norm(x, self.scale[...], self.eps)
 
 
 class LlamaBlock(nnx.Module):
@@ -99,10 +98,10 @@ class LlamaBlock(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     theta = self.config.rope_theta
     h = self.attention_norm(x)
-    q = _rope(jnp.einsum('bse,ehd->bshd', h, self.wq[...]), theta)
-    k = _rope(jnp.einsum('bse,ehd->bshd', h, self.wk[...]), theta)
+    q = rope(jnp.einsum('bse,ehd->bshd', h, self.wq[...]), theta)
+    k = rope(jnp.einsum('bse,ehd->bshd', h, self.wk[...]), theta)
     v = jnp.einsum('bse,ehd->bshd', h, self.wv[...])
-    x = x + jnp.einsum('bshd,hde->bse', _attend(q, k, v), self.wo[...])
+    x = x + jnp.einsum('bshd,hde->bse', attend(q, k, v), self.wo[...])
     h = self.ffn_norm(x)
     return x + (jax.nn.silu(h @ self.w1[...]) * (h @ self.w3[...])) @ self.w2[...]
 
@@ -145,28 +144,3 @@ def model(name: str, dtype: Any = jnp.float32, *, rngs: nnx.Rngs) -> nnx.Module:
   if name not in LLAMA_CONFIGS:
     raise ValueError(f'Unknown model {name!r}; choose from {", ".join(MODEL_NAMES)}.')
   return Llama(LLAMA_CONFIGS[name], dtype, rngs=rngs)
-
-
-def abstract_state(
-    name: str, optimizer_name: str = 'adam', dtype: Any = jnp.float32
-) -> dict[str, Any]:
-  """``{'params': nnx.State, 'opt_state': nnx.State}``, all abstract.
-
-  The moments of ``nnx.Optimizer`` carry their parameter's annotation.
-
-  Example:
-    >>> state = abstract_state('mlp', 'none')
-    >>> state['params']['layers']['W2'].shape
-    (4, 1024, 1024)
-  """
-  tx = optimizer(optimizer_name)
-
-  def create() -> tuple[nnx.Module, nnx.Optimizer | None]:
-    m = model(name, dtype, rngs=nnx.Rngs(0))
-    return m, (nnx.Optimizer(m, tx, wrt=nnx.Param) if tx is not None else None)
-
-  m, opt = nnx.eval_shape(create)
-  state: dict[str, Any] = {'params': nnx.state(m, nnx.Param)}
-  if opt is not None:
-    state['opt_state'] = nnx.state(opt.opt_state)
-  return state

@@ -14,9 +14,9 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_shardmeta import annotations as ann_lib
-from flax_shardmeta.errors import ShardingError, ShardingProblem, format_spec
-from flax_shardmeta.rules import (
+from flax_shardmeta import _annotation as ann_lib
+from flax_shardmeta._errors import ShardingError, ShardingProblem, format_spec
+from flax_shardmeta._rules import (
     UNASSIGNED,
     composite_rules,
     get_logical_axis_rules,
@@ -24,8 +24,8 @@ from flax_shardmeta.rules import (
     normalize_rules,
     resolve,
 )
-from flax_shardmeta.typing import AnyMesh, LogicalRules, PyTree
-from flax_shardmeta.validate import check_spec, rank_issue
+from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
+from flax_shardmeta._validate import check_spec, rank_issue
 
 
 class ShardingFitWarning(UserWarning):

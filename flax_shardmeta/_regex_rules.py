@@ -10,8 +10,8 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from flax_shardmeta.annotations import path_str
-from flax_shardmeta.typing import PyTree
+from flax_shardmeta._annotation import path_str
+from flax_shardmeta._typing import PyTree
 
 PartitionRules = Sequence[tuple[str, PartitionSpec]]
 """``(regex, PartitionSpec)`` pairs; the first whose regex is found in a leaf's

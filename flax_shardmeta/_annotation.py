@@ -17,8 +17,8 @@ import jax
 from flax.core import meta as flax_meta
 from flax.linen import spmd as flax_linen_spmd
 
-from flax_shardmeta.boxes import Partitioned
-from flax_shardmeta.typing import AnyMesh, PyTree
+from flax_shardmeta._boxes import Partitioned
+from flax_shardmeta._typing import AnyMesh, PyTree
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from flax_shardmeta import annotations as ann_lib
-from flax_shardmeta.rules import RuleStep, composite_rules, explain
+from flax_shardmeta import _annotation as ann_lib
+from flax_shardmeta._rules import RuleStep, composite_rules, explain
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from flax_shardmeta.errors import RuleConflictError, format_spec
-from flax_shardmeta.typing import LogicalNames, LogicalRules, MeshAxes
+from flax_shardmeta._errors import RuleConflictError, format_spec
+from flax_shardmeta._typing import LogicalNames, LogicalRules, MeshAxes
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import jax
 
-from flax_shardmeta import annotations as ann_lib
-from flax_shardmeta.errors import ShardingError
-from flax_shardmeta.plan import plan
-from flax_shardmeta.sharding import named_sharding
-from flax_shardmeta.typing import AnyMesh, LogicalRules, PyTree
+from flax_shardmeta import _annotation as ann_lib
+from flax_shardmeta._errors import ShardingError
+from flax_shardmeta._plan import plan
+from flax_shardmeta._sharding import named_sharding
+from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 
 
 def as_abstract(

@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec, Sharding
 
-from flax_shardmeta import annotations as ann_lib
-from flax_shardmeta import plan_format
-from flax_shardmeta.errors import ShardingError, ShardingProblem, format_spec
-from flax_shardmeta.plan_explain import ExplainedDim, explain_entry
-from flax_shardmeta.rules import mesh_axes_of
-from flax_shardmeta.sharding import (
+from flax_shardmeta import _annotation as ann_lib
+from flax_shardmeta import _plan_format as plan_format
+from flax_shardmeta._errors import ShardingError, ShardingProblem, format_spec
+from flax_shardmeta._plan_explain import ExplainedDim, explain_entry
+from flax_shardmeta._rules import mesh_axes_of
+from flax_shardmeta._sharding import (
     LeafLayout,
     effective_rules,
     layout_tree,
@@ -31,7 +31,7 @@ from flax_shardmeta.sharding import (
     problems_of,
     warn_adjustments,
 )
-from flax_shardmeta.typing import AnyMesh, LogicalRules, PyTree
+from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,14 +244,25 @@ class ShardingPlan:
   def show(self) -> None:
     """Displays the plan as an interactive treescope tree in a notebook.
 
-    Outside IPython, where treescope cannot display, prints the table instead.
+    Outside a running IPython shell (where treescope has nowhere to display)
+    prints the table instead. Whether IPython is merely installed does not
+    matter: the decision is made by ``get_ipython()``.
     """
+    if _ipython_shell() is None:
+      print(self)
+      return
     import treescope
 
-    try:
-      treescope.show(self._treescope_view())
-    except RuntimeError:
-      print(self)
+    treescope.show(self._treescope_view())
+
+
+def _ipython_shell() -> Any:
+  """The running IPython shell, or None (also when IPython is not installed)."""
+  try:
+    from IPython import get_ipython
+  except ImportError:
+    return None
+  return get_ipython()
 
 
 def plan(

@@ -11,9 +11,9 @@ import optax
 from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_shardmeta.models import MLP, MLP_RULES
-from flax_shardmeta.plan import plan, verify
-from flax_shardmeta.rules import logical_axis_rules
+from flax_shardmeta._plan import plan, verify
+from flax_shardmeta._rules import logical_axis_rules
+from flax_shardmeta.examples.linen import MLP, MLP_RULES
 
 
 def run(steps: int = 5) -> int:

@@ -1,0 +1,112 @@
+"""Pieces the Linen and NNX example models share: shapes, rules and math."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from flax_shardmeta._placement import context_mesh
+from flax_shardmeta._rules import logical_to_mesh_axes
+
+MLP_RULES = (('batch', 'data'), ('hidden', 'model'), ('embed', None),
+             ('layers', None))
+"""Rules for the notebook MLP over a ('data', 'model') mesh."""
+
+
+LLAMA_RULES = (
+    ('batch', 'data'),
+    ('vocab', 'model'),
+    ('heads', 'model'),
+    ('kv_heads', 'model'),
+    ('mlp', 'model'),
+    ('embed', 'data'),
+    ('head_dim', None),
+    ('length', None),
+    ('layers', None),
+    ('norm', None),
+)
+"""Rules for the Llama models over a ('data', 'model') mesh: tensor parallelism
+over 'model' for heads and MLP, parameters' embed dimension sharded over
+'data' (FSDP)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Shapes of a Llama-3 model (grouped-query attention, untied embeddings).
+
+  Example:
+    >>> LLAMA_CONFIGS['llama3-70b'].num_params
+    70553706496
+  """
+
+  vocab_size: int
+  dim: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  ffn_dim: int
+  norm_eps: float = 1e-5
+  rope_theta: float = 500_000.0
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count implied by the shapes."""
+    attention = self.dim * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    layer = attention + 3 * self.dim * self.ffn_dim + 2 * self.dim
+    return self.num_layers * layer + 2 * self.vocab_size * self.dim + self.dim
+
+
+LLAMA_CONFIGS = {
+    'llama3-8b': LlamaConfig(128256, 4096, 32, 32, 8, 128, 14336),
+    'llama3-70b': LlamaConfig(128256, 8192, 80, 64, 8, 128, 28672),
+    'llama3-405b': LlamaConfig(128256, 16384, 126, 128, 8, 128, 53248),
+}
+"""The published Llama-3 / 3.1 shapes."""
+
+MODEL_NAMES = ('mlp', *LLAMA_CONFIGS)
+"""The built-in models: the notebook MLP and the Llama-3 shapes."""
+
+
+def out_sharding(names: tuple[str, ...]) -> jax.sharding.PartitionSpec | None:
+  """The output layout a matmul needs spelled out under Explicit axes (else None)."""
+  # Under Explicit axes a matmul whose contracting dimension is sharded needs
+  # its output sharding spelled out; under Auto axes the compiler chooses.
+  mesh = context_mesh()
+  if mesh is not None and all(
+      t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return logical_to_mesh_axes(names)
+  return None
+
+
+def rope(x: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding."""
+  # x: (batch, length, heads, head_dim); rotates pairs of the last dimension.
+  half = x.shape[-1] // 2
+  freqs = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
+  angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs
+  cos, sin = jnp.cos(angles)[None, :, None], jnp.sin(angles)[None, :, None]
+  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+  return out.astype(x.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Causal grouped-query attention; k and v have fewer heads than q."""
+  groups = q.shape[2] // k.shape[2]
+  k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+  scores = jnp.einsum('bqhd,bkhd->bhqk', q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+  length = q.shape[1]
+  causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+  scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+  weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+  return jnp.einsum('bhqk,bkhd->bqhd', weights, v)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """Root-mean-square normalisation with a learned scale."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * scale).astype(x.dtype)

@@ -1,0 +1,178 @@
+"""Linen example models: the scale-up notebook MLP and Llama-3, with logical names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from flax_shardmeta._boxes import PARTITION_NAME, with_logical_partitioning
+from flax_shardmeta._constraints import with_logical_constraint
+from flax_shardmeta.examples._common import (
+  LLAMA_CONFIGS,
+  LLAMA_RULES,
+  MLP_RULES,
+  MODEL_NAMES,
+  LlamaConfig,
+  attend,
+  out_sharding,
+  rms_norm,
+  rope,
+)
+
+
+class DotReluDot(nn.Module):
+  """The Flax scale-up notebook's layer, with logical annotations."""
+
+  depth: int
+  dense_init: nn.initializers.Initializer = nn.initializers.xavier_normal()
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    y = nn.Dense(
+        self.depth,
+        kernel_init=with_logical_partitioning(self.dense_init, ('embed', 'hidden')),
+        use_bias=False,
+        param_dtype=self.param_dtype,
+    )(x)
+    y = jax.nn.relu(y)
+    y = with_logical_constraint(y, ('batch', 'hidden'))
+    w2 = self.param(
+        'W2',
+        with_logical_partitioning(self.dense_init, ('hidden', 'embed')),
+        (self.depth, x.shape[-1]),
+        self.param_dtype,
+    )
+    z = jnp.dot(y, w2, out_sharding=out_sharding(('batch', 'embed')))
+    z = with_logical_constraint(z, ('batch', 'embed'))
+    return z, None
+
+
+class MLP(nn.Module):
+  """A stack of DotReluDot layers, unrolled or with ``nn.scan``."""
+
+  num_layers: int = 4
+  depth: int = 1024
+  use_scan: bool = True
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    if self.use_scan:
+      x, _ = nn.scan(
+          DotReluDot,
+          length=self.num_layers,
+          variable_axes={'params': 0},
+          split_rngs={'params': True},
+          metadata_params={PARTITION_NAME: 'layers'},
+      )(self.depth, param_dtype=self.param_dtype)(x)
+    else:
+      for _ in range(self.num_layers):
+        x, _ = DotReluDot(self.depth, param_dtype=self.param_dtype)(x)
+    return x
+
+
+# Llama 3
+# ------------------------------------------------------------------------------
+
+_init = nn.initializers.normal(0.02)
+
+
+class RMSNorm(nn.Module):
+  """RMSNorm with a learned scale named 'norm' (replicated by the rules)."""
+
+  eps: float = 1e-5
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param(
+        'scale', with_logical_partitioning(nn.initializers.ones, ('norm',)),
+        (x.shape[-1],), self.param_dtype)
+    return rms_norm(x, scale, self.eps)
+
+
+class LlamaBlock(nn.Module):
+  """One Llama decoder layer: pre-norm GQA attention and a SwiGLU MLP."""
+
+  config: LlamaConfig
+  param_dtype: Any = jnp.float32
+
+  def _param(self, name: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    return self.param(
+        name, with_logical_partitioning(_init, names), shape, self.param_dtype)
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+    c = self.config
+    wq = self._param('wq', (c.dim, c.num_heads, c.head_dim),
+                     ('embed', 'heads', 'head_dim'))
+    wk = self._param('wk', (c.dim, c.num_kv_heads, c.head_dim),
+                     ('embed', 'kv_heads', 'head_dim'))
+    wv = self._param('wv', (c.dim, c.num_kv_heads, c.head_dim),
+                     ('embed', 'kv_heads', 'head_dim'))
+    wo = self._param('wo', (c.num_heads, c.head_dim, c.dim),
+                     ('heads', 'head_dim', 'embed'))
+    h = RMSNorm(c.norm_eps, self.param_dtype, name='attention_norm')(x)
+    q = rope(jnp.einsum('bse,ehd->bshd', h, wq), c.rope_theta)
+    k = rope(jnp.einsum('bse,ehd->bshd', h, wk), c.rope_theta)
+    v = jnp.einsum('bse,ehd->bshd', h, wv)
+    x = x + jnp.einsum('bshd,hde->bse', attend(q, k, v), wo)
+    w1 = self._param('w1', (c.dim, c.ffn_dim), ('embed', 'mlp'))
+    w3 = self._param('w3', (c.dim, c.ffn_dim), ('embed', 'mlp'))
+    w2 = self._param('w2', (c.ffn_dim, c.dim), ('mlp', 'embed'))
+    h = RMSNorm(c.norm_eps, self.param_dtype, name='ffn_norm')(x)
+    x = x + (jax.nn.silu(h @ w1) * (h @ w3)) @ w2
+    x = with_logical_constraint(x, ('batch', 'length', 'embed'))
+    return x, None
+
+
+class Llama(nn.Module):
+  """Llama-3 decoder with its layers stacked by ``nn.scan`` on a 'layers' axis."""
+
+  config: LlamaConfig
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    c = self.config
+    embedding = self.param(
+        'embedding', with_logical_partitioning(_init, ('vocab', 'embed')),
+        (c.vocab_size, c.dim), self.param_dtype)
+    x = jnp.take(embedding, tokens, axis=0)
+    x, _ = nn.scan(
+        LlamaBlock,
+        length=c.num_layers,
+        variable_axes={'params': 0},
+        split_rngs={'params': True},
+        metadata_params={PARTITION_NAME: 'layers'},
+    )(c, self.param_dtype, name='layers')(x, None)
+    x = RMSNorm(c.norm_eps, self.param_dtype, name='norm')(x)
+    lm_head = self.param(
+        'lm_head', with_logical_partitioning(_init, ('embed', 'vocab')),
+        (c.dim, c.vocab_size), self.param_dtype)
+    return x @ lm_head
+
+
+def model(name: str, dtype: Any = jnp.float32) -> tuple[nn.Module, Any]:
+  """A built-in Linen model and an abstract example input for its ``init``.
+
+  Example:
+    >>> module, x = model('llama3-8b')
+    >>> module.config.num_layers, x.shape
+    (32, (1, 1))
+  """
+  if name == 'mlp':
+    # The notebook's sizes: 4 layers of depth 1024 on a batch of 8.
+    return MLP(num_layers=4, depth=1024, use_scan=True, param_dtype=dtype), \
+        jax.ShapeDtypeStruct((8, 1024), jnp.float32)
+  if name not in LLAMA_CONFIGS:
+    raise ValueError(f'Unknown model {name!r}; choose from {", ".join(MODEL_NAMES)}.')
+  return Llama(LLAMA_CONFIGS[name], dtype), jax.ShapeDtypeStruct((1, 1), jnp.int32)
+
+
+__all__ = ['LLAMA_CONFIGS', 'LLAMA_RULES', 'MLP', 'MLP_RULES', 'MODEL_NAMES',
+           'DotReluDot', 'Llama', 'LlamaBlock', 'LlamaConfig', 'RMSNorm', 'model']
