@@ -23,9 +23,13 @@ from flax_shardmeta._constraints import (
     with_logical_constraint,
 )
 from flax_shardmeta._errors import (
+    FlaxShardmetaError,
+    InvalidNamesError,
+    InvalidRulesError,
     NoMeshError,
     RuleConflictError,
     ShardingError,
+    ShardingFitWarning,
     ShardingProblem,
 )
 from flax_shardmeta._plan import PlanEntry, ShardingPlan, plan, verify
@@ -41,7 +45,6 @@ from flax_shardmeta._rules import (
 from flax_shardmeta._rules import explain as explain_resolution
 from flax_shardmeta._sharded_init import sharded_init
 from flax_shardmeta._sharding import (
-    ShardingFitWarning,
     get_partition_spec,
     get_sharding,
     logical_to_mesh,
@@ -53,6 +56,9 @@ __version__ = '0.1.0'
 __all__ = [
     'PARTITION_NAME',
     'Annotation',
+    'FlaxShardmetaError',
+    'InvalidNamesError',
+    'InvalidRulesError',
     'LogicalPartitioned',
     'NoMeshError',
     'Partitioned',

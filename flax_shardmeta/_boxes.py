@@ -16,7 +16,12 @@ import jax
 from flax.core import meta
 from jax.sharding import PartitionSpec
 
-from flax_shardmeta._errors import ShardingError, ShardingProblem, format_spec
+from flax_shardmeta._errors import (
+    InvalidNamesError,
+    ShardingError,
+    ShardingProblem,
+    format_spec,
+)
 from flax_shardmeta._generate import generate
 from flax_shardmeta._placement import apply_spec, context_mesh
 from flax_shardmeta._rules import (
@@ -87,12 +92,12 @@ class Partitioned(meta.AxisMetadata[A], Generic[A]):
     name = (params or {}).get(PARTITION_NAME, None)
     names = list(self.names)
     if not -len(names) <= index < len(names):
-      raise ValueError(
+      raise InvalidNamesError(
           f'Cannot remove axis {index} from names {format_spec(self.names)}: '
           f'there are only {len(names)} names.'
       )
     if names[index] != name:
-      raise ValueError(
+      raise InvalidNamesError(
           f'Cannot remove axis {index} named {name!r} from names '
           f'{format_spec(self.names)}: that position holds {names[index]!r}. '
           'Pass the same metadata_params to the transform that added it.'
@@ -224,7 +229,7 @@ def _all_slots(cls: type) -> tuple[str, ...]:
 def as_names(names: Any) -> tuple[Any, ...]:
   """Names as a tuple (lists become tuples); a bare string is refused."""
   if isinstance(names, str):
-    raise ValueError(
+    raise InvalidNamesError(
         f'names must be a sequence with one entry per dimension, got the '
         f'string {names!r}; write ({names!r},) for a rank-1 value.'
     )

@@ -70,7 +70,15 @@ class ShardingProblem:
     }
 
 
-class ShardingError(ValueError):
+class FlaxShardmetaError(ValueError):
+  """Base of every error flax_shardmeta raises.
+
+  A ``ValueError``, so code that already catches bad values keeps working;
+  ``except fsm.FlaxShardmetaError`` catches exactly this library's errors.
+  """
+
+
+class ShardingError(FlaxShardmetaError):
   """Raised when annotations cannot become a valid sharding.
 
   Every problem found in a tree is listed in one message, each naming the
@@ -87,9 +95,22 @@ class ShardingError(ValueError):
     super().__init__('\n'.join(lines))
 
 
-class RuleConflictError(ValueError):
+class RuleConflictError(FlaxShardmetaError):
   """Raised when global and per-variable logical rules disagree on a name."""
 
 
-class NoMeshError(ValueError):
+class NoMeshError(FlaxShardmetaError):
   """Raised when a sharding must be applied but no mesh was given or set."""
+
+
+class InvalidRulesError(FlaxShardmetaError):
+  """Raised when logical axis rules are not ``(logical_name, mesh_axes)`` pairs."""
+
+
+class InvalidNamesError(FlaxShardmetaError):
+  """Raised when an annotation's names are malformed (a bare string, a repeat,
+  a transform's axis name that does not match)."""
+
+
+class ShardingFitWarning(UserWarning):
+  """Issued when ``fit=True`` replicated dimensions that could not be sharded."""

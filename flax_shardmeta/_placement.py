@@ -85,13 +85,14 @@ def apply_spec(
     if manual:
       return jax.lax.with_sharding_constraint(value, spec)
     return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
-  raise ValueError(
-      f'Cannot shard {path}: the mesh mixes axis types '
-      f'{ {n: str(t) for n, t in types.items()} }. flax_shardmeta applies a '
-      'layout with with_sharding_constraint (all Auto) or reshard (all '
-      'Explicit); make every axis the same type, e.g. '
-      'jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * n).'
-  )
+  raise ShardingError([ShardingProblem(
+      path, shape, names, spec,
+      f'the mesh mixes axis types { {n: str(t) for n, t in types.items()} }, '
+      'and a layout is applied with with_sharding_constraint (all Auto) or '
+      'reshard (all Explicit)',
+      'make every axis the same type, e.g. jax.make_mesh(shape, names, '
+      'axis_types=(AxisType.Explicit,) * n)',
+  )])
 
 
 def require_mesh(mesh: AnyMesh | None, what: str) -> AnyMesh:

@@ -13,6 +13,7 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
+from flax_shardmeta._errors import FlaxShardmetaError
 from flax_shardmeta._rules import RuleStep, composite_rules, explain
 
 
@@ -74,7 +75,7 @@ def explain_entry(
         for d, n in enumerate(ann.names))
   try:
     dims = explain(ann.names, composite_rules(rules, ann.rules))
-  except ValueError as e:
+  except FlaxShardmetaError as e:
     return tuple(ExplainedDim(d, n, final[d], (), f'not resolved: {e}')
                  for d, n in enumerate(ann.names))
   out = []

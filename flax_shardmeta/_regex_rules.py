@@ -11,6 +11,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from flax_shardmeta._annotation import path_str
+from flax_shardmeta._errors import InvalidRulesError
 from flax_shardmeta._typing import PyTree
 
 PartitionRules = Sequence[tuple[str, PartitionSpec]]
@@ -26,7 +27,7 @@ def match_partition_rules(
   ``re.search`` runs over '/'-joined key paths and the first matching rule
   wins. Scalars and leaves with fewer than ``min_size`` elements get ``P()``;
   specs longer than the leaf's rank are trimmed. Leaves no rule matches are
-  all reported in one ValueError.
+  all reported in one InvalidRulesError.
 
   Example:
     >>> import jax.numpy as jnp, flax_shardmeta as fsm
@@ -54,7 +55,7 @@ def match_partition_rules(
 
   out = jax.tree_util.tree_map_with_path(choose, tree)
   if unmatched:
-    raise ValueError(
+    raise InvalidRulesError(
         f'No partition rule matches {len(unmatched)} leaf path(s):\n'
         + '\n'.join(f'  - {u}' for u in unmatched)
         + "\nAdd a rule for them, e.g. a final catch-all ('.*', P())."

@@ -19,7 +19,12 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from flax_shardmeta._errors import RuleConflictError, format_spec
+from flax_shardmeta._errors import (
+    InvalidNamesError,
+    InvalidRulesError,
+    RuleConflictError,
+    format_spec,
+)
 from flax_shardmeta._typing import LogicalNames, LogicalRules, MeshAxes
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
@@ -82,7 +87,7 @@ def normalize_rules(rules: LogicalRules | None) -> tuple[tuple[str, Any], ...]:
   if rules is None:
     return ()
   if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
-    raise ValueError(
+    raise InvalidRulesError(
         f'Logical axis rules must be a sequence of (logical_name, mesh_axes) '
         f'pairs, got {type(rules).__name__}: {rules!r}.'
     )
@@ -94,7 +99,7 @@ def normalize_rules(rules: LogicalRules | None) -> tuple[tuple[str, Any], ...]:
         or len(rule) != 2
         or not isinstance(rule[0], str)
     ):
-      raise ValueError(
+      raise InvalidRulesError(
           f'Logical axis rule #{i} is {rule!r}; expected a pair '
           "(logical_name: str, mesh_axes), e.g. ('mlp', 'model')."
       )
@@ -102,18 +107,18 @@ def normalize_rules(rules: LogicalRules | None) -> tuple[tuple[str, Any], ...]:
     if isinstance(target, list):
       target = tuple(target)
     if isinstance(target, PartitionSpec):
-      raise ValueError(
+      raise InvalidRulesError(
           f'Logical axis rule {rule!r}: the target must be a mesh axis, a '
           'tuple of mesh axes, None or PartitionSpec.UNCONSTRAINED, not a '
           'PartitionSpec.'
       )
     if isinstance(target, tuple) and not all(isinstance(a, str) for a in target):
-      raise ValueError(
+      raise InvalidRulesError(
           f'Logical axis rule {rule!r}: a tuple target must hold mesh-axis '
           'names (str) only.'
       )
     if isinstance(target, tuple) and len(set(target)) != len(target):
-      raise ValueError(
+      raise InvalidRulesError(
           f'Logical axis rule {rule!r}: a tuple target names a mesh axis more '
           'than once; list each mesh axis once.'
       )
@@ -122,7 +127,7 @@ def normalize_rules(rules: LogicalRules | None) -> tuple[tuple[str, Any], ...]:
         or target is UNCONSTRAINED
         or isinstance(target, (str, tuple))
     ):
-      raise ValueError(
+      raise InvalidRulesError(
           f'Logical axis rule {rule!r}: unsupported target {target!r}; use a '
           'mesh-axis name, a tuple of them, None or PartitionSpec.UNCONSTRAINED.'
       )
@@ -233,7 +238,7 @@ def _check_names(names: tuple[Any, ...]) -> None:
   for n in names:
     if isinstance(n, str):
       if n in seen:
-        raise ValueError(
+        raise InvalidNamesError(
             f"Logical name '{n}' appears more than once in "
             f'{format_spec(names)}; each logical name may name one dimension '
             'only. Rename one of them.'
@@ -416,7 +421,7 @@ def standard_logical_axis_rules(
   elif dims == (2, 2):
     embed = (('embed', 'model'), ('embed', 'data'))
   else:
-    raise ValueError(
+    raise InvalidRulesError(
         f'activation_partitioning_dims={activation_partitioning_dims}, '
         f'parameter_partitioning_dims={parameter_partitioning_dims} is not '
         'supported; each must be 1 or 2.'

@@ -15,7 +15,13 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
-from flax_shardmeta._errors import ShardingError, ShardingProblem, format_spec
+from flax_shardmeta._errors import (
+    FlaxShardmetaError,
+    ShardingError,
+    ShardingFitWarning,
+    ShardingProblem,
+    format_spec,
+)
 from flax_shardmeta._rules import (
     UNASSIGNED,
     composite_rules,
@@ -26,10 +32,6 @@ from flax_shardmeta._rules import (
 )
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 from flax_shardmeta._validate import check_spec, rank_issue
-
-
-class ShardingFitWarning(UserWarning):
-  """Issued when ``fit=True`` replicated dimensions that could not be sharded."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,7 @@ def _layout_cached(shape, annotation, mesh, rules, fit) -> LeafLayout:
     return LeafLayout(shape, None, (rank_issue(len(names), len(shape)),))
   try:
     entries = resolve_names(annotation, mesh, rules)
-  except ValueError as e:
+  except FlaxShardmetaError as e:
     return LeafLayout(
         shape, None, ((str(e).rstrip('.'), 'fix the names or the rules', ()),))
   issues = check_spec(shape, entries, mesh)
