@@ -16,6 +16,7 @@ from flax_shardmeta._boxes import (
     with_logical_partitioning,
     with_partitioning,
 )
+from flax_shardmeta._caches import clear_caches
 from flax_shardmeta._checkpoint import as_abstract
 from flax_shardmeta._constraints import (
     RulesFallback,
@@ -71,6 +72,7 @@ __all__ = [
     'ShardingProblem',
     '__version__',
     'as_abstract',
+    'clear_caches',
     'composite_rules',
     'explain_resolution',
     'get_logical_axis_rules',

@@ -91,10 +91,24 @@ def register_annotation_type(
   """Teaches flax_shardmeta a new annotated leaf type.
 
   Args:
-    kind: the leaf class (subclasses match too; first registration wins).
+    kind: the leaf class. Subclasses match too; a leaf takes the reader of
+      the nearest class in its MRO, and registering a class again replaces
+      its reader.
     read: returns ``(value, Annotation | None)`` for a leaf.
     rebuild: how results are placed in output trees; by default the result
       replaces the leaf.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> class Tagged:  # a leaf type of one's own, holding a value and names
+    ...   def __init__(self, value, names):
+    ...     self.value, self.names = value, names
+    >>> fsm.register_annotation_type(
+    ...     Tagged, lambda t: (t.value, fsm.Annotation(tuple(t.names))))
+    >>> mesh = jax.sharding.AbstractMesh((2,), ('model',))
+    >>> tree = {'w': Tagged(jnp.zeros((4, 2)), ('model', None))}
+    >>> fsm.get_sharding(tree, mesh)['w'].spec
+    P('model', None)
   """
   _registry.append(_Entry(kind, read, rebuild))
   _by_type.clear()
@@ -103,7 +117,7 @@ def register_annotation_type(
 def _classify(t: type) -> Any:
   found = _by_type.get(t, _MISSING)
   if found is _MISSING:
-    found = next((e for e in _registry if issubclass(t, e.kind)), None)
+    found = _most_specific(t)
     if found is None and _is_optax_state_type(t):
       found = _OPTIMIZER
     _by_type[t] = found
@@ -111,6 +125,17 @@ def _classify(t: type) -> Any:
 
 
 _MISSING = object()
+
+
+def _most_specific(t: type) -> _Entry | None:
+  """The entry for the nearest class in ``t``'s MRO (the latest registration of
+  a class wins), so a catch-all for a base class never shadows a subclass's own."""
+  by_kind = {e.kind: e for e in _registry}
+  for klass in t.__mro__:
+    if klass in by_kind:
+      return by_kind[klass]
+  # Virtual subclasses (ABC.register) are not in the MRO.
+  return next((e for e in reversed(_registry) if issubclass(t, e.kind)), None)
 
 
 def is_annotated_leaf(x: Any) -> bool:

@@ -17,20 +17,19 @@ from flax.core import meta
 from jax.sharding import PartitionSpec
 
 from flax_shardmeta._errors import (
-    InvalidNamesError,
-    ShardingError,
-    ShardingProblem,
-    format_spec,
+  InvalidNamesError,
+  ShardingError,
+  ShardingProblem,
 )
 from flax_shardmeta._generate import generate
 from flax_shardmeta._placement import apply_spec, context_mesh
 from flax_shardmeta._rules import (
-  UNASSIGNED,
   composite_rules,
   get_logical_axis_rules,
   normalize_rules,
   resolve,
 )
+from flax_shardmeta._specs import format_spec, unassigned_to_none
 from flax_shardmeta._typing import AnyMesh, LogicalNames, LogicalRules, PyTree
 from flax_shardmeta._validate import rank_issue
 
@@ -274,9 +273,7 @@ def constrain_box(box: Partitioned[Any]) -> Any:
     rules = composite_rules(get_logical_axis_rules(), box.rules)
     if not rules:
       return value
-    entries = tuple(
-        None if r is UNASSIGNED else r for r in resolve(box.names, rules)
-    )
+    entries = unassigned_to_none(resolve(box.names, rules))
   else:
     entries = box.names
   if len(entries) != len(value.shape):
@@ -290,6 +287,7 @@ def constrain_box(box: Partitioned[Any]) -> Any:
 def with_partitioning(
     init_fn: Callable[..., Any],
     names: LogicalNames,
+    *,
     mesh: AnyMesh | None = None,
 ) -> Callable[..., Partitioned[Any]]:
   """Wraps an initializer so its result is boxed with mesh-axis ``names``.
@@ -311,6 +309,7 @@ def with_partitioning(
 def with_logical_partitioning(
     init_fn: Callable[..., Any],
     names: LogicalNames,
+    *,
     mesh: AnyMesh | None = None,
     rules: LogicalRules | None = None,
 ) -> Callable[..., LogicalPartitioned[Any]]:

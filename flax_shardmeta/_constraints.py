@@ -15,11 +15,11 @@ from jax.sharding import PartitionSpec
 from flax_shardmeta._errors import ShardingError, ShardingProblem
 from flax_shardmeta._placement import apply_spec, context_mesh, require_mesh
 from flax_shardmeta._rules import (
-    UNASSIGNED,
     get_logical_axis_rules,
     normalize_rules,
     resolve,
 )
+from flax_shardmeta._specs import UNASSIGNED, unassigned_to_none
 from flax_shardmeta._typing import AnyMesh, LogicalNames, LogicalRules, PyTree
 
 
@@ -65,7 +65,7 @@ def shard_value(
   names = tuple(names)
   rules_t = normalize_rules(rules) if rules is not None else get_logical_axis_rules()
   if rules_t:
-    entries = tuple(None if r is UNASSIGNED else r for r in resolve(names, rules_t))
+    entries = unassigned_to_none(resolve(names, rules_t))
   else:
     entries = names
   return apply_spec(value, entries, mesh, path=path, names=names)
@@ -92,7 +92,7 @@ def _constrain_one(
           f'no rule maps logical name(s) {missing}',
           'add a rule for them, or use fallback=RulesFallback.AXIS_IS_UNSHARDED',
       )])
-  entries = tuple(None if r is UNASSIGNED else r for r in resolved)
+  entries = unassigned_to_none(resolved)
   return apply_spec(x, entries, mesh, path='<constraint>', names=names)
 
 

@@ -6,28 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jax.sharding import PartitionSpec
-
-
-def format_spec(spec: Any) -> str:
-  """Short, stable rendering of a PartitionSpec or names tuple."""
-  if spec is None:
-    return 'None'
-  entries = ', '.join(_format_entry(e) for e in tuple(spec))
-  # jax >= 0.9 names the class `P`, so the type is checked, not its name.
-  if isinstance(spec, PartitionSpec):
-    return f'P({entries})'
-  return f'({entries}{"," if len(tuple(spec)) == 1 else ""})'
-
-
-def _format_entry(entry: Any) -> str:
-  if isinstance(entry, str):
-    return repr(entry)
-  if isinstance(entry, tuple):
-    return '(' + ', '.join(_format_entry(e) for e in entry) + ')'
-  if entry is None:
-    return 'None'
-  return 'UNCONSTRAINED' if 'UNCONSTRAINED' in repr(entry) else repr(entry)
+from flax_shardmeta._specs import format_spec
 
 
 @dataclasses.dataclass(frozen=True)

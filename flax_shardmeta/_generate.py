@@ -17,11 +17,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from flax_shardmeta import _windowed as windowed
 from flax_shardmeta._placement import apply_spec, context_mesh, manual_axes
 from flax_shardmeta._rules import (
-    UNASSIGNED,
     composite_rules,
     get_logical_axis_rules,
     resolve,
 )
+from flax_shardmeta._specs import unassigned_to_none
 from flax_shardmeta._typing import AnyMesh, LogicalRules
 from flax_shardmeta._validate import check_spec
 
@@ -62,7 +62,7 @@ def generate(
     all_rules = composite_rules(get_logical_axis_rules(), rules)
     if not all_rules:
       return init_fn(*args, **kwargs)
-    entries = tuple(None if r is UNASSIGNED else r for r in resolve(names, all_rules))
+    entries = unassigned_to_none(resolve(names, all_rules))
   else:
     entries = names
   try:

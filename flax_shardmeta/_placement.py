@@ -13,7 +13,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flax_shardmeta._errors import NoMeshError, ShardingError, ShardingProblem
-from flax_shardmeta._rules import mesh_axes_of
+from flax_shardmeta._specs import mesh_axes_of
 from flax_shardmeta._typing import AnyMesh
 from flax_shardmeta._validate import check_spec
 

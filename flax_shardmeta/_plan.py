@@ -20,17 +20,17 @@ from jax.sharding import PartitionSpec, Sharding
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta import _plan_format as plan_format
-from flax_shardmeta._errors import ShardingError, ShardingProblem, format_spec
+from flax_shardmeta._errors import ShardingError, ShardingProblem
 from flax_shardmeta._plan_explain import ExplainedDim, explain_entry
-from flax_shardmeta._rules import mesh_axes_of
 from flax_shardmeta._sharding import (
-    LeafLayout,
-    effective_rules,
-    layout_tree,
-    named_sharding,
-    problems_of,
-    warn_adjustments,
+  LeafLayout,
+  effective_rules,
+  layout_tree,
+  named_sharding,
+  problems_of,
+  warn_adjustments,
 )
+from flax_shardmeta._specs import format_spec, json_entry, mesh_axes_of
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 
 
@@ -199,7 +199,7 @@ class ShardingPlan:
     """JSON-serializable form (see the CLI's ``--format json``)."""
     return {
         'mesh': dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)),
-        'rules': [[n, _json_entry(t)] for n, t in self.rules],
+        'rules': [[n, json_entry(t)] for n, t in self.rules],
         'entries': [e.to_dict() for e in self.entries],
         'bytes_per_device': self.bytes_per_device,
         'total_bytes': self.total_bytes,
@@ -343,7 +343,7 @@ def verify(
     >>> fsm.verify(x, fsm.plan(x, mesh))
     []
     >>> [str(m) for m in fsm.verify(x, {'w': jax.NamedSharding(mesh, jax.P('data'))})]
-    ["w: planned P('data',), found P()"]
+    ["w: planned P('data'), found P()"]
   """
   if isinstance(plan_or_shardings, ShardingPlan):
     p = plan_or_shardings
@@ -410,20 +410,12 @@ def _shard_shape(
   return tuple(out)
 
 
-def _json_entry(entry: Any) -> Any:
-  if entry is None or isinstance(entry, str):
-    return entry
-  if isinstance(entry, tuple):
-    return [_json_entry(e) for e in entry]
-  return 'UNCONSTRAINED' if 'UNCONSTRAINED' in repr(entry) else repr(entry)
-
-
 def _json_entries(spec: Any) -> list[Any] | None:
-  return None if spec is None else [_json_entry(e) for e in tuple(spec)]
+  return None if spec is None else [json_entry(e) for e in tuple(spec)]
 
 
 def _spec_of(s: Sharding | None) -> str:
   if s is None:
     return 'no sharding'
   spec = getattr(s, 'spec', None)
-  return repr(spec) if spec is not None else repr(s)
+  return format_spec(spec) if spec is not None else repr(s)

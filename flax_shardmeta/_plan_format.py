@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from flax_shardmeta._errors import format_spec
+from flax_shardmeta._specs import format_spec
 
 if TYPE_CHECKING:
   from flax_shardmeta._plan import PlanEntry, ShardingPlan
@@ -22,12 +22,14 @@ _MIN_STACK = 3
 
 def format_bytes(n: int) -> str:
   """Bytes in binary units, e.g. ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+  if n < 1024:
+    return f'{n} B'
   value = float(n)
-  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
-    if value < 1024 or unit == 'TiB':
-      return f'{int(value)} B' if unit == 'B' else f'{value:.2f} {unit}'
+  for unit in ('KiB', 'MiB', 'GiB'):
     value /= 1024
-  raise AssertionError('unreachable')
+    if value < 1024:
+      return f'{value:.2f} {unit}'
+  return f'{value / 1024:.2f} TiB'
 
 
 def format_count(n: int) -> str:

@@ -23,12 +23,16 @@ from flax_shardmeta._errors import (
     InvalidNamesError,
     InvalidRulesError,
     RuleConflictError,
+)
+from flax_shardmeta._specs import (
+    UNASSIGNED,
+    UNCONSTRAINED,
+    format_entry,
     format_spec,
+    mesh_axes_of,
+    unassigned_to_none,
 )
 from flax_shardmeta._typing import LogicalNames, LogicalRules, MeshAxes
-
-UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
-
 
 # Rule context
 # ------------------------------------------------------------------------------
@@ -215,24 +219,6 @@ class DimExplanation:
     return f"'{self.name}': " + '; '.join(str(s) for s in self.steps)
 
 
-def mesh_axes_of(entry: Any) -> tuple[str, ...]:
-  """The mesh-axis names one spec entry uses."""
-  if isinstance(entry, str):
-    return (entry,)
-  if isinstance(entry, tuple):
-    return tuple(a for a in entry if isinstance(a, str))
-  return ()
-
-
-class _Unassigned:
-  def __repr__(self) -> str:
-    return 'UNASSIGNED'
-
-
-UNASSIGNED = _Unassigned()
-"""Marker for a logical dimension no rule could assign (see ``resolve``)."""
-
-
 def _check_names(names: tuple[Any, ...]) -> None:
   seen = set()
   for n in names:
@@ -246,26 +232,58 @@ def _check_names(names: tuple[Any, ...]) -> None:
       seen.add(n)
 
 
+def _assign(
+    names: tuple[Any, ...],
+    rules: tuple[tuple[str, Any], ...],
+    steps: list[list[RuleStep]] | None,
+) -> tuple[Any, ...]:
+  """The resolution loop; records each rule's effect in ``steps`` when given.
+
+  Rules are walked in priority order. A rule assigns its mesh axes to its
+  name's dimension when that dimension has none yet and none of the axes is
+  already used by another dimension of the spec.
+  """
+  _check_names(names)
+  result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
+  if steps is None and UNASSIGNED not in result:
+    return tuple(result)
+  position = {n: i for i, n in enumerate(names) if isinstance(n, str)}
+  # Which dimension owns each mesh axis so far (names written as mesh axes too).
+  owner = {a: i for i, r in enumerate(result) for a in mesh_axes_of(r)}
+  assigned_by: dict[int, int] = {}
+  for k, (name, target) in enumerate(rules):
+    pos = position.get(name)
+    if pos is None:
+      continue
+    if result[pos] is not UNASSIGNED:
+      if steps is not None:
+        steps[pos].append(RuleStep(
+            k, (name, target), False,
+            f'dimension already assigned by rule #{assigned_by[pos]}'))
+      continue
+    axes = mesh_axes_of(target)
+    clash = next((a for a in axes if a in owner), None)
+    if clash is not None:
+      if steps is not None:
+        j = owner[clash]
+        steps[pos].append(RuleStep(
+            k, (name, target), False,
+            f"mesh axis '{clash}' already used by dimension {j} ({names[j]!r})"))
+      continue
+    result[pos] = target
+    assigned_by[pos] = k
+    owner.update((a, pos) for a in axes)
+    if steps is not None:
+      shown = 'replicated (None)' if target is None else format_entry(target)
+      steps[pos].append(RuleStep(k, (name, target), True, shown))
+  return tuple(result)
+
+
 @functools.lru_cache(maxsize=65536)
 def _resolve_cached(
     names: tuple[Any, ...], rules: tuple[tuple[str, Any], ...]
 ) -> tuple[Any, ...]:
-  _check_names(names)
-  result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
-  if not any(r is UNASSIGNED for r in result):
-    return tuple(result)
-  position = {n: i for i, n in enumerate(names) if isinstance(n, str)}
-  used = {a for r in result for a in mesh_axes_of(r)}
-  for name, target in rules:
-    pos = position.get(name)
-    if pos is None or result[pos] is not UNASSIGNED:
-      continue
-    axes = mesh_axes_of(target)
-    if used.intersection(axes):
-      continue
-    result[pos] = target
-    used.update(axes)
-  return tuple(result)
+  return _assign(names, rules, None)
 
 
 def resolve(
@@ -284,6 +302,9 @@ def explain(
 ) -> tuple[DimExplanation, ...]:
   """Per-dimension account of which rule gave the mesh axes and which were skipped.
 
+  The same loop as :func:`resolve`, recording each rule's effect, so the
+  explanation always agrees with the resolution.
+
   Example:
     >>> import flax_shardmeta as fsm
     >>> for d in fsm.explain_resolution(('bar', 'foo'),
@@ -293,54 +314,12 @@ def explain(
     'foo': rule #0 ('foo', 'model') gave: 'model'
   """
   names = tuple(names)
-  rules = normalize_rules(rules)
-  _check_names(names)
-  result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
-  owner: dict[str, int] = {}
-  for i, r in enumerate(result):
-    for a in mesh_axes_of(r):
-      owner[a] = i
-  assigned_by: dict[int, int] = {}
   steps: list[list[RuleStep]] = [[] for _ in names]
-  position = {n: i for i, n in enumerate(names) if isinstance(n, str)}
-  for k, (name, target) in enumerate(rules):
-    pos = position.get(name)
-    if pos is None:
-      continue
-    rule = (name, target)
-    if result[pos] is not UNASSIGNED:
-      steps[pos].append(RuleStep(
-          k, rule, False,
-          f'dimension already assigned by rule #{assigned_by[pos]}'))
-      continue
-    axes = mesh_axes_of(target)
-    clash = [a for a in axes if a in owner]
-    if clash:
-      j = owner[clash[0]]
-      steps[pos].append(RuleStep(
-          k, rule, False,
-          f"mesh axis '{clash[0]}' already used by dimension {j} "
-          f'({names[j]!r})'))
-      continue
-    result[pos] = target
-    assigned_by[pos] = k
-    for a in axes:
-      owner[a] = pos
-    shown = 'replicated (None)' if target is None else format_entry(target)
-    steps[pos].append(RuleStep(k, rule, True, shown))
+  result = _assign(names, normalize_rules(rules), steps)
   return tuple(
-      DimExplanation(
-          n, None if result[i] is UNASSIGNED else result[i], tuple(steps[i])
-      )
-      for i, n in enumerate(names)
+      DimExplanation(n, m, tuple(st))
+      for n, m, st in zip(names, unassigned_to_none(result), steps)
   )
-
-
-def format_entry(entry: Any) -> str:
-  """Renders one spec entry the way a PartitionSpec would."""
-  if entry is UNCONSTRAINED:
-    return 'UNCONSTRAINED'
-  return repr(entry)
 
 
 def logical_to_mesh_axes(
@@ -364,7 +343,7 @@ def logical_to_mesh_axes(
   if rules is None:
     rules = get_logical_axis_rules()
   resolved = resolve(tuple(names), rules)
-  return PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
+  return PartitionSpec(*unassigned_to_none(resolved))
 
 
 # Standard rules

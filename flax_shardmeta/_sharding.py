@@ -16,20 +16,19 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._errors import (
-    FlaxShardmetaError,
-    ShardingError,
-    ShardingFitWarning,
-    ShardingProblem,
-    format_spec,
+  FlaxShardmetaError,
+  ShardingError,
+  ShardingFitWarning,
+  ShardingProblem,
 )
 from flax_shardmeta._rules import (
-    UNASSIGNED,
-    composite_rules,
-    get_logical_axis_rules,
-    logical_to_mesh_axes,
-    normalize_rules,
-    resolve,
+  composite_rules,
+  get_logical_axis_rules,
+  logical_to_mesh_axes,
+  normalize_rules,
+  resolve,
 )
+from flax_shardmeta._specs import UNASSIGNED, format_spec
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 from flax_shardmeta._validate import check_spec, rank_issue
 

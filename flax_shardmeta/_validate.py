@@ -11,7 +11,7 @@ import functools
 import math
 from typing import Any
 
-from flax_shardmeta._rules import UNCONSTRAINED, mesh_axes_of
+from flax_shardmeta._specs import UNCONSTRAINED, mesh_axes_of
 
 Issue = tuple[str, str, tuple[int, ...]]
 """(reason, hint, dims concerned)."""

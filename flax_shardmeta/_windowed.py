@@ -30,7 +30,7 @@ from jax import lax
 from jax.extend.random import threefry2x32_p
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_shardmeta._rules import mesh_axes_of
+from flax_shardmeta._specs import mesh_axes_of
 
 # Primitives computing each output element from the same element of their
 # inputs (inputs of size-1 dimensions broadcast).

@@ -65,8 +65,8 @@ OPTIMIZER_NAMES = 'optimizer_sharding'
 def with_partitioning(
     init: Callable[..., Any],
     names: LogicalNames,
-    mesh: AnyMesh | None = None,
     *,
+    mesh: AnyMesh | None = None,
     optimizer_names: LogicalNames | None = None,
 ) -> Callable[..., nnx.VariableMetadata[Any]]:
   """Wraps an initializer so the Variable it fills is annotated with mesh axes.
@@ -100,9 +100,9 @@ def with_partitioning(
 def with_logical_partitioning(
     init: Callable[..., Any],
     names: LogicalNames,
-    rules: LogicalRules | None = None,
-    mesh: AnyMesh | None = None,
     *,
+    mesh: AnyMesh | None = None,
+    rules: LogicalRules | None = None,
     optimizer_names: LogicalNames | None = None,
 ) -> Callable[..., nnx.VariableMetadata[Any]]:
   """Wraps an initializer so the Variable it fills is annotated with logical names.

@@ -2,24 +2,35 @@
 
 import importlib.resources
 import inspect
+import pathlib
+import re
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 import flax_shardmeta as fsm
 
-# Names the core exports; adapters (NNX, plans, checkpoints) may add more.
-CORE_API = {
-    'PARTITION_NAME',
+# The whole public surface: a name added or removed is a decision, made here.
+PUBLIC_API = {
     'Annotation',
+    'FlaxShardmetaError',
+    'InvalidNamesError',
+    'InvalidRulesError',
     'LogicalPartitioned',
     'NoMeshError',
+    'PARTITION_NAME',
     'Partitioned',
+    'PlanEntry',
     'RuleConflictError',
     'RulesFallback',
     'ShardingError',
     'ShardingFitWarning',
+    'ShardingPlan',
     'ShardingProblem',
     '__version__',
+    'as_abstract',
+    'clear_caches',
     'composite_rules',
     'explain_resolution',
     'get_logical_axis_rules',
@@ -30,20 +41,24 @@ CORE_API = {
     'logical_to_mesh_axes',
     'logical_to_mesh_sharding',
     'match_partition_rules',
+    'nnx',
+    'plan',
     'register_annotation_type',
     'replace_boxed',
     'set_logical_axis_rules',
     'shard_value',
+    'sharded_init',
     'standard_logical_axis_rules',
     'unbox',
+    'verify',
     'with_logical_constraint',
     'with_logical_partitioning',
     'with_partitioning',
 }
 
 
-def test_core_api_is_exported():
-  assert CORE_API <= set(fsm.__all__)
+def test_public_api_is_exactly_this():
+  assert set(fsm.__all__) == PUBLIC_API
 
 
 def test_all_is_unique_and_resolvable():
@@ -77,11 +92,54 @@ def test_constant_is_documented_in_its_module():
   assert "PARTITION_NAME = 'partition_name'\n\"\"\"" in source
 
 
-def test_errors_are_value_errors():
-  for cls in (fsm.ShardingError, fsm.RuleConflictError, fsm.NoMeshError):
-    assert issubclass(cls, ValueError)
+def test_every_error_is_a_flax_shardmeta_error():
+  errors = [getattr(fsm, n) for n in fsm.__all__
+            if isinstance(getattr(fsm, n), type)
+            and issubclass(getattr(fsm, n), BaseException)
+            and not issubclass(getattr(fsm, n), Warning)]
+  assert fsm.ShardingError in errors and fsm.InvalidNamesError in errors
+  for cls in errors:
+    assert issubclass(cls, fsm.FlaxShardmetaError), cls
+  assert issubclass(fsm.FlaxShardmetaError, ValueError)
+
+
+def test_library_code_raises_no_bare_value_error():
+  """Every error the library raises belongs to the FlaxShardmetaError family."""
+  package = pathlib.Path(fsm.__file__).parent
+  offenders = [
+      f'{path.relative_to(package)}:{n}'
+      for path in package.rglob('*.py') if 'examples' not in path.parts
+      for n, line in enumerate(path.read_text().splitlines(), 1)
+      if re.search(r'raise (ValueError|TypeError|AssertionError)\b', line)
+  ]
+  assert not offenders, offenders
   assert issubclass(fsm.ShardingFitWarning, UserWarning)
 
 
 def test_package_is_typed():
   assert importlib.resources.files('flax_shardmeta').joinpath('py.typed').is_file()
+
+
+def test_mesh_and_rules_are_keyword_only_in_both_front_ends():
+  for fn in (fsm.with_partitioning, fsm.with_logical_partitioning,
+             fsm.nnx.with_partitioning, fsm.nnx.with_logical_partitioning):
+    params = inspect.signature(fn).parameters
+    for name in ('mesh', 'rules'):
+      if name in params:
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, (fn, name)
+
+
+def test_clear_caches_empties_resolution_and_layout_caches():
+  from flax_shardmeta import _rules, _sharding
+
+  mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+  tree = {'w': fsm.LogicalPartitioned(
+      jax.ShapeDtypeStruct((8, 16), jnp.float32), ('embed', 'mlp'))}
+  before = fsm.get_sharding(tree, mesh, [('mlp', 'model')])
+  assert _rules._resolve_cached.cache_info().currsize > 0
+  assert _sharding._layout_cached.cache_info().currsize > 0
+  fsm.clear_caches()
+  assert _rules._resolve_cached.cache_info().currsize == 0
+  assert _sharding._layout_cached.cache_info().currsize == 0
+  assert _sharding.named_sharding.cache_info().currsize == 0
+  assert fsm.get_sharding(tree, mesh, [('mlp', 'model')]) == before

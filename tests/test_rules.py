@@ -1,6 +1,8 @@
 """The logical-rule engine: resolution, composition, context, standard rules."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import flax_shardmeta as fsm
@@ -242,3 +244,32 @@ def test_explain_reports_an_already_assigned_dimension():
 def test_rule_target_repeating_a_mesh_axis_raises():
   with pytest.raises(ValueError, match='names a mesh axis more than once'):
     fsm.logical_to_mesh_axes(('batch',), [('batch', ('data', 'data'))])
+
+
+_LOGICAL = ('batch', 'embed', 'mlp', 'heads', 'kv')
+_AXES = ('data', 'model', 'fsdp')
+_targets = st.one_of(
+    st.none(), st.sampled_from(_AXES),
+    st.lists(st.sampled_from(_AXES), min_size=1, max_size=2, unique=True).map(tuple),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    names=st.lists(
+        st.one_of(st.sampled_from(_LOGICAL), st.none(), st.sampled_from(_AXES)
+                  .map(lambda a: (a,))),
+        max_size=4, unique_by=lambda n: n if isinstance(n, str) else object()),
+    rules=st.lists(st.tuples(st.sampled_from(_LOGICAL), _targets), max_size=8),
+)
+def test_explain_is_resolve(names, rules):
+  """explain walks the same loop as resolve: same axes, and each step's verdict
+  agrees with the outcome (exactly one applied step for an assigned name)."""
+  names = tuple(names)
+  explained = fsm.explain_resolution(names, rules)
+  assert P(*(d.mesh_axes for d in explained)) == fsm.logical_to_mesh_axes(names, rules)
+  for d in explained:
+    applied = [s for s in d.steps if s.applied]
+    assert len(applied) <= 1
+    if applied:
+      assert d.mesh_axes == applied[0].rule[1]

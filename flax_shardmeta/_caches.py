@@ -1,0 +1,34 @@
+"""One switch for the caches flax_shardmeta keeps.
+
+Resolution, validation, layouts and ``NamedSharding`` objects are memoized per
+distinct (names, rules, shape, mesh), and eager per-shard generators keep
+their compiled programs, because models repeat a few patterns thousands of
+times. Those caches hold meshes and compiled programs alive; a long-running
+process that goes through many meshes clears them here.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def clear_caches() -> None:
+  """Empties every cache flax_shardmeta keeps (not jax's own).
+
+  Results stay the same afterwards, only slower the first time. To also drop
+  jax's compiled programs, call ``jax.clear_caches()``.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.logical_to_mesh_axes(('mlp',), [('mlp', 'model')])
+    P('model',)
+    >>> fsm.clear_caches()
+  """
+  for name, module in list(sys.modules.items()):
+    if module is None or not name.startswith('flax_shardmeta'):
+      continue
+    for obj in list(vars(module).values()):
+      clear = getattr(obj, 'cache_clear', None)
+      # Only this package's caches: modules import jax's cached functions too.
+      if callable(clear) and getattr(obj, '__module__', '') == name:
+        clear()

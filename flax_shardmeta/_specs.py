@@ -1,0 +1,90 @@
+"""Spec entries: what one dimension maps to, and how entries are shown.
+
+The vocabulary every other module shares: ``UNCONSTRAINED`` and ``UNASSIGNED``
+markers, the mesh axes of an entry, and the one text rendering of specs used
+by errors, explanations, plans and JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
+"""Leave the dimension's layout to the compiler."""
+
+
+class _Unassigned:
+  def __repr__(self) -> str:
+    return 'UNASSIGNED'
+
+
+UNASSIGNED: Any = _Unassigned()
+"""Marker for a logical dimension no rule could assign (see ``_rules.resolve``)."""
+
+
+def mesh_axes_of(entry: Any) -> tuple[str, ...]:
+  """The mesh-axis names one spec entry uses.
+
+  Example:
+    >>> mesh_axes_of(('data', 'fsdp')), mesh_axes_of(None)
+    (('data', 'fsdp'), ())
+  """
+  if isinstance(entry, str):
+    return (entry,)
+  if isinstance(entry, tuple):
+    return tuple(a for a in entry if isinstance(a, str))
+  return ()
+
+
+def unassigned_to_none(resolved: Iterable[Any]) -> tuple[Any, ...]:
+  """Resolved entries with every ``UNASSIGNED`` dimension replicated (None).
+
+  Example:
+    >>> unassigned_to_none(('model', UNASSIGNED))
+    ('model', None)
+  """
+  return tuple(None if r is UNASSIGNED else r for r in resolved)
+
+
+def format_entry(entry: Any) -> str:
+  """One spec entry as it reads in a PartitionSpec.
+
+  Example:
+    >>> format_entry('model'), format_entry(('data', 'model')), format_entry(UNCONSTRAINED)
+    ("'model'", "('data', 'model')", 'UNCONSTRAINED')
+  """
+  if isinstance(entry, str):
+    return repr(entry)
+  if isinstance(entry, tuple):
+    return '(' + ', '.join(format_entry(e) for e in entry) + ')'
+  if entry is None:
+    return 'None'
+  return 'UNCONSTRAINED' if entry is UNCONSTRAINED else repr(entry)
+
+
+def format_spec(spec: Any) -> str:
+  """A PartitionSpec or names tuple as short, stable text.
+
+  Example:
+    >>> format_spec(PartitionSpec('data', None)), format_spec(('embed',))
+    ("P('data', None)", "('embed',)")
+  """
+  if spec is None:
+    return 'None'
+  entries = ', '.join(format_entry(e) for e in tuple(spec))
+  # jax >= 0.9 names the class `P`, so the type is checked, not its name.
+  if isinstance(spec, PartitionSpec):
+    return f'P({entries})'
+  return f'({entries}{"," if len(tuple(spec)) == 1 else ""})'
+
+
+def json_entry(entry: Any) -> Any:
+  """One spec entry as JSON: a name, a list of names, None or 'UNCONSTRAINED'."""
+  if entry is None or isinstance(entry, str):
+    return entry
+  if isinstance(entry, tuple):
+    return [json_entry(e) for e in entry]
+  return format_entry(entry)
