@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+PYTEST := $(BIN)/python -m pytest -n 2
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-slow lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,9 +16,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m flax_shardmeta demo
 
-test: $(STAMP)
+# Lint, types and the default tests (the long end-to-end ones are marked slow).
+test: lint
+	$(PYTEST) -m 'not slow'
+
+# The long end-to-end tests: full grids, subprocesses, notebooks, several processes.
+test-slow: $(STAMP)
+	$(PYTEST) -m slow
+
+lint: $(STAMP)
 	$(BIN)/ruff check flax_shardmeta tests benchmarks
-	$(BIN)/python -m pytest
+	$(BIN)/pyright
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[test,bench]'

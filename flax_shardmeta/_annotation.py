@@ -217,7 +217,8 @@ class Leaf:
 
   __slots__ = ('_paths', '_index', 'leaf', 'value', 'annotation', '_prefix')
 
-  def __init__(self, paths, index, leaf, value, annotation, prefix=''):
+  def __init__(self, paths: Any, index: int, leaf: Any, value: Any,
+               annotation: Annotation | None, prefix: Any = ''):
     self._paths = paths
     self._index = index
     self.leaf = leaf

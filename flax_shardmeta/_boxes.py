@@ -30,7 +30,13 @@ from flax_shardmeta._rules import (
   resolve,
 )
 from flax_shardmeta._specs import format_spec, unassigned_to_none
-from flax_shardmeta._typing import AnyMesh, LogicalNames, LogicalRules, PyTree
+from flax_shardmeta._typing import (
+    AnyMesh,
+    BoxingInitializer,
+    LogicalNames,
+    LogicalRules,
+    PyTree,
+)
 from flax_shardmeta._validate import rank_issue
 
 A = TypeVar('A')
@@ -133,8 +139,8 @@ class Partitioned(meta.AxisMetadata[A], Generic[A]):
   @classmethod
   def from_nnx_metadata(cls, metadata: dict[str, Any]) -> Partitioned[Any]:
     """Inverse of :meth:`to_nnx_metadata` (used by ``nnx.bridge``)."""
-    return cls(metadata.get('value'), metadata['out_sharding'],
-               mesh=metadata.get('mesh'))
+    value: Any = metadata.get('value')
+    return cls(value, metadata['out_sharding'], mesh=metadata.get('mesh'))
 
   # -- plumbing ---------------------------------------------------------------
 
@@ -159,7 +165,7 @@ class Partitioned(meta.AxisMetadata[A], Generic[A]):
   __hash__ = None  # type: ignore[assignment]
 
   def __repr__(self) -> str:
-    value = self.value
+    value: Any = self.value
     if hasattr(value, 'shape') and hasattr(value, 'dtype'):
       shown = f'{type(value).__name__}({value.dtype}{list(value.shape)})'
     else:
@@ -210,8 +216,9 @@ class LogicalPartitioned(Partitioned[A]):
 
   @classmethod
   def from_nnx_metadata(cls, metadata: dict[str, Any]) -> LogicalPartitioned[Any]:
-    return cls(metadata.get('value'), metadata['out_sharding'],
-               mesh=metadata.get('mesh'), rules=metadata.get('sharding_rules'))
+    value: Any = metadata.get('value')
+    return cls(value, metadata['out_sharding'], mesh=metadata.get('mesh'),
+               rules=metadata.get('sharding_rules'))
 
   def _static(self) -> tuple[Any, ...]:
     return (self.names, self.mesh, self._rules)
@@ -289,7 +296,7 @@ def with_partitioning(
     names: LogicalNames,
     *,
     mesh: AnyMesh | None = None,
-) -> Callable[..., Partitioned[Any]]:
+) -> BoxingInitializer:
   """Wraps an initializer so its result is boxed with mesh-axis ``names``.
 
   Example:
@@ -312,7 +319,7 @@ def with_logical_partitioning(
     *,
     mesh: AnyMesh | None = None,
     rules: LogicalRules | None = None,
-) -> Callable[..., LogicalPartitioned[Any]]:
+) -> BoxingInitializer:
   """Wraps an initializer so its result is boxed with logical ``names``.
 
   Example:

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import jax
+import jax.core
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flax_shardmeta import _windowed as windowed

@@ -15,7 +15,6 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 from jax.sharding import PartitionSpec, Sharding
 
 from flax_shardmeta import _annotation as ann_lib
@@ -51,7 +50,7 @@ class PlanEntry:
 
   path: str
   shape: tuple[int, ...]
-  dtype: np.dtype
+  dtype: Any
   names: tuple[Any, ...] | None
   spec: PartitionSpec | None
   shard_shape: tuple[int, ...]

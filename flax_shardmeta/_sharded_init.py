@@ -15,13 +15,15 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
+import jax.core
 import numpy as np
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from flax_shardmeta import _windowed as windowed
+from flax_shardmeta._errors import NoMeshError
 from flax_shardmeta._generate import ArrayCall
 from flax_shardmeta._rules import logical_axis_rules
 from flax_shardmeta._sharding import get_sharding, layout_tree
@@ -40,10 +42,16 @@ class ShardedInit:
   def __init__(
       self,
       init_fn: Callable[..., PyTree],
-      mesh: AnyMesh,
+      mesh: Mesh,
       rules: LogicalRules | None = None,
       chunk_bytes: int = CHUNK_BYTES,
   ):
+    if not isinstance(mesh, Mesh):
+      raise NoMeshError(
+          f'sharded_init needs a concrete jax.sharding.Mesh (devices to '
+          f'generate on), got {type(mesh).__name__} {dict(mesh.shape)}. Make '
+          'one with jax.make_mesh(...); to lay a model out on an AbstractMesh '
+          'without devices, use fsm.plan(...).')
     self.init_fn = init_fn
     self.mesh = mesh
     self.rules = rules
@@ -118,7 +126,7 @@ class ShardedInit:
 
 def sharded_init(
     init_fn: Callable[..., PyTree],
-    mesh: AnyMesh,
+    mesh: Mesh,
     rules: LogicalRules | None = None,
     *,
     chunk_bytes: int = CHUNK_BYTES,
@@ -134,13 +142,16 @@ def sharded_init(
 
   Args:
     init_fn: e.g. ``model.init`` or a function building a TrainState.
-    mesh: the device mesh.
+    mesh: the device mesh (a concrete ``Mesh``: devices generate the values).
     rules: logical axis rules; None uses the context rules.
     chunk_bytes: per-device bytes of a parameter generated at once; larger
       per-device shards are filled chunk by chunk.
 
   Returns:
     A :class:`ShardedInit` with ``init_fn``'s signature (and ``.lower``).
+
+  Raises:
+    NoMeshError: ``mesh`` is an ``AbstractMesh``.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, flax_shardmeta as fsm
@@ -167,7 +178,7 @@ def _per_array_leaf(
 
 
 @functools.lru_cache(maxsize=64)
-def _all_auto(mesh: AnyMesh) -> AnyMesh:
+def _all_auto(mesh: Mesh) -> Mesh:
   if all(t == AxisType.Auto for t in mesh.axis_types):
     return mesh
   return jax.sharding.Mesh(
@@ -186,6 +197,6 @@ def _to_auto(x: jax.Array) -> jax.Array:
 
 def _retype(x: jax.Array, mesh: AnyMesh) -> jax.Array:
   """The same buffers, with the sharding expressed on ``mesh`` (no copy)."""
-  sharding = NamedSharding(mesh, x.sharding.spec)
+  sharding = NamedSharding(mesh, cast(NamedSharding, x.sharding).spec)
   return jax.make_array_from_single_device_arrays(
       x.shape, sharding, [s.data for s in x.addressable_shards])

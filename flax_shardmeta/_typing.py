@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import jax
@@ -28,3 +28,7 @@ AnyMesh: TypeAlias = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
 PyTree: TypeAlias = Any
 """Any JAX pytree."""
+
+BoxingInitializer: TypeAlias = Callable[..., Any]
+"""An initializer whose result is a box. Typed ``Any`` on purpose: Linen's
+``Module.param`` unboxes it, so the module sees the array, not the box."""

@@ -283,7 +283,7 @@ def analyse(closed: jex.ClosedJaxpr, graph: _Graph | None, index: int,
   shape = tuple(aval.shape)
   if math.prod(shape) >= 2**32 or (check and not shape):
     return None
-  if not jax.config.jax_threefry_partitionable:
+  if not jax.config.values['jax_threefry_partitionable']:
     return None
   order = graph.needed(out)
   for n in order:

@@ -50,7 +50,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-  parser = _Parser(prog='flax-shardmeta', description=__doc__.split('\n')[0])
+  parser = _Parser(prog='flax-shardmeta', description=(__doc__ or '').split('\n')[0])
   sub = parser.add_subparsers(dest='command', required=True, parser_class=_Parser)
   demo = sub.add_parser('demo', help='plan, init and train a small model on 8 '
                         'simulated devices, checking every sharding')
@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
   p = sub.add_parser(
       'plan', help="show every array's layout, memory per device and problems",
       description='Lay a model out on a mesh without devices.',
-      epilog=__doc__.split('\n\n', 2)[2],
+      epilog=(__doc__ or '').split('\n\n', 2)[2],
       formatter_class=argparse.RawDescriptionHelpFormatter)
   which = p.add_mutually_exclusive_group(required=True)
   which.add_argument('--model', help=f'a built-in model: {", ".join(_BUILTIN_MODELS)}')
@@ -144,7 +144,7 @@ def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
         f'rules file {spec!r} must hold a list of [name, target] pairs '
         '(TOML: rules = [[name, target], ...])')
   # An empty list target means replicated, the only way to say None in TOML.
-  pairs = [
+  pairs: Any = [
       (r[0], None if r[1] == [] else r[1])
       if isinstance(r, list) and len(r) == 2 else r
       for r in data

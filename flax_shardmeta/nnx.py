@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import jax
+import jax.core
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta import _sharding as sharding_lib
@@ -190,7 +191,8 @@ def _place(value: Any, annotation: ann_lib.Annotation) -> Any:
             'fsm.get_sharding(nnx.state(nnx.eval_shape(create)), mesh) names it)'
         ),
     )
-  return apply_spec(value, tuple(layout.spec), mesh, names=annotation.names)
+  spec = cast(PartitionSpec, layout.spec)  # a layout without issues has one
+  return apply_spec(value, tuple(spec), mesh, names=annotation.names)
 
 
 # Reading annotations

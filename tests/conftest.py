@@ -32,3 +32,22 @@ def axis_type(request):
 def mesh(axis_type):
   """A (2, 4) ('data', 'model') mesh over the 8 simulated devices."""
   return jax.make_mesh((2, 4), ('data', 'model'), axis_types=(axis_type,) * 2)
+
+
+# End-to-end grids run whole in CI (`-m slow`); by default one Auto and one
+# Explicit case of each stays, so `make test` is quick and still covers both.
+_FAST_CASES = {
+    'test_sharded_init.py::test_values_and_layout_match_plain_jitted_init': {
+        'auto-lecun-scan', 'explicit-orthogonal-unrolled'},
+    'test_notebook_flow.py::test_notebook_flow': {
+        'auto-scan-logical', 'explicit-unrolled-mesh-axes'},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    spec = getattr(item, 'callspec', None)
+    key = f'{item.path.name}::{getattr(item, "originalname", "")}'
+    fast = _FAST_CASES.get(key)
+    if spec is not None and fast is not None and spec.id not in fast:
+      item.add_marker(pytest.mark.slow)

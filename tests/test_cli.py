@@ -191,6 +191,7 @@ def test_user_module_with_a_wrong_factory(capsys, tmp_path, monkeypatch):
   assert code == 2 and 'returned int' in err
 
 
+@pytest.mark.slow
 def test_demo(capsys):
   code, out, _ = run(capsys, 'demo', '--steps', '3')
   assert code == 0
@@ -198,6 +199,7 @@ def test_demo(capsys):
   assert out.rstrip().splitlines()[-1].startswith('OK: all 8 arrays')
 
 
+@pytest.mark.slow
 def test_python_dash_m_in_a_subprocess():
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
   proc = subprocess.run(

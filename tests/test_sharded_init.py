@@ -182,3 +182,9 @@ def test_eager_nnx_construction_fills_large_parameters_by_chunks(mesh, monkeypat
   want = nnx.Linear(72, 136, use_bias=False, kernel_init=base, rngs=nnx.Rngs(3))
   np.testing.assert_allclose(np.asarray(kernel), np.asarray(want.kernel.get_value()),
                              rtol=2e-6, atol=1e-9)
+
+
+def test_an_abstract_mesh_is_refused_with_a_named_error():
+  mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+  with pytest.raises(fsm.NoMeshError, match=r'needs a concrete jax.sharding.Mesh.*fsm.plan'):
+    fsm.sharded_init(lambda key: {}, mesh)

@@ -1,0 +1,101 @@
+"""Imports point one way: down the layers of the package.
+
+Each internal module may import only modules in lower layers (at module level
+or inside a function); the public ``__init__`` only re-exports. Modules under
+``if TYPE_CHECKING:`` are exempt: they cost nothing at run time.
+"""
+
+import ast
+import pathlib
+
+import flax_shardmeta
+
+PACKAGE = pathlib.Path(flax_shardmeta.__file__).parent
+
+# Lowest first. A module may import any module of an earlier layer, or of its
+# own layer when listed before it.
+LAYERS = [
+    ['_typing', '_specs', '_caches'],
+    ['_errors'],
+    ['_rules'],
+    ['_validate'],
+    ['_placement'],
+    ['_windowed'],
+    ['_generate'],
+    ['_boxes'],
+    ['_annotation'],
+    ['_sharding'],
+    ['_constraints', '_regex_rules'],
+    ['_plan_explain', '_plan_format', '_plan'],
+    ['_checkpoint', '_sharded_init'],
+    ['nnx'],
+    ['examples._common', 'examples.linen', 'examples.nnx', 'examples.demo'],
+    ['cli', '__main__'],
+]
+ORDER = {m: i for i, m in enumerate(m for layer in LAYERS for m in layer)}
+
+
+def _module_name(path: pathlib.Path) -> str:
+  parts = path.relative_to(PACKAGE).with_suffix('').parts
+  if parts[-1] == '__init__':
+    parts = parts[:-1]
+  return '.'.join(parts)
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+  lines: set[int] = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.If) and 'TYPE_CHECKING' in ast.unparse(node.test):
+      for child in ast.walk(node):
+        if hasattr(child, 'lineno'):
+          lines.add(child.lineno)
+  return lines
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+  """(line, flax_shardmeta module) for every import of the package's modules."""
+  tree = ast.parse(path.read_text())
+  skip = _type_checking_lines(tree)
+  found = []
+  for node in ast.walk(tree):
+    if node.lineno in skip if hasattr(node, 'lineno') else True:
+      continue
+    if isinstance(node, ast.ImportFrom) and node.module:
+      if node.module == 'flax_shardmeta':
+        found += [(node.lineno, a.name) for a in node.names]
+      elif node.module.startswith('flax_shardmeta.'):
+        module = node.module.removeprefix('flax_shardmeta.')
+        for a in node.names:  # `from flax_shardmeta.examples import linen`
+          sub = f'{module}.{a.name}'
+          found.append((node.lineno, sub if sub in ORDER else module))
+    elif isinstance(node, ast.Import):
+      found += [(node.lineno, a.name.removeprefix('flax_shardmeta.'))
+                for a in node.names if a.name.startswith('flax_shardmeta.')]
+  return found
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  return {_module_name(p): p for p in PACKAGE.rglob('*.py')}
+
+
+def test_every_module_has_a_layer():
+  missing = sorted(set(_modules()) - set(ORDER) - {'', 'examples'})
+  assert not missing, f'add these modules to LAYERS: {missing}'
+
+
+def test_imports_point_down_the_layers():
+  wrong = []
+  for name, path in _modules().items():
+    if name in ('', 'examples'):
+      continue  # package __init__ files only re-export
+    for line, target in _imports(path):
+      if target in ORDER and ORDER[target] >= ORDER[name]:
+        wrong.append(f'{name}:{line} imports {target}')
+  assert not wrong, 'imports against the layering:\n' + '\n'.join(wrong)
+
+
+def test_the_check_sees_function_level_imports():
+  # A lazy import inside a function would hide a cycle from Python itself.
+  source = PACKAGE / 'cli.py'
+  assert any(target == '_plan' for _, target in _imports(source))
+  assert any(target == 'examples.nnx' for _, target in _imports(source))
