@@ -138,12 +138,6 @@ def _most_specific(t: type) -> _Entry | None:
   return next((e for e in reversed(_registry) if issubclass(t, e.kind)), None)
 
 
-def is_annotated_leaf(x: Any) -> bool:
-  """Whether ``x`` is a leaf type some reader understands."""
-  c = _classify(type(x))
-  return c is not None and c is not _OPTIMIZER
-
-
 def read(x: Any) -> tuple[Any, Annotation | None]:
   """``(value, annotation)`` of any leaf; plain leaves have no annotation."""
   e = _classify(type(x))
@@ -170,11 +164,6 @@ def _is_optax_state_type(t: type) -> bool:
       and hasattr(t, '_fields')
       and t.__module__.split('.', 1)[0] == 'optax'
   )
-
-
-def is_optimizer_state(x: Any) -> bool:
-  """Whether ``x`` is an optax state node (a NamedTuple defined by optax)."""
-  return _classify(type(x)) is _OPTIMIZER
 
 
 # Traversal

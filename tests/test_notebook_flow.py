@@ -7,78 +7,25 @@ checking every array's layout along the way.
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax.training import train_state
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_shardmeta as fsm
+from flax_shardmeta.examples.linen import MLP, MLP_RULES
 
 BATCH, LAYERS, DEPTH = 8, 2, 64
-RULES = (('batch', 'data'), ('hidden', 'model'))
+RULES = MLP_RULES
 
 
-def dot_out_sharding():
-  # Under Explicit axes a matmul contracting a sharded dimension must be told
-  # its output layout; under Auto axes the compiler picks one.
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and all(t == AxisType.Explicit for t in mesh.axis_types):
-    return P('data', None)
-  return None
-
-
-class DotReluDot(nn.Module):
-  depth: int
-  logical: bool
-
-  @nn.compact
-  def __call__(self, x):
-    init = nn.initializers.xavier_normal()
-    if self.logical:
-      w1 = fsm.with_logical_partitioning(init, ('embed', 'hidden'))
-      w2 = fsm.with_logical_partitioning(init, ('hidden', 'embed'))
-    else:
-      w1 = fsm.with_partitioning(init, (None, 'model'))
-      w2 = fsm.with_partitioning(init, ('model', None))
-    y = nn.Dense(self.depth, kernel_init=w1, use_bias=False)(x)
-    y = jax.nn.relu(y)
-    if self.logical:
-      y = fsm.with_logical_constraint(y, ('batch', 'hidden'))
-    else:
-      y = fsm.shard_value(y, ('data', 'model'))
-    kernel2 = self.param('W2', w2, (self.depth, x.shape[-1]))
-    z = jnp.dot(y, kernel2, out_sharding=dot_out_sharding())
-    if self.logical:
-      z = fsm.with_logical_constraint(z, ('batch', 'embed'))
-    else:
-      z = fsm.shard_value(z, ('data', None))
-    return z, None
-
-
-class MLP(nn.Module):
-  num_layers: int
-  depth: int
-  use_scan: bool
-  logical: bool
-
-  @nn.compact
-  def __call__(self, x):
-    if self.use_scan:
-      layer_name = 'layers' if self.logical else None
-      x, _ = nn.scan(
-          DotReluDot, length=self.num_layers, variable_axes={'params': 0},
-          split_rngs={'params': True},
-          metadata_params={fsm.PARTITION_NAME: layer_name},
-      )(self.depth, self.logical)(x)
-    else:
-      for _ in range(self.num_layers):
-        x, _ = DotReluDot(self.depth, self.logical)(x)
-    return x
+def model_of(num_layers, use_scan, logical):
+  """The notebook's model, annotated with logical names or with mesh axes."""
+  return MLP(num_layers, DEPTH, use_scan, mesh_axes=not logical)
 
 
 def init_fn(key, x, model, tx):
@@ -99,7 +46,7 @@ def first_layer(params, use_scan):
 @pytest.mark.parametrize('logical', [False, True], ids=['mesh-axes', 'logical'])
 @pytest.mark.parametrize('use_scan', [False, True], ids=['unrolled', 'scan'])
 def test_notebook_flow(mesh, use_scan, logical):
-  model = MLP(LAYERS, DEPTH, use_scan, logical)
+  model = model_of(LAYERS, use_scan, logical)
   tx = optax.adam(1e-3)
   init = functools.partial(init_fn, model=model, tx=tx)
   key = jax.random.key(0)
@@ -173,7 +120,7 @@ def test_unrolled_and_logical_plans_agree(mesh):
   tx = optax.adam(1e-3)
   out = {}
   for logical in (False, True):
-    init = functools.partial(init_fn, model=MLP(2, DEPTH, False, logical), tx=tx)
+    init = functools.partial(init_fn, model=model_of(2, False, logical), tx=tx)
     with jax.set_mesh(mesh):
       abstract = jax.eval_shape(init, jax.random.key(0), x)
     out[logical] = fsm.unbox(fsm.get_sharding(abstract, mesh, RULES).params)

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 
 from flax_shardmeta._placement import context_mesh
-from flax_shardmeta._rules import logical_to_mesh_axes
 
 MLP_RULES = (('batch', 'data'), ('hidden', 'model'), ('embed', None),
              ('layers', None))
@@ -70,14 +69,16 @@ MODEL_NAMES = ('mlp', *LLAMA_CONFIGS)
 """The built-in models: the notebook MLP and the Llama-3 shapes."""
 
 
-def out_sharding(names: tuple[str, ...]) -> jax.sharding.PartitionSpec | None:
-  """The output layout a matmul needs spelled out under Explicit axes (else None)."""
-  # Under Explicit axes a matmul whose contracting dimension is sharded needs
-  # its output sharding spelled out; under Auto axes the compiler chooses.
+def out_sharding(spec: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec | None:
+  """``spec`` under an all-Explicit mesh (else None, the compiler's choice).
+
+  Under Explicit axes a matmul whose contracting dimension is sharded needs
+  its output sharding spelled out; under Auto axes the compiler chooses.
+  """
   mesh = context_mesh()
   if mesh is not None and all(
       t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-    return logical_to_mesh_axes(names)
+    return spec
   return None
 
 

@@ -7,9 +7,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.sharding import PartitionSpec as P
 
-from flax_shardmeta._boxes import PARTITION_NAME, with_logical_partitioning
-from flax_shardmeta._constraints import with_logical_constraint
+from flax_shardmeta._boxes import (
+    PARTITION_NAME,
+    with_logical_partitioning,
+    with_partitioning,
+)
+from flax_shardmeta._constraints import shard_value, with_logical_constraint
+from flax_shardmeta._placement import context_mesh
+from flax_shardmeta._rules import logical_to_mesh_axes
 from flax_shardmeta.examples._common import (
   LLAMA_CONFIGS,
   LLAMA_RULES,
@@ -24,40 +31,64 @@ from flax_shardmeta.examples._common import (
 
 
 class DotReluDot(nn.Module):
-  """The Flax scale-up notebook's layer, with logical annotations."""
+  """The Flax scale-up notebook's layer: ``relu(x @ W1) @ W2``.
+
+  Annotated with logical names (``embed``, ``hidden``) resolved by rules, or,
+  with ``mesh_axes=True``, directly with the mesh axes the notebook starts
+  from (``(None, 'model')`` and ``('model', None)``).
+  """
 
   depth: int
   dense_init: nn.initializers.Initializer = nn.initializers.xavier_normal()
   param_dtype: Any = jnp.float32
+  mesh_axes: bool = False
+
+  def _constrain(self, x: jax.Array, names: tuple[str, str],
+                 axes: tuple[str | None, ...]) -> jax.Array:
+    if self.mesh_axes:
+      return shard_value(x, axes) if context_mesh() is not None else x
+    return with_logical_constraint(x, names)
 
   @nn.compact
   def __call__(self, x):
-    y = nn.Dense(
-        self.depth,
-        kernel_init=with_logical_partitioning(self.dense_init, ('embed', 'hidden')),
-        use_bias=False,
-        param_dtype=self.param_dtype,
-    )(x)
+    if self.mesh_axes:
+      w1 = with_partitioning(self.dense_init, (None, 'model'))
+      w2_init = with_partitioning(self.dense_init, ('model', None))
+      z_sharding = P('data', None)
+    else:
+      w1 = with_logical_partitioning(self.dense_init, ('embed', 'hidden'))
+      w2_init = with_logical_partitioning(self.dense_init, ('hidden', 'embed'))
+      z_sharding = logical_to_mesh_axes(('batch', 'embed'))
+    y = nn.Dense(self.depth, kernel_init=w1, use_bias=False,
+                 param_dtype=self.param_dtype)(x)
     y = jax.nn.relu(y)
-    y = with_logical_constraint(y, ('batch', 'hidden'))
-    w2 = self.param(
-        'W2',
-        with_logical_partitioning(self.dense_init, ('hidden', 'embed')),
-        (self.depth, x.shape[-1]),
-        self.param_dtype,
-    )
-    z = jnp.dot(y, w2, out_sharding=out_sharding(('batch', 'embed')))
-    z = with_logical_constraint(z, ('batch', 'embed'))
+    y = self._constrain(y, ('batch', 'hidden'), ('data', 'model'))
+    w2 = self.param('W2', w2_init, (self.depth, x.shape[-1]), self.param_dtype)
+    z = jnp.dot(y, w2, out_sharding=out_sharding(z_sharding))
+    z = self._constrain(z, ('batch', 'embed'), ('data', None))
     return z, None
 
 
 class MLP(nn.Module):
-  """A stack of DotReluDot layers, unrolled or with ``nn.scan``."""
+  """A stack of DotReluDot layers, unrolled or with ``nn.scan``.
+
+  With ``nn.scan`` the stacked parameters get a leading layer axis, named
+  ``'layers'`` for logical annotations (replicated by ``MLP_RULES``) and left
+  unsharded for mesh-axis ones.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> model = MLP(num_layers=2, depth=16)
+    >>> v = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((4, 8)))
+    >>> fsm.get_partition_spec(v)['params']['ScanDotReluDot_0']['W2']
+    P('layers', 'hidden', 'embed')
+  """
 
   num_layers: int = 4
   depth: int = 1024
   use_scan: bool = True
   param_dtype: Any = jnp.float32
+  mesh_axes: bool = False
 
   @nn.compact
   def __call__(self, x):
@@ -67,11 +98,12 @@ class MLP(nn.Module):
           length=self.num_layers,
           variable_axes={'params': 0},
           split_rngs={'params': True},
-          metadata_params={PARTITION_NAME: 'layers'},
-      )(self.depth, param_dtype=self.param_dtype)(x)
+          metadata_params={PARTITION_NAME: None if self.mesh_axes else 'layers'},
+      )(self.depth, param_dtype=self.param_dtype, mesh_axes=self.mesh_axes)(x)
     else:
       for _ in range(self.num_layers):
-        x, _ = DotReluDot(self.depth, param_dtype=self.param_dtype)(x)
+        x, _ = DotReluDot(self.depth, param_dtype=self.param_dtype,
+                          mesh_axes=self.mesh_axes)(x)
     return x
 
 
