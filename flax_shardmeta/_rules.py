@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, overload
 
 from jax.sharding import PartitionSpec
 
@@ -322,6 +322,12 @@ def explain(
   )
 
 
+@overload
+def logical_to_mesh_axes(
+    names: None, rules: LogicalRules | None = None) -> None: ...
+@overload
+def logical_to_mesh_axes(
+    names: LogicalNames, rules: LogicalRules | None = None) -> PartitionSpec: ...
 def logical_to_mesh_axes(
     names: LogicalNames | None, rules: LogicalRules | None = None
 ) -> PartitionSpec | None:
