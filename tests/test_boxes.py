@@ -250,5 +250,6 @@ def test_remat_scan_inserts_none_axes():
 
 def test_flax_own_boxes_fail_under_remat_scan():
   # The reason fsm boxes default to an unsharded axis: flax's cannot.
-  with pytest.raises(flax.errors.PartitioningUnspecifiedError):
+  with pytest.raises(flax.errors.PartitioningUnspecifiedError,
+                     match='"partition_name" is not specified'):
     RematStack(box='flax').init(jax.random.key(0), jnp.ones((2, 4)))

@@ -208,7 +208,7 @@ def test_errors_name_the_variable_path():
 
   state = nnx.state(nnx.eval_shape(Model))
   mesh = jax.sharding.AbstractMesh((8,), ('model',))
-  with pytest.raises(fsm.ShardingError) as info:
+  with pytest.raises(fsm.ShardingError, match='12 leaves cannot be sharded') as info:
     fsm.get_sharding(state, mesh, RULES)
   message = str(info.value)
   assert 'blocks/3/mlp/up/kernel: shape (16, 12)' in message

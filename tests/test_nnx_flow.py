@@ -161,7 +161,7 @@ def test_tree_mode_vmap_leaves_names_short_and_error_names_path():
   # With graph=False flax does not insert the layer name.
   stack = make_stack(2, graph=False)
   mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
-  with pytest.raises(fsm.ShardingError) as info:
+  with pytest.raises(fsm.ShardingError, match='2 names for a rank-3 array') as info:
     fsm.get_sharding(nnx.state(stack), mesh, RULES)
   assert 'up/kernel: shape (2, 16, 32)' in str(info.value)
   assert '2 names for a rank-3 array' in str(info.value)

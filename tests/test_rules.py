@@ -104,7 +104,7 @@ def test_composite_keeps_the_2d_fallback():
 
 
 def test_composite_conflicting_first_choice_names_both():
-  with pytest.raises(fsm.RuleConflictError) as info:
+  with pytest.raises(fsm.RuleConflictError, match='conflicting first choices') as info:
     fsm.composite_rules([('embed', 'model')], [('embed', 'data')])
   message = str(info.value)
   assert "('embed', 'model')" in message
@@ -155,7 +155,7 @@ def test_context_restores_on_exception():
 
 def test_context_rejects_malformed_rules_without_changing_state():
   fsm.set_logical_axis_rules([('a', 'data')])
-  with pytest.raises(ValueError):
+  with pytest.raises(fsm.InvalidRulesError, match=r"rule #0 is \('a',\)"):
     with fsm.logical_axis_rules([('a',)]):
       pass
   assert fsm.get_logical_axis_rules() == (('a', 'data'),)

@@ -299,7 +299,7 @@ def test_sharding_error_names_the_parameter(mesh, names1, depth, reason):
 def test_sharding_error_logical_names_show_the_resolved_spec(mesh):
   variables = abstract_vars(Net(6, ('embed', 'hidden'), ('hidden', 'embed'),
                                 logical=True))
-  with pytest.raises(fsm.ShardingError) as info:
+  with pytest.raises(fsm.ShardingError, match='2 leaves cannot be sharded') as info:
     fsm.get_sharding(variables, mesh, RULES)
   problems = {p.path: p for p in info.value.problems}
   assert set(problems) == {KERNEL, 'params/DotReluDot_0/W2'}
@@ -328,7 +328,7 @@ def test_several_bad_leaves_reported_together(mesh):
 
 def test_problem_to_dict(mesh):
   variables = abstract_vars(Net(6))
-  with pytest.raises(fsm.ShardingError) as info:
+  with pytest.raises(fsm.ShardingError, match='not divisible') as info:
     fsm.get_sharding(variables, mesh)
   record = info.value.problems[0].to_dict()
   assert record['path'] in (KERNEL, 'params/DotReluDot_0/W2')
