@@ -23,16 +23,27 @@ from flax_shardmeta._constraints import (
     shard_value,
     with_logical_constraint,
 )
+from flax_shardmeta._data import (
+    DataLayout,
+    data_layout,
+    global_to_host_local,
+    host_local_to_global,
+)
 from flax_shardmeta._errors import (
+    BatchLayoutError,
     FlaxShardmetaError,
     InvalidNamesError,
     InvalidRulesError,
+    LaunchError,
+    MeshShapeError,
     NoMeshError,
     RuleConflictError,
     ShardingError,
     ShardingFitWarning,
     ShardingProblem,
 )
+from flax_shardmeta._jit import JitWithContext, jit
+from flax_shardmeta._mesh import make_mesh
 from flax_shardmeta._plan import PlanEntry, ShardingPlan, plan, verify
 from flax_shardmeta._regex_rules import match_partition_rules
 from flax_shardmeta._rules import (
@@ -51,17 +62,23 @@ from flax_shardmeta._sharding import (
     logical_to_mesh,
     logical_to_mesh_sharding,
 )
+from flax_shardmeta._transfer import gather_tree, shard_tree
 
 __version__ = '0.1.0'
 
 __all__ = [
-    'PARTITION_NAME',
     'Annotation',
+    'BatchLayoutError',
+    'DataLayout',
     'FlaxShardmetaError',
     'InvalidNamesError',
     'InvalidRulesError',
+    'JitWithContext',
+    'LaunchError',
     'LogicalPartitioned',
+    'MeshShapeError',
     'NoMeshError',
+    'PARTITION_NAME',
     'Partitioned',
     'PlanEntry',
     'RuleConflictError',
@@ -74,20 +91,27 @@ __all__ = [
     'as_abstract',
     'clear_caches',
     'composite_rules',
+    'data_layout',
     'explain_resolution',
+    'gather_tree',
     'get_logical_axis_rules',
     'get_partition_spec',
     'get_sharding',
+    'global_to_host_local',
+    'host_local_to_global',
+    'jit',
     'logical_axis_rules',
     'logical_to_mesh',
     'logical_to_mesh_axes',
     'logical_to_mesh_sharding',
+    'make_mesh',
     'match_partition_rules',
     'nnx',
     'plan',
     'register_annotation_type',
     'replace_boxed',
     'set_logical_axis_rules',
+    'shard_tree',
     'shard_value',
     'sharded_init',
     'standard_logical_axis_rules',

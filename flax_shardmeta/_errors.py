@@ -91,5 +91,24 @@ class InvalidNamesError(FlaxShardmetaError):
   a transform's axis name that does not match)."""
 
 
+class MeshShapeError(FlaxShardmetaError):
+  """Raised when mesh axis sizes do not fit the devices or the hosts."""
+
+
+class BatchLayoutError(FlaxShardmetaError):
+  """Raised when a global batch cannot be split over the hosts as laid out."""
+
+
+class LaunchError(FlaxShardmetaError):
+  """Raised when a process of a local multi-process launch fails or times out.
+
+  ``results`` holds each process's ``(returncode, stdout, stderr)``.
+  """
+
+  def __init__(self, message: str, results: Sequence[tuple[int | None, str, str]]):
+    self.results = tuple(results)
+    super().__init__(message)
+
+
 class ShardingFitWarning(UserWarning):
   """Issued when ``fit=True`` replicated dimensions that could not be sharded."""

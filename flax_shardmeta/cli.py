@@ -31,6 +31,7 @@ import sys
 import tomllib
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 _BUILTIN_MODELS = ('mlp', 'llama3-8b', 'llama3-70b', 'llama3-405b')
@@ -55,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
   demo = sub.add_parser('demo', help='plan, init and train a small model on 8 '
                         'simulated devices, checking every sharding')
   demo.add_argument('--steps', type=int, default=5)
+  demo.add_argument('--processes', type=int, default=1, metavar='N',
+                    help='run across N local processes (8/N CPU devices each) '
+                    'under jax.distributed, then compare with 1 process')
+  demo.add_argument('--out', type=Path, help=argparse.SUPPRESS)
   p = sub.add_parser(
       'plan', help="show every array's layout, memory per device and problems",
       description='Lay a model out on a mesh without devices.',
@@ -348,6 +353,55 @@ def run_plan(args: argparse.Namespace) -> int:
   return 0
 
 
+def run_demo(args: argparse.Namespace) -> int:
+  """The ``demo`` subcommand: in this process, or across ``--processes``."""
+  from flax_shardmeta import _launch
+
+  n = args.processes
+  if n < 1 or 8 % n:
+    raise UsageError(f'--processes {n}: use 1, 2, 4 or 8 (8 devices in all)')
+  _, launched = _launch.initialize()  # a worker of a launch joins it here
+  if launched == 1:
+    _simulate_cpu_devices(8)
+  from flax_shardmeta.examples import demo as demo_lib
+
+  if n == 1 or launched > 1:
+    return demo_lib.run(args.steps, out=args.out)
+  import tempfile
+
+  with tempfile.TemporaryDirectory(prefix='fsm-demo-') as tmp:
+    print(f'launching {n} processes x {8 // n} CPU devices on 127.0.0.1 (gloo)',
+          flush=True)
+    try:
+      results = _launch.launch(
+          ['-m', 'flax_shardmeta', 'demo', '--steps', str(args.steps),
+           '--out', str(Path(tmp) / 'multi')],
+          num_processes=n, devices_per_process=8 // n, timeout=600)
+    except Exception as e:  # LaunchError: the message holds each stderr
+      print(f'FAILED: {e}', file=sys.stderr)
+      return 1
+    # gloo reports each connection on stdout; the demo's own output is the rest.
+    shown = [line for line in results[0].stdout.splitlines(keepends=True)
+             if not line.startswith('[Gloo]')]
+    print(''.join(shown), end='', flush=True)
+    print('same run in 1 process x 8 devices, for comparison ...', flush=True)
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()) as single_out:
+      code = demo_lib.run(args.steps, out=Path(tmp) / 'single')
+    if code:
+      print(single_out.getvalue())
+      return code
+    different = demo_lib.compare(Path(tmp) / 'single', Path(tmp) / 'multi')
+  if different:
+    print(f'FAILED: the {n}-process run differs from 1 process: {different}')
+    return 1
+  print(f'OK: same parameters as 1 process x 8 devices (rtol 1e-5), '
+        f'from {n} processes x {8 // n} devices')
+  return 0
+
+
 def _simulate_cpu_devices(n: int) -> None:
   """Asks jax for ``n`` CPU devices, if its backends have not started yet.
 
@@ -373,10 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     args = _parser().parse_args(argv)
     if args.command == 'demo':
-      _simulate_cpu_devices(8)
-      from flax_shardmeta.examples import demo as demo_lib
-
-      return demo_lib.run(args.steps)
+      return run_demo(args)
     return run_plan(args)
   except UsageError as e:
     print(f'flax-shardmeta: error: {e}', file=sys.stderr)

@@ -5,9 +5,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
+import flax_shardmeta as fsm
 from flax_shardmeta import cli
 from flax_shardmeta.examples import linen as models
 
@@ -197,6 +199,27 @@ def test_demo(capsys):
   assert code == 0
   assert 'Sharding plan:' in out and 'step 2: loss' in out
   assert out.rstrip().splitlines()[-1].startswith('OK: all 8 arrays')
+
+
+@pytest.mark.slow
+def test_demo_across_two_processes():
+  env = {**os.environ, 'PYTHONPATH': str(Path(fsm.__file__).resolve().parents[1])}
+  env.pop('XLA_FLAGS', None)
+  done = subprocess.run(
+      [sys.executable, '-m', 'flax_shardmeta', 'demo', '--processes', '2',
+       '--steps', '3'], capture_output=True, text=True, env=env, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  lines = done.stdout.strip().splitlines()
+  assert lines[0].startswith('launching 2 processes x 4 CPU devices')
+  assert '2 process(es) x 4 devices; each loads 8 of 16 rows' in done.stdout
+  assert any(line.startswith('OK: all 8 arrays carry') for line in lines)
+  assert lines[-1].startswith('OK: same parameters as 1 process x 8 devices')
+  assert not any(line.startswith('[Gloo]') for line in lines)
+
+
+def test_demo_processes_must_divide_the_devices(capsys):
+  code, _, err = run(capsys, 'demo', '--processes', '3')
+  assert code == 2 and 'use 1, 2, 4 or 8' in err
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ LAYERS = [
     ['_constraints', '_regex_rules'],
     ['_plan_explain', '_plan_format', '_plan'],
     ['_checkpoint', '_sharded_init'],
+    ['_launch', '_mesh', '_data', '_transfer', '_jit'],
     ['nnx'],
     ['examples._common', 'examples.linen', 'examples.nnx', 'examples.demo'],
     ['cli', '__main__'],

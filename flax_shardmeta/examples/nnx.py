@@ -13,11 +13,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flax_shardmeta._constraints import with_logical_constraint
+from flax_shardmeta._rules import logical_to_mesh_axes
 from flax_shardmeta.examples._common import (
     LLAMA_CONFIGS,
     MODEL_NAMES,
     LlamaConfig,
     attend,
+    out_sharding,
     rms_norm,
     rope,
 )
@@ -42,7 +45,11 @@ class DotReluDot(nnx.Module):
     self.W2 = _param(rngs, (depth, width), ('hidden', 'embed'), dtype, init)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return jax.nn.relu(x @ self.W1[...]) @ self.W2[...]
+    y = with_logical_constraint(jax.nn.relu(x @ self.W1[...]), ('batch', 'hidden'))
+    # Under Explicit axes the contracted 'hidden' dimension is sharded, so the
+    # output layout must be spelled out.
+    spec = out_sharding(logical_to_mesh_axes(('batch', 'embed')))
+    return jnp.dot(y, self.W2[...], out_sharding=spec)
 
 
 class MLP(nnx.Module):

@@ -1,0 +1,155 @@
+"""Meshes from axis sizes, laid out over hosts: ``make_mesh``.
+
+On a pod every process (host) sees only its own devices, and traffic between
+hosts (DCN) is far slower than inside one (ICI). ``dcn_axis_sizes`` says how
+much of each mesh axis crosses hosts; the rest of the axis stays inside a
+host, so collectives over it never leave the machine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from flax_shardmeta._errors import MeshShapeError
+
+
+def make_mesh(
+    axis_sizes: Sequence[int],
+    axis_names: Sequence[str],
+    *,
+    axis_types: Sequence[AxisType] | None = None,
+    devices: Sequence[Any] | None = None,
+    dcn_axis_sizes: Sequence[int] | None = None,
+) -> Mesh:
+  """A ``Mesh`` of ``axis_sizes`` over all devices of all processes.
+
+  Args:
+    axis_sizes: one size per axis; at most one may be ``-1``, meaning "all
+      the devices the other axes leave".
+    axis_names: one name per axis.
+    axis_types: as for ``jax.make_mesh`` (its default when None).
+    devices: the devices to use (default: ``jax.devices()``, every process's).
+    dcn_axis_sizes: how many hosts (processes; slices where devices report
+      several ``slice_index`` values) each axis spans. Their product is the
+      number of hosts; each axis size must be a multiple of its entry. The
+      remaining factor of each axis stays inside one host.
+
+  Returns:
+    The mesh, with devices ordered so that each host's devices form
+    contiguous blocks along the axes that span hosts.
+
+  Raises:
+    MeshShapeError: the sizes do not fit the devices or the hosts; the
+      message names both counts and a factorisation that would fit.
+
+  Example:
+    >>> import jax, flax_shardmeta as fsm
+    >>> mesh = fsm.make_mesh((-1, 4), ('data', 'model'))
+    >>> dict(mesh.shape)
+    {'data': 2, 'model': 4}
+    >>> dict(fsm.make_mesh((2, 4), ('data', 'model'), dcn_axis_sizes=(1, 1)).shape)
+    {'data': 2, 'model': 4}
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  names = tuple(axis_names)
+  if len(names) != len(axis_sizes):
+    raise MeshShapeError(
+        f'{len(axis_sizes)} axis sizes {tuple(axis_sizes)} for {len(names)} axis '
+        f'names {names}; give one size per name.')
+  hosts = _hosts(devices)
+  sizes = _fill_wildcard(tuple(int(s) for s in axis_sizes), names, len(devices),
+                         len(hosts))
+  types = tuple(axis_types) if axis_types is not None else None
+  if dcn_axis_sizes is None:
+    return jax.make_mesh(sizes, names, axis_types=types, devices=devices)
+  dcn = tuple(int(s) for s in dcn_axis_sizes)
+  ici = _split(sizes, dcn, names, len(devices), len(hosts))
+  by_slice = len({getattr(d, 'slice_index', 0) for d in devices}) > 1
+  grid = mesh_utils.create_hybrid_device_mesh(
+      ici, dcn, devices, process_is_granule=not by_slice,
+      allow_split_physical_axes=True)
+  # jax.make_mesh's default, which it does not export.
+  types = types if types is not None else (AxisType.Explicit,) * len(names)
+  return Mesh(np.asarray(grid), names, axis_types=types)
+
+
+def _hosts(devices: Sequence[Any]) -> list[Any]:
+  """The granules devices group into: slices if several, else processes."""
+  slices = {getattr(d, 'slice_index', 0) for d in devices}
+  if len(slices) > 1:
+    return sorted(slices)
+  return sorted({d.process_index for d in devices})
+
+
+def _fill_wildcard(sizes: tuple[int, ...], names: tuple[str, ...], n_devices: int,
+                   n_hosts: int) -> tuple[int, ...]:
+  wild = [i for i, s in enumerate(sizes) if s == -1]
+  if len(wild) > 1 or any(s == 0 or s < -1 for s in sizes):
+    raise MeshShapeError(
+        f'axis sizes {sizes} for {names}: sizes must be positive, with at most '
+        'one -1 (all the devices the other axes leave).')
+  known = math.prod(s for s in sizes if s != -1)
+  if wild:
+    if n_devices % known:
+      raise MeshShapeError(_misfit(sizes, names, n_devices, n_hosts))
+    sizes = tuple(n_devices // known if s == -1 else s for s in sizes)
+  if math.prod(sizes) != n_devices:
+    raise MeshShapeError(_misfit(sizes, names, n_devices, n_hosts))
+  return sizes
+
+
+def _split(sizes: tuple[int, ...], dcn: tuple[int, ...], names: tuple[str, ...],
+           n_devices: int, n_hosts: int) -> tuple[int, ...]:
+  """Per-axis sizes inside one host, checking ``dcn`` against the hosts."""
+  if len(dcn) != len(sizes) or any(d < 1 for d in dcn):
+    raise MeshShapeError(
+        f'dcn_axis_sizes {dcn} for axes {names}: give one positive entry per '
+        'axis (1 for an axis that stays inside each host).')
+  bad = [n for n, s, d in zip(names, sizes, dcn) if s % d]
+  if math.prod(dcn) != n_hosts or bad:
+    why = (f'axes {bad} are not multiples of their dcn sizes' if bad else
+           f'their product is {math.prod(dcn)}, not the {n_hosts} hosts')
+    raise MeshShapeError(
+        f'dcn_axis_sizes {dcn} do not fit mesh {dict(zip(names, sizes))}: {why}. '
+        f'{n_devices} devices in {n_hosts} host(s), {n_devices // n_hosts} each; '
+        f'e.g. dcn_axis_sizes={_suggest_dcn(sizes, n_hosts)} would fit.')
+  return tuple(s // d for s, d in zip(sizes, dcn))
+
+
+def _suggest_dcn(sizes: tuple[int, ...], n_hosts: int) -> tuple[int, ...]:
+  """Hosts spread over the axes, first axis first (data parallelism across hosts)."""
+  out, left = [], n_hosts
+  for s in sizes:
+    d = math.gcd(s, left)
+    out.append(d)
+    left //= d
+  return tuple(out)
+
+
+def _misfit(sizes: tuple[int, ...], names: tuple[str, ...], n_devices: int,
+            n_hosts: int) -> str:
+  per_host = n_devices // max(n_hosts, 1)
+  return (
+      f'mesh {dict(zip(names, sizes))} does not fit {n_devices} devices in '
+      f'{n_hosts} process(es) ({per_host} each). A factorisation that fits: '
+      f'axis_sizes={_suggest_sizes(sizes, n_devices, n_hosts)}, or -1 for one axis.')
+
+
+def _suggest_sizes(sizes: tuple[int, ...], n_devices: int, n_hosts: int
+                   ) -> tuple[int, ...]:
+  """Keeps as many of the given sizes as fit; the first axis takes the rest."""
+  sizes = tuple(1 if s == -1 else s for s in sizes)
+  for i in range(len(sizes)):
+    rest = math.prod(s for j, s in enumerate(sizes) if j != i and s > 0)
+    if rest and n_devices % rest == 0:
+      return tuple(n_devices // rest if j == i else s for j, s in enumerate(sizes))
+  per_host = n_devices // max(n_hosts, 1)
+  return (n_devices // per_host,) + (1,) * (len(sizes) - 2) + (per_host,) \
+      if len(sizes) > 1 else (n_devices,)

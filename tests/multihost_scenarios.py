@@ -1,0 +1,199 @@
+"""Training runs that behave the same in 1 process x 8 devices and N x 8/N.
+
+Run as ``python tests/multihost_scenarios.py SCENARIO OUTDIR`` by each process
+of a launch (``flax_shardmeta._launch``), or called in-process by the tests
+with 8 devices. Process 0 writes what the tests compare to ``OUTDIR``:
+``params.npz`` (gathered, full values) and ``report.json``. Every process
+checks what it can itself (layouts, checkpoint round trip, shard/gather
+round trip) and raises on a mismatch, which fails the launch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+if __name__ == '__main__':
+  # Join the launch before jax starts its backends.
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+  from flax_shardmeta import _launch
+
+  _launch.initialize()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from flax import nnx  # noqa: E402
+from flax.training import train_state  # noqa: E402
+
+import flax_shardmeta as fsm  # noqa: E402
+from flax_shardmeta.examples import linen as linen_models  # noqa: E402
+from flax_shardmeta.examples import nnx as nnx_models  # noqa: E402
+
+RULES = linen_models.MLP_RULES
+# Processes sum gradients in another order than one process does. Adam turns a
+# near-zero gradient into a +-lr step whatever its size, so that float noise
+# would flip whole steps; a larger eps keeps such steps as small as the
+# gradients, and the runs agree to 1e-5.
+OPTIMIZER = optax.adamw(1e-2, eps=1e-3)
+WIDTH, DEPTH, LAYERS, BATCH, STEPS = 32, 64, 2, 16, 3
+
+
+def _batch() -> np.ndarray:
+  return np.random.default_rng(0).normal(size=(BATCH, WIDTH)).astype(np.float32)
+
+
+def _local_rows(mesh: jax.sharding.Mesh) -> tuple[fsm.DataLayout, np.ndarray]:
+  layout = fsm.data_layout(mesh, BATCH)
+  start = layout.shard_id * layout.batch_size
+  return layout, _batch()[start:start + layout.batch_size]
+
+
+def _flat(tree) -> dict[str, np.ndarray]:
+  leaves = jax.tree_util.tree_flatten_with_path(fsm.gather_tree(fsm.unbox(tree)))[0]
+  return {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
+
+
+def _same(a, b, what: str) -> None:
+  fa, fb = _flat(a), _flat(b)
+  if fa.keys() != fb.keys():
+    raise AssertionError(f'{what}: different leaves {fa.keys() ^ fb.keys()}')
+  for k in fa:
+    if not np.array_equal(fa[k], fb[k]):
+      raise AssertionError(f'{what}: {k} differs')
+
+
+def _round_trips(state, abstract, mesh, ckpt_dir: Path) -> None:
+  """Checkpoint, shard/gather and per-host data round trips, bit for bit."""
+  target = fsm.as_abstract(abstract, mesh)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(ckpt_dir.resolve(), state)
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(ckpt_dir.resolve(), target)
+  _same(state, restored, 'orbax restore')
+  for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)):
+    if a.sharding != b.sharding:
+      raise AssertionError(f'restored with {b.sharding}, saved with {a.sharding}')
+  host = fsm.gather_tree(state)
+  again = fsm.shard_tree(host, target)
+  _same(state, again, 'shard_tree(gather_tree(state))')
+  if fsm.verify(again, fsm.plan(abstract, mesh)):
+    raise AssertionError('shard_tree did not give the planned layout')
+
+
+def linen(outdir: Path, dcn: str = 'data') -> dict:
+  """The notebook MLP (nn.scan layers, logical names), 3 adamw steps."""
+  n = jax.process_count()
+  mesh = fsm.make_mesh((2, 4), ('data', 'model'),
+                       dcn_axis_sizes=(n, 1) if dcn == 'data' else (1, n))
+  model = linen_models.MLP(num_layers=LAYERS, depth=DEPTH)
+  tx = OPTIMIZER
+
+  def init_fn(key):
+    params = model.init(key, jnp.ones((2, WIDTH)))['params']
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+  def train_step(state, x):
+    def loss_fn(params):
+      return jnp.mean((state.apply_fn({'params': params}, x) - 1.0) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  with fsm.logical_axis_rules(RULES):
+    abstract = jax.eval_shape(init_fn, jax.random.key(0))
+    shardings = fsm.get_sharding(abstract, mesh)
+    state = fsm.sharded_init(init_fn, mesh)(jax.random.key(0))
+  layout, local = _local_rows(mesh)
+  x = fsm.host_local_to_global(local, mesh, ('batch', None), RULES)
+  if not np.array_equal(fsm.global_to_host_local(x), local):
+    raise AssertionError('global_to_host_local did not give back the local rows')
+  # The rules travel with the function: no context at the call site.
+  step = fsm.jit(train_step, mesh=mesh, rules=RULES,
+                 in_shardings=(abstract, ('batch', None)),
+                 out_shardings=(shardings, None), donate_argnums=0)
+  losses = []
+  for _ in range(STEPS):
+    state, loss = step(state, x)
+    losses.append(float(loss))
+  mismatches = fsm.verify(state, fsm.plan(abstract, mesh, RULES))
+  if mismatches:
+    raise AssertionError(f'not as planned: {mismatches}')
+  with fsm.logical_axis_rules(RULES):
+    _round_trips(state, abstract, mesh, outdir / f'ckpt-{dcn}')
+  return _report(outdir, state.params, layout, losses, mesh)
+
+
+def nnx_eager(outdir: Path) -> dict:
+  """The NNX MLP built eagerly on its shards, trained with nnx.Optimizer."""
+  mesh = fsm.make_mesh((2, 4), ('data', 'model'),
+                       dcn_axis_sizes=(jax.process_count(), 1))
+
+  def create():
+    return nnx_models.MLP(LAYERS, DEPTH, WIDTH, rngs=nnx.Rngs(0))
+
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    model = fsm.nnx.shard_module(create())
+    optimizer = nnx.Optimizer(model, OPTIMIZER, wrt=nnx.Param)
+    abstract = nnx.state(nnx.eval_shape(create), nnx.Param)
+  graphdef, state = nnx.split((model, optimizer))
+
+  def train_step(state, x):
+    model, optimizer = nnx.merge(graphdef, state)
+
+    def loss_fn(m):
+      return jnp.mean((m(x) - 1.0) ** 2)
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  layout, local = _local_rows(mesh)
+  x = fsm.host_local_to_global(local, mesh, ('batch', None), RULES)
+  step = fsm.jit(train_step, mesh=mesh, rules=RULES, donate_argnums=0)
+  losses = []
+  for _ in range(STEPS):
+    state, loss = step(state, x)
+    losses.append(float(loss))
+  model, _ = nnx.merge(graphdef, state)
+  params = nnx.state(model, nnx.Param)
+  with fsm.logical_axis_rules(RULES):
+    mismatches = fsm.verify(params, fsm.plan(abstract, mesh))
+    if mismatches:
+      raise AssertionError(f'not as planned: {mismatches}')
+    _round_trips(params, abstract, mesh, outdir / 'ckpt-nnx')
+  return _report(outdir, params, layout, losses, mesh)
+
+
+def _report(outdir: Path, params, layout: fsm.DataLayout, losses: list[float],
+            mesh: jax.sharding.Mesh) -> dict:
+  flat = _flat(params)  # a collective: every process takes part
+  report = {
+      'process_count': jax.process_count(),
+      'layout': {'batch_size': layout.batch_size, 'shard_id': layout.shard_id,
+                 'num_shards': layout.num_shards,
+                 'first': layout.is_first_host_in_replica_set},
+      'losses': losses,
+      'mesh_processes': [[d.process_index for d in row] for row in mesh.devices],
+  }
+  # Each process records its own layout; process 0 also writes the values.
+  (outdir / f'layout-{jax.process_index()}.json').write_text(json.dumps(report))
+  if jax.process_index() == 0:
+    np.savez(outdir / 'params.npz', **flat)
+    (outdir / 'report.json').write_text(json.dumps(report))
+  return report
+
+
+SCENARIOS = {
+    'linen': linen,
+    'linen-model-across-hosts': lambda out: linen(out, dcn='model'),
+    'nnx': nnx_eager,
+}
+
+
+if __name__ == '__main__':
+  name, out = sys.argv[1], Path(sys.argv[2])
+  out.mkdir(parents=True, exist_ok=True)
+  SCENARIOS[name](out)
+  print(f'process {jax.process_index()}: {name} done', flush=True)
