@@ -42,6 +42,15 @@ class ShardingProblem:
     reason: what is wrong.
     hint: how to fix it.
     dims: the array dimensions concerned (used by fit mode to replicate them).
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> problem = fsm.ShardingProblem(
+    ...     'dense/kernel', (6, 10), ('data', 'model'), None,
+    ...     "mesh has no axis 'model'", "use one of the mesh's axes")
+    >>> print(problem)
+    dense/kernel: shape (6, 10), names ('data', 'model'), spec None: mesh has no
+    axis 'model'. Fix: use one of the mesh's axes
   """
 
   path: str
@@ -75,6 +84,14 @@ class FlaxShardmetaError(ValueError):
 
   A ``ValueError``, so code that already catches bad values keeps working;
   ``except fsm.FlaxShardmetaError`` catches exactly this library's errors.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> try:
+    ...   fsm.composite_rules([('embed', 'data')], [('embed', 'model')])
+    ... except fsm.FlaxShardmetaError as e:
+    ...   print(type(e).__name__)
+    RuleConflictError
   """
 
 
@@ -84,6 +101,23 @@ class ShardingError(FlaxShardmetaError):
   Every problem found in a tree is listed in one message, each naming the
   parameter path, its shape, its names, the resolved spec, what is wrong and
   how to fix it. ``problems`` holds them as :class:`ShardingProblem` records.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax_shardmeta as fsm
+    >>> mesh = jax.sharding.AbstractMesh(
+    ...     (4,), ('model',), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> tree = {'w': fsm.Partitioned(
+    ...     jax.ShapeDtypeStruct((6,), jnp.float32), ('model',))}
+    >>> try:
+    ...   fsm.get_sharding(tree, mesh)
+    ... except fsm.ShardingError as e:
+    ...   print(e)
+    ...   print(e.problems[0].path)
+    1 leaf cannot be sharded as annotated:
+      - w: shape (6,), names ('model',), spec P('model'): dimension 0 of size 6 is
+      not divisible by 'model'=4 (= 4). Fix: make the size a multiple of 4, ...
+    w
   """
 
   def __init__(self, problems: Sequence[ShardingProblem], context: str = ''):
@@ -96,21 +130,72 @@ class ShardingError(FlaxShardmetaError):
 
 
 class RuleConflictError(FlaxShardmetaError):
-  """Raised when global and per-variable logical rules disagree on a name."""
+  """Raised when global and per-variable logical rules disagree on a name.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.composite_rules([('embed', 'data')], [('embed', 'model')])
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.RuleConflictError: Logical axis 'embed' has
+    conflicting first choices: ...
+  """
 
 
 class NoMeshError(FlaxShardmetaError):
-  """Raised when a sharding must be applied but no mesh was given or set."""
+  """Raised when a sharding must be applied but no mesh was given or set.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import flax_shardmeta as fsm
+    >>> fsm.shard_value(jnp.ones((8, 4)), ('data', None))
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.NoMeshError: shard_value needs a mesh: pass mesh=... or
+    run inside `with jax.set_mesh(mesh):`.
+  """
 
 
 class InvalidRulesError(FlaxShardmetaError):
-  """Raised when logical axis rules are not ``(logical_name, mesh_axes)`` pairs."""
+  """Raised when logical axis rules are not ``(logical_name, mesh_axes)`` pairs.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.set_logical_axis_rules([('embed',)])
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.InvalidRulesError: Logical axis rule #0 is ('embed',);
+    expected a pair (logical_name: str, mesh_axes), e.g. ('mlp', 'model').
+  """
 
 
 class InvalidNamesError(FlaxShardmetaError):
   """Raised when an annotation's names are malformed (a bare string, a repeat,
-  a transform's axis name that does not match)."""
+  a transform's axis name that does not match).
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.logical_to_mesh_axes(('embed', 'embed'), [('embed', 'data')])
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.InvalidNamesError: ...
+  """
 
 
 class ShardingFitWarning(UserWarning):
-  """Issued when ``fit=True`` replicated dimensions that could not be sharded."""
+  """Issued when ``fit=True`` replicated dimensions that could not be sharded.
+
+  Example:
+    >>> import warnings
+    >>> import jax, jax.numpy as jnp
+    >>> import flax_shardmeta as fsm
+    >>> mesh = jax.sharding.AbstractMesh(
+    ...     (4,), ('model',), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> tree = {'w': fsm.Partitioned(
+    ...     jax.ShapeDtypeStruct((6,), jnp.float32), ('model',))}
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter('always')
+    ...   plan = fsm.plan(tree, mesh, fit=True)
+    >>> caught[0].category.__name__, plan.entries[0].spec
+    ('ShardingFitWarning', P(None,))
+  """

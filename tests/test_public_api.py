@@ -85,3 +85,28 @@ def test_errors_are_value_errors():
 
 def test_package_is_typed():
   assert importlib.resources.files('flax_shardmeta').joinpath('py.typed').is_file()
+
+
+def _public_callables():
+  for name in fsm.__all__:
+    obj = getattr(fsm, name)
+    if callable(obj):
+      yield f'fsm.{name}', obj
+  for name in fsm.nnx.__all__:
+    obj = getattr(fsm.nnx, name)
+    if callable(obj):
+      yield f'fsm.nnx.{name}', obj
+
+
+def test_public_callables_are_found():
+  names = {name for name, _ in _public_callables()}
+  assert {'fsm.plan', 'fsm.ShardingError', 'fsm.nnx.shard_module'} <= names
+  # Constants and the submodule are not callables.
+  assert not names & {'fsm.PARTITION_NAME', 'fsm.__version__', 'fsm.nnx'}
+
+
+def test_every_public_callable_has_a_docstring_example():
+  # Each example runs as a doctest (tests/test_doctests.py).
+  missing = [name for name, obj in _public_callables()
+             if '>>>' not in (inspect.getdoc(obj) or '')]
+  assert not missing, f'public callables without a >>> example: {missing}'
