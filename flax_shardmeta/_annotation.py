@@ -33,6 +33,12 @@ class Annotation:
     keep_mesh_names: for flax NNX annotations, a name with no rule that is a
       mesh axis stays that axis (flax's renaming semantics).
     optimizer_state: the leaf belongs to optimizer state (lenient rank rule).
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> ann = fsm.Annotation(('embed', 'mlp'), logical=True)
+    >>> ann.names, ann.logical
+    (('embed', 'mlp'), True)
   """
 
   names: tuple[Any, ...]

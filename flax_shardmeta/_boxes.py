@@ -343,7 +343,14 @@ def is_box(x: Any) -> bool:
 
 
 def unbox(tree: PyTree) -> PyTree:
-  """Strips every box, returning the raw values (no constraint applied)."""
+  """Strips every box, returning the raw values (no constraint applied).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import flax_shardmeta as fsm
+    >>> fsm.unbox({'w': fsm.Partitioned(jnp.zeros(2), ('model',))})
+    {'w': Array([0., 0.], dtype=float32)}
+  """
   return jax.tree_util.tree_map(
       lambda x: unbox(_raw(x)) if is_box(x) else x, tree, is_leaf=is_box
   )
@@ -356,7 +363,16 @@ def _raw(box: Any) -> Any:
 
 
 def replace_boxed(tree: PyTree, updates: PyTree) -> PyTree:
-  """Puts ``updates`` (a tree of raw values) back into ``tree``'s boxes."""
+  """Puts ``updates`` (a tree of raw values) back into ``tree``'s boxes.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import flax_shardmeta as fsm
+    >>> boxed = {'w': fsm.Partitioned(jnp.zeros(2), ('model',))}
+    >>> new = fsm.replace_boxed(boxed, {'w': jnp.ones(2)})
+    >>> new['w'].names, new['w'].value
+    (('model',), Array([1., 1.], dtype=float32))
+  """
 
   def update(box: Any, new: Any) -> Any:
     if is_box(box):

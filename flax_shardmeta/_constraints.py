@@ -24,7 +24,18 @@ from flax_shardmeta._typing import AnyMesh, LogicalNames, LogicalRules, PyTree
 
 
 class RulesFallback(enum.Enum):
-  """What :func:`with_logical_constraint` does with a name no rule maps."""
+  """What :func:`with_logical_constraint` does with a name no rule maps.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import flax_shardmeta as fsm
+    >>> x = jnp.ones((8, 4))
+    >>> y = fsm.with_logical_constraint(
+    ...     x, ('batch', 'unmapped'), rules=[('batch', None)],
+    ...     fallback=fsm.RulesFallback.NO_CONSTRAINT)
+    >>> y is x
+    True
+  """
 
   AXIS_IS_UNSHARDED = 'axis_is_unsharded'
   """The dimension is replicated."""

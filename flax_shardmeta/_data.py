@@ -36,6 +36,14 @@ class DataLayout:
     num_shards: how many distinct slices the batch is split into across hosts.
     is_first_host_in_replica_set: True for the lowest-numbered process among
       those reading the same slice (e.g. the one that writes evaluation output).
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> layout = fsm.DataLayout(batch_size=8, shard_id=1, num_shards=2,
+    ...                         is_first_host_in_replica_set=True)
+    >>> rows = list(range(16))  # the global batch, as a loader would split it
+    >>> rows[layout.shard_id * layout.batch_size:][:layout.batch_size]
+    [8, 9, 10, 11, 12, 13, 14, 15]
   """
 
   batch_size: int

@@ -21,6 +21,15 @@ class ShardingProblem:
     reason: what is wrong.
     hint: how to fix it.
     dims: the array dimensions concerned (used by fit mode to replicate them).
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> problem = fsm.ShardingProblem(
+    ...     'dense/kernel', (6, 10), ('data', 'model'), None,
+    ...     "mesh has no axis 'model'", "use one of the mesh's axes")
+    >>> print(problem)
+    dense/kernel: shape (6, 10), names ('data', 'model'), spec None: mesh has no
+    axis 'model'. Fix: use one of the mesh's axes
   """
 
   path: str
@@ -54,6 +63,14 @@ class FlaxShardmetaError(ValueError):
 
   A ``ValueError``, so code that already catches bad values keeps working;
   ``except fsm.FlaxShardmetaError`` catches exactly this library's errors.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> try:
+    ...   fsm.composite_rules([('embed', 'data')], [('embed', 'model')])
+    ... except fsm.FlaxShardmetaError as e:
+    ...   print(type(e).__name__)
+    RuleConflictError
   """
 
 
@@ -63,6 +80,23 @@ class ShardingError(FlaxShardmetaError):
   Every problem found in a tree is listed in one message, each naming the
   parameter path, its shape, its names, the resolved spec, what is wrong and
   how to fix it. ``problems`` holds them as :class:`ShardingProblem` records.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax_shardmeta as fsm
+    >>> mesh = jax.sharding.AbstractMesh(
+    ...     (4,), ('model',), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> tree = {'w': fsm.Partitioned(
+    ...     jax.ShapeDtypeStruct((6,), jnp.float32), ('model',))}
+    >>> try:
+    ...   fsm.get_sharding(tree, mesh)
+    ... except fsm.ShardingError as e:
+    ...   print(e)
+    ...   print(e.problems[0].path)
+    1 leaf cannot be sharded as annotated:
+      - w: shape (6,), names ('model',), spec P('model'): dimension 0 of size 6 is
+      not divisible by 'model'=4 (= 4). Fix: make the size a multiple of 4, ...
+    w
   """
 
   def __init__(self, problems: Sequence[ShardingProblem], context: str = ''):
@@ -75,34 +109,99 @@ class ShardingError(FlaxShardmetaError):
 
 
 class RuleConflictError(FlaxShardmetaError):
-  """Raised when global and per-variable logical rules disagree on a name."""
+  """Raised when global and per-variable logical rules disagree on a name.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.composite_rules([('embed', 'data')], [('embed', 'model')])
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.RuleConflictError: Logical axis 'embed' has
+    conflicting first choices: ...
+  """
 
 
 class NoMeshError(FlaxShardmetaError):
-  """Raised when a sharding must be applied but no mesh was given or set."""
+  """Raised when a sharding must be applied but no mesh was given or set.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import flax_shardmeta as fsm
+    >>> fsm.shard_value(jnp.ones((8, 4)), ('data', None))
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.NoMeshError: shard_value needs a mesh: pass mesh=... or
+    run inside `with jax.set_mesh(mesh):`.
+  """
 
 
 class InvalidRulesError(FlaxShardmetaError):
-  """Raised when logical axis rules are not ``(logical_name, mesh_axes)`` pairs."""
+  """Raised when logical axis rules are not ``(logical_name, mesh_axes)`` pairs.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.set_logical_axis_rules([('embed',)])
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.InvalidRulesError: Logical axis rule #0 is ('embed',);
+    expected a pair (logical_name: str, mesh_axes), e.g. ('mlp', 'model').
+  """
 
 
 class InvalidNamesError(FlaxShardmetaError):
   """Raised when an annotation's names are malformed (a bare string, a repeat,
-  a transform's axis name that does not match)."""
+  a transform's axis name that does not match).
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.logical_to_mesh_axes(('embed', 'embed'), [('embed', 'data')])
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.InvalidNamesError: ...
+  """
 
 
 class MeshShapeError(FlaxShardmetaError):
-  """Raised when mesh axis sizes do not fit the devices or the hosts."""
+  """Raised when mesh axis sizes do not fit the devices or the hosts.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.make_mesh((3, 4), ('data', 'model'))
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.MeshShapeError: mesh {'data': 3, 'model': 4} does not fit
+    8 devices in 1 process(es) (8 each). A factorisation that fits:
+    axis_sizes=(2, 4), or -1 for one axis.
+  """
 
 
 class BatchLayoutError(FlaxShardmetaError):
-  """Raised when a global batch cannot be split over the hosts as laid out."""
+  """Raised when a global batch cannot be split over the hosts as laid out.
+
+  Example:
+    >>> import jax, flax_shardmeta as fsm
+    >>> mesh = jax.make_mesh((2, 4), ('data', 'model'))
+    >>> fsm.data_layout(mesh, 7)
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.BatchLayoutError: a global batch of 7 rows does not divide
+    over the batch axes ('data',) (2 ways): each device would hold 3.5 rows. Use a
+    multiple of 2, e.g. 8.
+  """
 
 
 class LaunchError(FlaxShardmetaError):
   """Raised when a process of a local multi-process launch fails or times out.
 
-  ``results`` holds each process's ``(returncode, stdout, stderr)``.
+  ``results`` holds each process's ``(returncode, stdout, stderr)``; the
+  message shows each exit code and the end of each stderr.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> error = fsm.LaunchError('process 1 exited with code 1', [(0, '', ''),
+    ...                                                         (1, '', 'boom')])
+    >>> [code for code, _, _ in error.results]
+    [0, 1]
   """
 
   def __init__(self, message: str, results: Sequence[tuple[int | None, str, str]]):
@@ -111,4 +210,19 @@ class LaunchError(FlaxShardmetaError):
 
 
 class ShardingFitWarning(UserWarning):
-  """Issued when ``fit=True`` replicated dimensions that could not be sharded."""
+  """Issued when ``fit=True`` replicated dimensions that could not be sharded.
+
+  Example:
+    >>> import warnings
+    >>> import jax, jax.numpy as jnp
+    >>> import flax_shardmeta as fsm
+    >>> mesh = jax.sharding.AbstractMesh(
+    ...     (4,), ('model',), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> tree = {'w': fsm.Partitioned(
+    ...     jax.ShapeDtypeStruct((6,), jnp.float32), ('model',))}
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter('always')
+    ...   plan = fsm.plan(tree, mesh, fit=True)
+    >>> caught[0].category.__name__, plan.entries[0].spec
+    ('ShardingFitWarning', P(None,))
+  """

@@ -31,6 +31,14 @@ class JitWithContext:
 
   Made by :func:`flax_shardmeta.jit`; call it like the function. ``lower`` and
   ``eval_shape`` take the same arguments.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> mesh = jax.make_mesh((2, 4), ('data', 'model'))
+    >>> double = fsm.jit(lambda x: 2 * x, mesh=mesh, out_shardings=('batch',),
+    ...                  rules=[('batch', 'data')])
+    >>> double.lower(jnp.ones(8)).compile().output_shardings.spec
+    P('data',)
   """
 
   def __init__(self, fn: Callable[..., Any], mesh: Mesh,

@@ -46,6 +46,17 @@ class PlanEntry:
     shard_shape: the shape each device holds.
     bytes_per_device: bytes of this array on each device.
     adjustments: what fit mode changed, one sentence each.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax_shardmeta as fsm
+    >>> mesh = jax.sharding.AbstractMesh(
+    ...     (4,), ('model',), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> tree = {'w': fsm.Partitioned(
+    ...     jax.ShapeDtypeStruct((8, 6), jnp.float32), ('model', None))}
+    >>> entry = fsm.plan(tree, mesh).entry('w')
+    >>> entry.spec, entry.shard_shape, entry.bytes_per_device
+    (P('model', None), (2, 6), 48)
   """
 
   path: str
@@ -137,6 +148,22 @@ class ShardingPlan:
     rules: the logical axis rules used.
     problems: every validation problem, each naming its path.
     adjustments: what fit mode changed, as ``'path: change'`` lines.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax_shardmeta as fsm
+    >>> mesh = jax.sharding.AbstractMesh(
+    ...     (4,), ('model',), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> tree = {'w': fsm.Partitioned(
+    ...     jax.ShapeDtypeStruct((8, 6), jnp.float32), ('model', None))}
+    >>> p = fsm.plan(tree, mesh)
+    >>> p.bytes_per_device, p.total_bytes, p.problems
+    (48, 192, ())
+    >>> print(p)  # doctest: +NORMALIZE_WHITESPACE
+    Sharding plan: 1 arrays on mesh model=4 (4 devices), 0 rules
+    ...
+    total: 48 elements, 192 B unsharded, 48 B per device
+    problems: none
   """
 
   entries: tuple[PlanEntry, ...]

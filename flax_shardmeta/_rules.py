@@ -61,7 +61,16 @@ def set_logical_axis_rules(rules: LogicalRules) -> None:
 
 
 def get_logical_axis_rules() -> tuple[tuple[str, Any], ...]:
-  """Returns the logical axis rules of the current thread (``()`` if none)."""
+  """Returns the logical axis rules of the current thread (``()`` if none).
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> with fsm.logical_axis_rules([('mlp', 'model')]):
+    ...   print(fsm.get_logical_axis_rules())
+    (('mlp', 'model'),)
+    >>> fsm.get_logical_axis_rules()
+    ()
+  """
   return _context.rules
 
 

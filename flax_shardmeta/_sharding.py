@@ -96,11 +96,16 @@ def _layout_cached(shape, annotation, mesh, rules, fit) -> LeafLayout:
         shape, None, ((str(e).rstrip('.'), 'fix the names or the rules', ()),))
   issues = check_spec(shape, entries, mesh)
   if issues and annotation.optimizer_state:
-    # Same rank but another shape: adafactor's v_row/v_col of a rank-1
-    # parameter are shape (1,). Any real fault of the annotation is reported
-    # on the parameter itself, so replicating the small leaf hides nothing.
-    return LeafLayout(shape, PartitionSpec(), sharding=named_sharding(
-        mesh, PartitionSpec()))
+    # Same rank but another shape (adafactor's v_row/v_col of a rank-1
+    # parameter are shape (1,)), or a full-size moment of a parameter whose
+    # dimension does not divide. Faults are reported on the parameter itself;
+    # here only the dimensions at fault are replicated, so a moment keeps the
+    # rest of its parameter's layout (as fit mode gives the parameter).
+    bad = {d for _, _, dims in issues for d in dims}
+    kept = tuple(None if d in bad else e for d, e in enumerate(entries))
+    keep = any(e is not None for e in kept) and not check_spec(shape, kept, mesh)
+    spec = PartitionSpec(*kept) if keep else PartitionSpec()
+    return LeafLayout(shape, spec, sharding=named_sharding(mesh, spec))
   adjustments: list[str] = []
   if fit and any(dims for _, _, dims in issues):
     entries = list(entries)

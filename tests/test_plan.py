@@ -163,12 +163,33 @@ def test_explain_for_mesh_axes_and_plain_leaves():
 def test_explain_for_optimizer_moments_their_parameter_cannot_shard():
   mesh = AbstractMesh((3, 5), ('data', 'model'))
   p = fsm.plan(_mlp_state(depth=64), mesh, MLP_RULES)
-  # The problem is reported on the parameter; its moments are replicated.
+  # The problem is reported on the parameter; its moments replicate the
+  # dimension at fault (here the only sharded one).
   assert {pr.path for pr in p.problems} == {
       'params/ScanDotReluDot_0/Dense_0/kernel', 'params/ScanDotReluDot_0/W2'}
   mu = p.entry('opt_state/0/mu/ScanDotReluDot_0/W2')
   assert mu.spec == P()
   assert "optimizer state that 'model' cannot shard" in str(mu.explain[1])
+
+
+def test_moments_keep_the_dimensions_that_divide():
+  # 8 kv heads on a 16-way 'model' axis: fit mode replicates that dimension of
+  # wk; adam's moments of wk must do the same and keep 'embed' over 'data'
+  # (not fall back to whole copies, 16x the memory).
+  mesh = AbstractMesh((4, 16), ('data', 'model'))
+  params = cli.abstract_linen_params(models.Llama(TINY_LLAMA), _sds((1, 1), jnp.int32))
+  wk = params['layers']['wk']
+  params['layers']['wk'] = fsm.LogicalPartitioned(
+      _sds((3, 64, 8, 16)), wk.names)
+  state = cli.abstract_train_state(params, 'adam')
+  with pytest.warns(fsm.ShardingFitWarning, match='params/layers/wk'):
+    p = fsm.plan(state, mesh, LLAMA_RULES, fit=True)
+  assert p.entry('params/layers/wk').spec == P(None, 'data', None, None)
+  for moment in ('mu', 'nu'):
+    entry = p.entry(f'opt_state/0/{moment}/layers/wk')
+    assert entry.spec == P(None, 'data', None, None)
+    assert entry.bytes_per_device == p.entry('params/layers/wk').bytes_per_device
+  assert not p.problems
 
 
 def test_explain_for_factored_optimizer_state():

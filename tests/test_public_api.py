@@ -155,3 +155,28 @@ def test_clear_caches_empties_resolution_and_layout_caches():
   assert _sharding._layout_cached.cache_info().currsize == 0
   assert _sharding.named_sharding.cache_info().currsize == 0
   assert fsm.get_sharding(tree, mesh, [('mlp', 'model')]) == before
+
+
+def _public_callables():
+  for name in fsm.__all__:
+    obj = getattr(fsm, name)
+    if callable(obj):
+      yield f'fsm.{name}', obj
+  for name in fsm.nnx.__all__:
+    obj = getattr(fsm.nnx, name)
+    if callable(obj):
+      yield f'fsm.nnx.{name}', obj
+
+
+def test_public_callables_are_found():
+  names = {name for name, _ in _public_callables()}
+  assert {'fsm.plan', 'fsm.ShardingError', 'fsm.nnx.shard_module'} <= names
+  # Constants and the submodule are not callables.
+  assert not names & {'fsm.PARTITION_NAME', 'fsm.__version__', 'fsm.nnx'}
+
+
+def test_every_public_callable_has_a_docstring_example():
+  # Each example runs as a doctest (tests/test_doctests.py).
+  missing = [name for name, obj in _public_callables()
+             if '>>>' not in (inspect.getdoc(obj) or '')]
+  assert not missing, f'public callables without a >>> example: {missing}'
