@@ -66,8 +66,28 @@ def _same(a, b, what: str) -> None:
       raise AssertionError(f'{what}: {k} differs')
 
 
-def _round_trips(state, abstract, mesh, ckpt_dir: Path) -> None:
-  """Checkpoint, shard/gather and per-host data round trips, bit for bit."""
+class _Recorder:
+  """A host array that records which slices are read from it."""
+
+  def __init__(self, array: np.ndarray):
+    self.array, self.shape, self.dtype = array, array.shape, array.dtype
+    self.size = array.size
+    self.read = []
+
+  def __getitem__(self, index):
+    self.read.append(index)
+    return self.array[index]
+
+
+def _key(index, shape):
+  return tuple(i.indices(n)[:2] for i, n in zip(index, shape))
+
+
+def _round_trips(state, abstract, mesh, ckpt_dir: Path) -> float:
+  """Checkpoint and shard/gather round trips, bit for bit.
+
+  Returns the fraction of the host values ``shard_tree`` read in this process.
+  """
   target = fsm.as_abstract(abstract, mesh)
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(ckpt_dir.resolve(), state)
@@ -77,11 +97,23 @@ def _round_trips(state, abstract, mesh, ckpt_dir: Path) -> None:
   for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)):
     if a.sharding != b.sharding:
       raise AssertionError(f'restored with {b.sharding}, saved with {a.sharding}')
-  host = fsm.gather_tree(state)
+  host = jax.tree_util.tree_map(_Recorder, fsm.gather_tree(state))
   again = fsm.shard_tree(host, target)
   _same(state, again, 'shard_tree(gather_tree(state))')
+  # Each process read exactly the slices its own devices hold (with the model
+  # axis across processes, that is part of each parameter).
+  elements = [0, 0]  # read, in all
+  for rec, arr in zip(jax.tree_util.tree_leaves(host),
+                      jax.tree_util.tree_leaves(again)):
+    held = {_key(shard.index, arr.shape) for shard in arr.addressable_shards}
+    read = {_key(index, arr.shape) for index in rec.read}
+    if read != held:
+      raise AssertionError(f'read slices {read}, local devices hold {held}')
+    elements[0] += sum(int(np.prod([b - a for a, b in k])) for k in read)
+    elements[1] += rec.size
   if fsm.verify(again, fsm.plan(abstract, mesh)):
     raise AssertionError('shard_tree did not give the planned layout')
+  return elements[0] / elements[1]
 
 
 def linen(outdir: Path, dcn: str = 'data') -> dict:
@@ -122,8 +154,8 @@ def linen(outdir: Path, dcn: str = 'data') -> dict:
   if mismatches:
     raise AssertionError(f'not as planned: {mismatches}')
   with fsm.logical_axis_rules(RULES):
-    _round_trips(state, abstract, mesh, outdir / f'ckpt-{dcn}')
-  return _report(outdir, state.params, layout, losses, mesh)
+    read = _round_trips(state, abstract, mesh, outdir / f'ckpt-{dcn}')
+  return _report(outdir, state.params, layout, losses, mesh, read)
 
 
 def nnx_eager(outdir: Path) -> dict:
@@ -162,12 +194,12 @@ def nnx_eager(outdir: Path) -> dict:
     mismatches = fsm.verify(params, fsm.plan(abstract, mesh))
     if mismatches:
       raise AssertionError(f'not as planned: {mismatches}')
-    _round_trips(params, abstract, mesh, outdir / 'ckpt-nnx')
-  return _report(outdir, params, layout, losses, mesh)
+    read = _round_trips(params, abstract, mesh, outdir / 'ckpt-nnx')
+  return _report(outdir, params, layout, losses, mesh, read)
 
 
 def _report(outdir: Path, params, layout: fsm.DataLayout, losses: list[float],
-            mesh: jax.sharding.Mesh) -> dict:
+            mesh: jax.sharding.Mesh, read: float) -> dict:
   flat = _flat(params)  # a collective: every process takes part
   report = {
       'process_count': jax.process_count(),
@@ -175,6 +207,7 @@ def _report(outdir: Path, params, layout: fsm.DataLayout, losses: list[float],
                  'num_shards': layout.num_shards,
                  'first': layout.is_first_host_in_replica_set},
       'losses': losses,
+      'fraction_read_by_shard_tree': read,
       'mesh_processes': [[d.process_index for d in row] for row in mesh.devices],
   }
   # Each process records its own layout; process 0 also writes the values.

@@ -63,6 +63,8 @@ def test_linen_data_axis_across_processes(tmp_path):
   assert sorted(lay['shard_id'] for lay in layouts) == [0, 1]
   assert all(lay['num_shards'] == 2 and lay['batch_size'] == 8 for lay in layouts)
   assert all(lay['first'] for lay in layouts)
+  # Parameters are replicated over 'data': each process holds (and read) them whole.
+  assert report['fraction_read_by_shard_tree'] == 1.0
 
 
 @pytest.mark.slow
@@ -76,6 +78,9 @@ def test_linen_model_axis_across_processes(tmp_path):
   assert [lay['shard_id'] for lay in layouts] == [0, 0]
   assert all(lay['num_shards'] == 1 and lay['batch_size'] == 16 for lay in layouts)
   assert [lay['first'] for lay in layouts] == [True, False]
+  # Parameters are split over 'model' across the processes: loading them with
+  # shard_tree, each process read only its part of the host values.
+  assert report['fraction_read_by_shard_tree'] < 0.75
 
 
 @pytest.mark.slow
