@@ -31,8 +31,17 @@ from flax_shardmeta._errors import (
     ShardingError,
     ShardingFitWarning,
     ShardingProblem,
+    UnmappedMeshAxisNameWarning,
 )
-from flax_shardmeta._plan import PlanEntry, ShardingPlan, plan, verify
+from flax_shardmeta._plan import (
+    Mismatch,
+    Mismatches,
+    PlanEntry,
+    ShardingPlan,
+    actual_shardings,
+    plan,
+    verify,
+)
 from flax_shardmeta._regex_rules import match_partition_rules
 from flax_shardmeta._rules import (
     composite_rules,
@@ -60,6 +69,8 @@ __all__ = [
     'InvalidNamesError',
     'InvalidRulesError',
     'LogicalPartitioned',
+    'Mismatch',
+    'Mismatches',
     'NoMeshError',
     'Partitioned',
     'PlanEntry',
@@ -69,7 +80,9 @@ __all__ = [
     'ShardingFitWarning',
     'ShardingPlan',
     'ShardingProblem',
+    'UnmappedMeshAxisNameWarning',
     '__version__',
+    'actual_shardings',
     'as_abstract',
     'composite_rules',
     'explain_resolution',

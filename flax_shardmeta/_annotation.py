@@ -171,20 +171,56 @@ def path_str(path: tuple[Any, ...]) -> str:
 
 class _KeyPaths:
   """Key paths of a flattened tree, computed on first use (errors and plans
-  need them; the common get_sharding path does not)."""
+  need them; the common get_sharding path does not).
 
-  __slots__ = ('_tree', '_keys')
+  A few paths are found by walking down from the root, one tree level at a
+  time, which costs far less than flattening a large tree with paths; past
+  :attr:`DESCENTS` requests every path is computed at once.
+  """
 
-  def __init__(self, tree: PyTree):
+  __slots__ = ('_tree', '_treedef', '_keys', '_kids', '_descents')
+  DESCENTS = 64
+
+  def __init__(self, tree: PyTree, treedef: Any = None):
     self._tree = tree
+    self._treedef = treedef
     self._keys: list[tuple[Any, ...]] | None = None
+    self._kids: dict[int, list[tuple[Any, Any]]] = {}
+    self._descents = 0
 
   def __getitem__(self, i: int) -> tuple[Any, ...]:
+    if self._keys is None and self._treedef is not None and (
+        self._descents < self.DESCENTS):
+      self._descents += 1
+      return self._descend(i)
     if self._keys is None:
       flat, _ = jax.tree_util.tree_flatten_with_path(self._tree, is_leaf=_stop)
       self._keys = [k for k, _ in flat]
-      self._tree = None
+      self._tree = self._kids = None
     return self._keys[i]
+
+  def _descend(self, i: int) -> tuple[Any, ...]:
+    node, treedef, keys = self._tree, self._treedef, []
+    while True:
+      children = treedef.children()
+      if not children:
+        return tuple(keys)
+      for (key, child), child_def in zip(self._children(node), children):
+        n = child_def.num_leaves
+        if i < n:
+          keys.append(key)
+          node, treedef = child, child_def
+          break
+        i -= n
+
+  def _children(self, node: Any) -> list[tuple[Any, Any]]:
+    kids = self._kids.get(id(node))
+    if kids is None:
+      # One level only: every child is a leaf of this flattening.
+      flat, _ = jax.tree_util.tree_flatten_with_path(
+          node, is_leaf=lambda x: x is not node)
+      kids = self._kids[id(node)] = [(k[0], x) for k, x in flat]
+    return kids
 
 
 class Leaf:
@@ -230,7 +266,7 @@ def walk(tree: PyTree) -> tuple[list[Leaf], Callable[[list[Any]], PyTree]]:
   under an optax state node are marked as optimizer state.
   """
   flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_stop)
-  paths = _KeyPaths(tree)
+  paths = _KeyPaths(tree, treedef)
   leaves: list[Leaf] = []
   # Only leaves needing more than "result replaces leaf" get a fix-up entry.
   fixups: list[tuple[int, Any]] = []

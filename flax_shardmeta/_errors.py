@@ -113,4 +113,39 @@ class InvalidNamesError(FlaxShardmetaError):
 
 
 class ShardingFitWarning(UserWarning):
-  """Issued when ``fit=True`` replicated dimensions that could not be sharded."""
+  """Issued when ``fit=True`` replicated dimensions that could not be sharded.
+
+  The message lists the changes (summarised per kind of change on large
+  trees); ``adjustments`` holds every change as a ``'path: change'`` line,
+  built only when first read.
+  """
+
+  def __init__(self, message: str, adjustments: Any = None):
+    super().__init__(message)
+    self._adjustments = adjustments
+
+  @property
+  def adjustments(self) -> tuple[str, ...]:
+    """Every change, one ``'path: change'`` line each, in tree order."""
+    if callable(self._adjustments):
+      self._adjustments = tuple(self._adjustments())
+    return tuple(self._adjustments or ())
+
+
+class UnmappedMeshAxisNameWarning(UserWarning):
+  """Issued when a logical name no rule maps is also a mesh-axis name.
+
+  Such a dimension is replicated, which is rarely what was meant: either the
+  names were meant as mesh axes (annotate with ``with_partitioning`` /
+  ``Partitioned``, or pass ``logical=False`` to ``shard_value``), or a rule
+  such as ``('data', 'data')`` is missing. One warning per such name and
+  call, listing the parameters concerned.
+  """
+
+
+def unmapped_hint(name: str) -> str:
+  """How to fix a logical name no rule maps (with the mesh-axis case spelled out)."""
+  return (
+      f'did you mean mesh-axis annotations (`with_partitioning`) or a rule '
+      f'({name!r}, {name!r})?'
+  )

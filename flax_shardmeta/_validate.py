@@ -95,3 +95,64 @@ def rank_issue(n_names: int, ndim: int) -> Issue:
       "transform_metadata={nnx.PARTITION_NAME: 'layers'} (NNX)",
       (),
   )
+
+
+def fit_spec(
+    shape: tuple[int, ...], spec: tuple[Any, ...], mesh: Any
+) -> tuple[tuple[Any, ...], tuple[Issue, ...], tuple[str, ...]]:
+  """Replicates the dimensions whose mesh axes cannot shard them.
+
+  The one fitting rule behind every ``fit=True``: each dimension an issue of
+  :func:`check_spec` concerns (missing mesh axis, indivisible size, axis used
+  twice) becomes None; issues no replication can fix (rank) are kept.
+
+  Returns:
+    ``(entries, issues left, changes)``, one sentence per change.
+  """
+  return _fit(tuple(shape), tuple(spec), mesh_key(mesh))
+
+
+@functools.lru_cache(maxsize=65536)
+def _fit(
+    shape: tuple[int, ...],
+    spec: tuple[Any, ...],
+    axes: tuple[tuple[str, int], ...],
+) -> tuple[tuple[Any, ...], tuple[Issue, ...], tuple[str, ...]]:
+  issues = _check(shape, spec, axes)
+  if not any(dims for _, _, dims in issues):
+    return spec, issues, ()
+  entries = list(spec)
+  changes: list[str] = []
+  for reason, _, dims in issues:
+    for d in dims:
+      if entries[d] is not None:
+        changes.append(
+            f'dimension {d}: {format_entry(entries[d])} -> None ({reason})')
+        entries[d] = None
+  fitted = tuple(entries)
+  return fitted, _check(shape, fitted, axes), tuple(changes)
+
+
+def unconstrained_issue(spec: tuple[Any, ...]) -> Issue | None:
+  """The problem of UNCONSTRAINED entries in a spec meant for a ``NamedSharding``.
+
+  ``PartitionSpec.UNCONSTRAINED`` leaves a dimension to the compiler, which
+  only a sharding constraint can do: ``jit``'s ``in_shardings`` /
+  ``out_shardings`` and ``device_put`` refuse it.
+  """
+  dims = tuple(i for i, e in enumerate(spec) if e is UNCONSTRAINED)
+  if not dims:
+    return None
+  shown = ', '.join(map(str, dims))
+  return (
+      f'UNCONSTRAINED (dimension {shown}) is only valid in a sharding '
+      "constraint; jit's in/out_shardings and device_put need a definite layout",
+      'use None (replicated) or mesh axes in the annotation or rule, or pass '
+      'fit=True to replicate it',
+      dims,
+  )
+
+
+def format_entry(entry: Any) -> str:
+  """One spec entry as written in a PartitionSpec, e.g. ``'model'`` or ``('a', 'b')``."""
+  return 'UNCONSTRAINED' if entry is UNCONSTRAINED else repr(entry)
