@@ -132,7 +132,8 @@ def shard_value(
     raise ShardingError([_tree_given(value, names, path)])
   else:
     out_fn = lambda: _map_names(one, names, value, path)  # noqa: E731
-  out = _checked(out_fn, unmapped, mesh, strict)
+  out = _checked(out_fn, unmapped, mesh, strict,
+                 'Pass logical=False if the names are mesh axes. ')
   if changes:
     warn_adjustments(changes, stacklevel=3)
   return out
@@ -197,7 +198,8 @@ def _place(
 
 
 def _checked(
-    place: Any, unmapped: list[Unmapped], mesh: AnyMesh, strict: bool
+    place: Any, unmapped: list[Unmapped], mesh: AnyMesh, strict: bool,
+    also: str = '',
 ) -> Any:
   """Runs ``place``, then reports unmapped names (raising when strict).
 
@@ -205,7 +207,8 @@ def _checked(
   all of them are raised here together.
   """
   out = place()
-  problems = report_unmapped(unmapped, mesh.axis_names, strict, stacklevel=4)
+  problems = report_unmapped(unmapped, mesh.axis_names, strict, stacklevel=4,
+                             also=also)
   if problems:
     raise ShardingError(problems)
   return out

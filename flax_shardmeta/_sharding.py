@@ -27,7 +27,6 @@ from flax_shardmeta._rules import (
     UNCONSTRAINED,
     composite_rules,
     get_logical_axis_rules,
-    logical_to_mesh_axes,
     normalize_rules,
     resolve,
 )
@@ -367,8 +366,14 @@ def _is_spec(x: Any) -> bool:
   return isinstance(x, PartitionSpec)
 
 
-def logical_to_mesh(tree: PyTree, rules: LogicalRules | None = None) -> PyTree:
+def logical_to_mesh(
+    tree: PyTree, rules: LogicalRules | None = None, *, strict: bool = False
+) -> PyTree:
   """Resolves every logical PartitionSpec leaf of ``tree`` to mesh axes.
+
+  A name no rule maps is replicated (with ``strict=True``, a ShardingError);
+  if it is an axis of the mesh set by ``jax.set_mesh``, an
+  :class:`UnmappedMeshAxisNameWarning` says so.
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -376,21 +381,55 @@ def logical_to_mesh(tree: PyTree, rules: LogicalRules | None = None) -> PyTree:
     >>> fsm.logical_to_mesh({'w': P('embed', 'mlp')}, [('mlp', 'model')])
     {'w': P(None, 'model')}
   """
+  mesh = jax.sharding.get_abstract_mesh()
+  return _logical_to_mesh(tree, rules, strict, tuple(mesh.axis_names))
+
+
+def _logical_to_mesh(
+    tree: PyTree, rules: LogicalRules | None, strict: bool,
+    mesh_axis_names: tuple[str, ...],
+) -> PyTree:
   rules_t = effective_rules(rules)
-  return jax.tree_util.tree_map(
-      lambda x: logical_to_mesh_axes(tuple(x), rules_t) if _is_spec(x) else x,
-      tree,
-      is_leaf=_is_spec,
-  )
+  flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_spec)
+  out: list[Any] = []
+  unmapped: list[unmapped_lib.Unmapped] = []
+  for i, x in enumerate(flat):
+    if not _is_spec(x):
+      out.append(x)
+      continue
+    names = tuple(x)
+    resolved = resolve(names, rules_t)
+    spec = PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
+    missing = unmapped_lib.unmapped_names(names, resolved, UNASSIGNED)
+    if missing:
+      unmapped.append(unmapped_lib.Unmapped(
+          functools.partial(_spec_path, tree, i), None, names, spec, missing))
+    out.append(spec)
+  problems = unmapped_lib.report(unmapped, mesh_axis_names, strict, stacklevel=4)
+  if problems:
+    raise ShardingError(problems)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _spec_path(tree: PyTree, index: int) -> str:
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_spec)
+  return ann_lib.path_str(flat[index][0]) or '<spec>'
 
 
 def logical_to_mesh_sharding(
-    tree: PyTree, mesh: AnyMesh, rules: LogicalRules | None = None
+    tree: PyTree,
+    mesh: AnyMesh,
+    rules: LogicalRules | None = None,
+    *,
+    strict: bool = False,
 ) -> PyTree:
   """Like :func:`logical_to_mesh`, then ``NamedSharding(mesh, spec)`` per leaf.
 
   Mesh axes are checked against the mesh (shapes are unknown here, so
-  divisibility is checked later by :func:`get_sharding` or jax).
+  divisibility is checked later by :func:`get_sharding` or jax). A logical
+  name no rule maps that is one of ``mesh``'s axes gets an
+  :class:`UnmappedMeshAxisNameWarning` (with ``strict=True``, every name no
+  rule maps is a ShardingError).
 
   Example:
     >>> import jax, flax_shardmeta as fsm
@@ -399,7 +438,7 @@ def logical_to_mesh_sharding(
     >>> fsm.logical_to_mesh_sharding(P('batch'), mesh, [('batch', 'data')]).spec
     P('data',)
   """
-  specs = logical_to_mesh(tree, rules)
+  specs = _logical_to_mesh(tree, rules, strict, tuple(mesh.axis_names))
   flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
   problems = []
   out = []

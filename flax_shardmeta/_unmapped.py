@@ -60,6 +60,7 @@ def report(
     strict: bool,
     *,
     stacklevel: int = 3,
+    also: str = '',
 ) -> list[ShardingProblem]:
   """Warns about mesh-axis names (non-strict) and returns the strict problems.
 
@@ -69,6 +70,7 @@ def report(
     strict: whether every unmapped name is a problem.
     stacklevel: passed to ``warnings.warn`` (2 + the caller's depth below the
       user's call).
+    also: one more way out the caller offers, appended to the warning.
 
   Returns:
     With ``strict``, one problem per unmapped name and leaf; else ``[]``.
@@ -102,7 +104,7 @@ def report(
     warnings.warn(
         f"Logical name '{name}' is not mapped by any rule, so it was "
         f"replicated, but it is also a mesh-axis name: {unmapped_hint(name)} "
-        f'Concerned: {listed}.',
+        f'{also}Concerned: {listed}.',
         UnmappedMeshAxisNameWarning,
         stacklevel=stacklevel,
     )

@@ -16,6 +16,10 @@ from flax_shardmeta._rules import UNCONSTRAINED, mesh_axes_of
 Issue = tuple[str, str, tuple[int, ...]]
 """(reason, hint, dims concerned)."""
 
+FIT_CALLS = ('fit=True (fsm.get_sharding, fsm.plan, fsm.shard_value, '
+             'fsm.with_logical_constraint)')
+"""Where hints send the reader for fit mode: every call that takes ``fit=``."""
+
 
 def mesh_key(mesh: Any) -> tuple[tuple[str, int], ...]:
   """Hashable (axis name, size) pairs of a Mesh or AbstractMesh."""
@@ -55,7 +59,7 @@ def _check(
       issues.append((
           f"mesh axis '{a}' (dimension {dim}) is not in the mesh ({shown_mesh})",
           'use an axis the mesh has, change the rule that produced it, or '
-          'pass fit=True to replicate this dimension',
+          f'replicate this dimension with {FIT_CALLS}',
           (dim,),
       ))
     for a in axis_names:
@@ -79,7 +83,7 @@ def _check(
           f'dimension {dim} of size {shape[dim]} is not divisible by {over} '
           f'(= {factor})',
           f'make the size a multiple of {factor}, shard it over other mesh '
-          'axes, or pass fit=True to replicate this dimension',
+          f'axes, or replicate this dimension with {FIT_CALLS}',
           (dim,),
       ))
   return tuple(issues)

@@ -12,6 +12,8 @@ CORE_API = {
     'PARTITION_NAME',
     'Annotation',
     'LogicalPartitioned',
+    'Mismatch',
+    'Mismatches',
     'NoMeshError',
     'Partitioned',
     'RuleConflictError',
@@ -19,7 +21,9 @@ CORE_API = {
     'ShardingError',
     'ShardingFitWarning',
     'ShardingProblem',
+    'UnmappedMeshAxisNameWarning',
     '__version__',
+    'actual_shardings',
     'composite_rules',
     'explain_resolution',
     'get_logical_axis_rules',
@@ -81,6 +85,7 @@ def test_errors_are_value_errors():
   for cls in (fsm.ShardingError, fsm.RuleConflictError, fsm.NoMeshError):
     assert issubclass(cls, ValueError)
   assert issubclass(fsm.ShardingFitWarning, UserWarning)
+  assert issubclass(fsm.UnmappedMeshAxisNameWarning, UserWarning)
 
 
 def test_package_is_typed():
