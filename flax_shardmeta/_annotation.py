@@ -185,7 +185,7 @@ class _KeyPaths:
     self._tree = tree
     self._treedef = treedef
     self._keys: list[tuple[Any, ...]] | None = None
-    self._kids: dict[int, list[tuple[Any, Any]]] = {}
+    self._kids: dict[int, list[tuple[Any, Any, Any, int]]] = {}
     self._descents = 0
 
   def __getitem__(self, i: int) -> tuple[Any, ...]:
@@ -202,24 +202,29 @@ class _KeyPaths:
   def _descend(self, i: int) -> tuple[Any, ...]:
     node, treedef, keys = self._tree, self._treedef, []
     while True:
-      children = treedef.children()
+      children = self._children(node, treedef)
       if not children:
         return tuple(keys)
-      for (key, child), child_def in zip(self._children(node), children):
-        n = child_def.num_leaves
+      for key, child, child_def, n in children:
         if i < n:
           keys.append(key)
           node, treedef = child, child_def
           break
         i -= n
 
-  def _children(self, node: Any) -> list[tuple[Any, Any]]:
+  def _children(self, node: Any, treedef: Any) -> list[tuple[Any, Any, Any, int]]:
+    """``(key, child, child treedef, leaf count)`` per child (cached per node)."""
     kids = self._kids.get(id(node))
     if kids is None:
-      # One level only: every child is a leaf of this flattening.
-      flat, _ = jax.tree_util.tree_flatten_with_path(
-          node, is_leaf=lambda x: x is not node)
-      kids = self._kids[id(node)] = [(k[0], x) for k, x in flat]
+      defs = treedef.children()
+      if defs:
+        # One level only: every child is a leaf of this flattening.
+        flat, _ = jax.tree_util.tree_flatten_with_path(
+            node, is_leaf=lambda x: x is not node)
+        kids = [(k[0], x, d, d.num_leaves) for (k, x), d in zip(flat, defs)]
+      else:
+        kids = []
+      self._kids[id(node)] = kids
     return kids
 
 
