@@ -136,12 +136,14 @@ class Mismatches(list):
 
   Compares, iterates and indexes like the list it is; ``str`` (and so
   ``print``) renders the differences as a table like a plan's.
+
+  Attributes:
+    checked: how many arrays were compared.
   """
 
   def __init__(self, mismatches: Sequence[Mismatch] = (), checked: int = 0):
     super().__init__(mismatches)
     self.checked = checked
-    """How many arrays were compared."""
 
   def __str__(self) -> str:
     return plan_format.format_mismatches(self, self.checked)
