@@ -127,13 +127,12 @@ def shard_value(
     return _place(x, entries, mesh, where, n, fit, changes)
 
   if _is_single(value):
-    out_fn = lambda: one(value, names, path)  # noqa: E731
+    out = one(value, names, path)
   elif _is_names(names) or isinstance(names, list):
     raise ShardingError([_tree_given(value, names, path)])
   else:
-    out_fn = lambda: _map_names(one, names, value, path)  # noqa: E731
-  out = _checked(out_fn, unmapped, mesh, strict,
-                 'Pass logical=False if the names are mesh axes. ')
+    out = _map_names(one, names, value, path)
+  _report(unmapped, mesh, strict, 'Pass logical=False if the names are mesh axes. ')
   if changes:
     warn_adjustments(changes, stacklevel=3)
   return out
@@ -197,21 +196,19 @@ def _place(
   return out
 
 
-def _checked(
-    place: Any, unmapped: list[Unmapped], mesh: AnyMesh, strict: bool,
-    also: str = '',
-) -> Any:
-  """Runs ``place``, then reports unmapped names (raising when strict).
+def _report(
+    unmapped: list[Unmapped], mesh: AnyMesh, strict: bool, also: str = ''
+) -> None:
+  """Warns about unmapped mesh-axis names, or raises them all when strict.
 
-  In strict mode leaves with unmapped names are left unplaced by ``place`` and
-  all of them are raised here together.
+  In strict mode the leaves concerned were left unplaced, so every unmapped
+  name of the call is raised together.
   """
-  out = place()
+  # warn <- report_unmapped <- _report <- shard_value / constraint <- user.
   problems = report_unmapped(unmapped, mesh.axis_names, strict, stacklevel=4,
                              also=also)
   if problems:
     raise ShardingError(problems)
-  return out
 
 
 def _constrain_one(
@@ -307,10 +304,10 @@ def with_logical_constraint(
                           changes, unmapped)
 
   if _is_names(names):
-    place = lambda: one(x, names, '<constraint>')  # noqa: E731
+    out = one(x, names, '<constraint>')
   else:
-    place = lambda: _map_names(one, names, x, '<constraint>')  # noqa: E731
-  out = _checked(place, unmapped, mesh, strict)
+    out = _map_names(one, names, x, '<constraint>')
+  _report(unmapped, mesh, strict)
   if changes:
     warn_adjustments(changes, stacklevel=3)
   return out
