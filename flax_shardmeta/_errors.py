@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from jax.sharding import PartitionSpec
@@ -120,7 +120,11 @@ class ShardingFitWarning(UserWarning):
   built only when first read.
   """
 
-  def __init__(self, message: str, adjustments: Any = None):
+  def __init__(
+      self,
+      message: str,
+      adjustments: Sequence[str] | Callable[[], Iterable[str]] | None = None,
+  ):
     super().__init__(message)
     self._adjustments = adjustments
 
