@@ -181,10 +181,13 @@ class _KeyPaths:
   __slots__ = ('_tree', '_treedef', '_keys', '_kids', '_descents')
   DESCENTS = 64
 
-  def __init__(self, tree: PyTree, treedef: Any = None):
+  def __init__(
+      self, tree: PyTree, treedef: Any = None,
+      keys: list[tuple[Any, ...]] | None = None,
+  ):
     self._tree = tree
     self._treedef = treedef
-    self._keys: list[tuple[Any, ...]] | None = None
+    self._keys = keys
     self._kids: dict[int, list[tuple[Any, Any, Any, int]]] = {}
     self._descents = 0
 
@@ -263,15 +266,27 @@ def _stop(x: Any) -> bool:
   return _classify(type(x)) is not None
 
 
-def walk(tree: PyTree) -> tuple[list[Leaf], Callable[[list[Any]], PyTree]]:
+def walk(
+    tree: PyTree, every_path: bool = False
+) -> tuple[list[Leaf], Callable[[list[Any]], PyTree]]:
   """Flattens ``tree`` down to annotated leaves and plain leaves.
 
   Returns the leaves, and a function building a tree of the same structure
   from one result per leaf (each placed by its type's ``rebuild``). Leaves
   under an optax state node are marked as optimizer state.
+
+  Args:
+    tree: any pytree.
+    every_path: the caller will read every leaf's path, so key paths are
+      made in the same pass (otherwise only those read are made).
   """
-  flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_stop)
-  paths = _KeyPaths(tree, treedef)
+  if every_path:
+    flat_kp, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_stop)
+    flat = [x for _, x in flat_kp]
+    paths = _KeyPaths(None, keys=[k for k, _ in flat_kp])
+  else:
+    flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_stop)
+    paths = _KeyPaths(tree, treedef)
   leaves: list[Leaf] = []
   # Only leaves needing more than "result replaces leaf" get a fix-up entry.
   fixups: list[tuple[int, Any]] = []
@@ -280,7 +295,7 @@ def walk(tree: PyTree) -> tuple[list[Leaf], Callable[[list[Any]], PyTree]]:
     if c is None:
       leaves.append(Leaf(paths, i, x, x, None))
     elif c is _OPTIMIZER:
-      sub_leaves, sub_build = _walk_optimizer(x, paths, i)
+      sub_leaves, sub_build = _walk_optimizer(x, paths, i, every_path)
       fixups.append((len(leaves), (len(sub_leaves), sub_build)))
       leaves.extend(sub_leaves)
     else:
@@ -323,9 +338,9 @@ class _Prefix:
     return path_str(self._paths[self._index])
 
 
-def _walk_optimizer(node: Any, paths: _KeyPaths, index: int):
+def _walk_optimizer(node: Any, paths: _KeyPaths, index: int, every_path: bool):
   fields = dict(zip(node._fields, node))
-  sub_leaves, sub_build = walk(fields)
+  sub_leaves, sub_build = walk(fields, every_path)
   outer = _Prefix(paths, index)
   for lf in sub_leaves:
     if lf.annotation is not None:

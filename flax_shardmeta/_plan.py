@@ -321,7 +321,7 @@ def plan(
     >>> p.entries[0].spec, p.entries[0].shard_shape, p.bytes_per_device
     (P('data', 'model'), (16, 256), 16384)
   """
-  leaves, layouts, build = layout_tree(tree, mesh, rules, fit)
+  leaves, layouts, build = layout_tree(tree, mesh, rules, fit, every_path=True)
   rules_t = effective_rules(rules)
   sizes = tuple(zip(mesh.axis_names, mesh.axis_sizes))
   axis_names = tuple(mesh.axis_names)
@@ -387,10 +387,10 @@ def verify(
     expected = {e.path: named_sharding(p.mesh, e.spec) for e in p.entries
                 if e.spec is not None}
   else:
-    sh_leaves, _ = ann_lib.walk(plan_or_shardings)
+    sh_leaves, _ = ann_lib.walk(plan_or_shardings, every_path=True)
     expected = {lf.path: lf.value for lf in sh_leaves
                 if isinstance(lf.value, Sharding)}
-  leaves, _ = ann_lib.walk(arrays)
+  leaves, _ = ann_lib.walk(arrays, every_path=True)
   out: list[Mismatch] = []
   checked = 0
   for lf in leaves:

@@ -60,7 +60,7 @@ def match_partition_rules(
     unmatched.append(f'{name} {tuple(shape)}')
     return None
 
-  leaves, build = walk(tree)
+  leaves, build = walk(tree, every_path=True)
   out = build([choose(lf) for lf in leaves])
   if unmatched:
     raise InvalidRulesError(

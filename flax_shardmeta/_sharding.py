@@ -194,10 +194,15 @@ def layout_tree(
     mesh: AnyMesh,
     rules: LogicalRules | None = None,
     fit: bool = False,
+    *,
+    every_path: bool = False,
 ) -> tuple[list[ann_lib.Leaf], list[LeafLayout], Any]:
-  """Walks ``tree`` and lays out every leaf; returns leaves, layouts, builder."""
+  """Walks ``tree`` and lays out every leaf; returns leaves, layouts, builder.
+
+  ``every_path``: the caller reads every leaf's path (see ``walk``).
+  """
   rules_t = effective_rules(rules)
-  leaves, build = ann_lib.walk(tree)
+  leaves, build = ann_lib.walk(tree, every_path)
   # mesh, rules and fit are fixed for this call: memoize on what varies.
   memo: dict[Any, LeafLayout] = {}
   layouts = []

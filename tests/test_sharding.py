@@ -542,3 +542,6 @@ def test_few_paths_are_found_without_flattening_the_tree():
   assert len(leaves) < _annotation._KeyPaths.DESCENTS
   assert descended[:4] == expected[:4]
   assert 'e/0/mu/w' in descended
+  # Made in the flattening pass, when every path will be read: the same.
+  eager, _ = _annotation.walk(tree, every_path=True)
+  assert [lf.path for lf in eager] == descended
