@@ -198,7 +198,10 @@ def main() -> int:
   ]
   lines = [
       'Command: `python benchmarks/speed.py` (medians of '
-      f'{args.repeats} alternating runs after a warm-up, one process).',
+      f'{args.repeats} alternating runs after a warm-up, one process)'
+      + ('' if fc is None else
+         ', run by the Python of the throwaway eformer environment described '
+         'in its docstring') + '.',
       '',
       '| work | baseline | baseline (s) | flax_shardmeta (s) | ratio | target '
       '| ratio to no annotation |',
