@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import re
@@ -49,7 +50,9 @@ def alternate(
   """Median seconds of each candidate, run A B C A B C ... after a warm-up.
 
   Alternating spreads the noise of a shared machine evenly over candidates,
-  so their ratio is meaningful even when absolute times are not.
+  so their ratio is meaningful even when absolute times are not. Each run
+  starts from a collected heap, so the garbage one candidate leaves is not
+  collected (and timed) during the next candidate's run.
   """
   for _ in range(warmup):
     for fn in candidates.values():
@@ -57,6 +60,7 @@ def alternate(
   times: dict[str, list[float]] = {name: [] for name in candidates}
   for _ in range(repeats):
     for name, fn in candidates.items():
+      gc.collect()
       start = time.perf_counter()
       fn()
       times[name].append(time.perf_counter() - start)

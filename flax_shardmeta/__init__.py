@@ -41,10 +41,19 @@ from flax_shardmeta._errors import (
     ShardingError,
     ShardingFitWarning,
     ShardingProblem,
+    UnmappedMeshAxisNameWarning,
 )
 from flax_shardmeta._jit import JitWithContext, jit
 from flax_shardmeta._mesh import make_mesh
-from flax_shardmeta._plan import PlanEntry, ShardingPlan, plan, verify
+from flax_shardmeta._plan import (
+    Mismatch,
+    Mismatches,
+    PlanEntry,
+    ShardingPlan,
+    actual_shardings,
+    plan,
+    verify,
+)
 from flax_shardmeta._regex_rules import match_partition_rules
 from flax_shardmeta._rules import (
     composite_rules,
@@ -77,6 +86,8 @@ __all__ = [
     'LaunchError',
     'LogicalPartitioned',
     'MeshShapeError',
+    'Mismatch',
+    'Mismatches',
     'NoMeshError',
     'PARTITION_NAME',
     'Partitioned',
@@ -87,7 +98,9 @@ __all__ = [
     'ShardingFitWarning',
     'ShardingPlan',
     'ShardingProblem',
+    'UnmappedMeshAxisNameWarning',
     '__version__',
+    'actual_shardings',
     'as_abstract',
     'clear_caches',
     'composite_rules',

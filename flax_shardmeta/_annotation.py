@@ -191,20 +191,65 @@ def path_str(path: tuple[Any, ...]) -> str:
 
 class _KeyPaths:
   """Key paths of a flattened tree, computed on first use (errors and plans
-  need them; the common get_sharding path does not)."""
+  need them; the common get_sharding path does not).
 
-  __slots__ = ('_tree', '_keys')
+  A few paths are found by walking down from the root, one tree level at a
+  time, which costs far less than flattening a large tree with paths; past
+  :attr:`DESCENTS` requests every path is computed at once.
+  """
 
-  def __init__(self, tree: PyTree):
+  __slots__ = ('_tree', '_treedef', '_keys', '_kids', '_descents')
+  DESCENTS = 64
+
+  def __init__(
+      self, tree: PyTree, treedef: Any = None,
+      keys: list[tuple[Any, ...]] | None = None,
+  ):
     self._tree = tree
-    self._keys: list[tuple[Any, ...]] | None = None
+    self._treedef = treedef
+    self._keys = keys
+    self._kids: dict[int, list[tuple[Any, Any, Any, int]]] = {}
+    self._descents = 0
 
   def __getitem__(self, i: int) -> tuple[Any, ...]:
+    if self._keys is None and self._treedef is not None and (
+        self._descents < self.DESCENTS):
+      self._descents += 1
+      return self._descend(i)
     if self._keys is None:
       flat, _ = jax.tree_util.tree_flatten_with_path(self._tree, is_leaf=_stop)
       self._keys = [k for k, _ in flat]
       self._tree = None
+      self._kids = {}  # the full list replaces the partial descents
     return self._keys[i]
+
+  def _descend(self, i: int) -> tuple[Any, ...]:
+    node, treedef, keys = self._tree, self._treedef, []
+    while True:
+      children = self._children(node, treedef)
+      if not children:
+        return tuple(keys)
+      for key, child, child_def, n in children:
+        if i < n:
+          keys.append(key)
+          node, treedef = child, child_def
+          break
+        i -= n
+
+  def _children(self, node: Any, treedef: Any) -> list[tuple[Any, Any, Any, int]]:
+    """``(key, child, child treedef, leaf count)`` per child (cached per node)."""
+    kids = self._kids.get(id(node))
+    if kids is None:
+      defs = treedef.children()
+      if defs:
+        # One level only: every child is a leaf of this flattening.
+        flat, _ = jax.tree_util.tree_flatten_with_path(
+            node, is_leaf=lambda x: x is not node)
+        kids = [(k[0], x, d, d.num_leaves) for (k, x), d in zip(flat, defs)]
+      else:
+        kids = []
+      self._kids[id(node)] = kids
+    return kids
 
 
 class Leaf:
@@ -243,15 +288,27 @@ def _stop(x: Any) -> bool:
   return _classify(type(x)) is not None
 
 
-def walk(tree: PyTree) -> tuple[list[Leaf], Callable[[list[Any]], PyTree]]:
+def walk(
+    tree: PyTree, every_path: bool = False
+) -> tuple[list[Leaf], Callable[[list[Any]], PyTree]]:
   """Flattens ``tree`` down to annotated leaves and plain leaves.
 
   Returns the leaves, and a function building a tree of the same structure
   from one result per leaf (each placed by its type's ``rebuild``). Leaves
   under an optax state node are marked as optimizer state.
+
+  Args:
+    tree: any pytree.
+    every_path: the caller will read every leaf's path, so key paths are
+      made in the same pass (otherwise only those read are made).
   """
-  flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_stop)
-  paths = _KeyPaths(tree)
+  if every_path:
+    flat_kp, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_stop)
+    flat = [x for _, x in flat_kp]
+    paths = _KeyPaths(None, keys=[k for k, _ in flat_kp])
+  else:
+    flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_stop)
+    paths = _KeyPaths(tree, treedef)
   leaves: list[Leaf] = []
   # Only leaves needing more than "result replaces leaf" get a fix-up entry.
   fixups: list[tuple[int, Any]] = []
@@ -260,7 +317,7 @@ def walk(tree: PyTree) -> tuple[list[Leaf], Callable[[list[Any]], PyTree]]:
     if c is None:
       leaves.append(Leaf(paths, i, x, x, None))
     elif c is _OPTIMIZER:
-      sub_leaves, sub_build = _walk_optimizer(x, paths, i)
+      sub_leaves, sub_build = _walk_optimizer(x, paths, i, every_path)
       fixups.append((len(leaves), (len(sub_leaves), sub_build)))
       leaves.extend(sub_leaves)
     else:
@@ -303,9 +360,9 @@ class _Prefix:
     return path_str(self._paths[self._index])
 
 
-def _walk_optimizer(node: Any, paths: _KeyPaths, index: int):
+def _walk_optimizer(node: Any, paths: _KeyPaths, index: int, every_path: bool):
   fields = dict(zip(node._fields, node))
-  sub_leaves, sub_build = walk(fields)
+  sub_leaves, sub_build = walk(fields, every_path)
   outer = _Prefix(paths, index)
   for lf in sub_leaves:
     if lf.annotation is not None:

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from flax_shardmeta._annotation import path_str
 from flax_shardmeta._errors import ShardingError, ShardingProblem
 from flax_shardmeta._placement import apply_spec, context_mesh, require_mesh
 from flax_shardmeta._rules import (
@@ -19,8 +20,11 @@ from flax_shardmeta._rules import (
     normalize_rules,
     resolve,
 )
+from flax_shardmeta._sharding import warn_adjustments
 from flax_shardmeta._specs import UNASSIGNED, unassigned_to_none
 from flax_shardmeta._typing import AnyMesh, LogicalNames, LogicalRules, PyTree
+from flax_shardmeta._unmapped import Unmapped, unmapped_names
+from flax_shardmeta._unmapped import report as report_unmapped
 
 
 class RulesFallback(enum.Enum):
@@ -47,21 +51,53 @@ class RulesFallback(enum.Enum):
 
 def shard_value(
     value: Any,
-    names: LogicalNames | PartitionSpec,
+    names: LogicalNames | PartitionSpec | PyTree,
     rules: LogicalRules | None = None,
     mesh: AnyMesh | None = None,
     *,
     path: str = '<value>',
+    logical: bool | None = None,
+    fit: bool = False,
+    strict: bool = False,
 ) -> Any:
   """Lays ``value`` out as ``names`` say, eagerly or inside ``jit``.
 
-  With rules (given or from the context) the names are logical and resolve
-  through them; without any, they are mesh axes. The mesh is ``mesh`` or the
-  one set by ``jax.set_mesh``.
+  What the names mean is set by ``logical``:
+
+  * ``True``: logical names, resolved through ``rules`` (or the context
+    rules); a name no rule maps is replicated.
+  * ``False``: mesh-axis names, as in ``jax.device_put(x, P(...))``; rules
+    are ignored.
+  * ``None`` (default): logical when rules are given or set in the context,
+    mesh axes otherwise. A ``PartitionSpec`` follows the same rule as a tuple.
+
+  A logical name no rule maps that is also a mesh-axis name (``'data'``
+  inside a rule context without a ``'data'`` rule) is replicated with an
+  :class:`UnmappedMeshAxisNameWarning`: pass ``logical=False`` if mesh axes
+  were meant. The mesh is ``mesh`` or the one set by ``jax.set_mesh`` (or by
+  the deprecated ``with mesh:``).
+
+  ``value`` is one array. For a pytree, give ``names`` as a tree of the same
+  structure with one names tuple per array (or use :func:`get_sharding` and
+  ``jax.device_put`` for annotated trees).
+
+  Args:
+    value: an array (or a pytree of them, see above).
+    names: one entry per dimension (or a tree of such tuples).
+    rules: logical axis rules; None uses the context rules.
+    mesh: the mesh; None uses the context mesh.
+    path: how the value is named in errors and warnings.
+    logical: whether ``names`` are logical names (see above).
+    fit: replicate dimensions the mesh cannot shard as asked (an axis the
+      mesh lacks, an indivisible size) instead of failing; one
+      :class:`ShardingFitWarning` lists the changes.
+    strict: a logical name no usable rule maps raises instead of being
+      replicated.
 
   Raises:
     NoMeshError: no mesh given or set.
-    ShardingError: the layout does not fit the value's shape or the mesh.
+    ShardingError: the layout does not fit the value's shape or the mesh, or
+      a pytree was given with one names tuple.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -69,17 +105,121 @@ def shard_value(
     >>> fsm.shard_value(jnp.ones((4, 2)), ('mlp', None), [('mlp', 'model')],
     ...                 mesh=mesh).sharding.spec
     P('model', None)
+    >>> with fsm.logical_axis_rules([('mlp', 'model')]):  # mesh axes on purpose
+    ...   fsm.shard_value(jnp.ones((4, 2)), ('model', None), mesh=mesh,
+    ...                   logical=False).sharding.spec
+    P('model', None)
   """
   if names is None:
     return value
   mesh = require_mesh(mesh, 'shard_value')
-  names = tuple(names)
-  rules_t = normalize_rules(rules) if rules is not None else get_logical_axis_rules()
-  if rules_t:
-    entries = unassigned_to_none(resolve(names, rules_t))
+  if logical is False:
+    rules_t: tuple[tuple[str, Any], ...] | None = None
   else:
-    entries = names
-  return apply_spec(value, entries, mesh, path=path, names=names)
+    rules_t = normalize_rules(rules) if rules is not None else get_logical_axis_rules()
+    if not rules_t and logical is None:
+      rules_t = None
+  changes: list[tuple[str, tuple[str, ...]]] = []
+  unmapped: list[Unmapped] = []
+
+  def one(x: Any, n: Any, where: str) -> Any:
+    n = tuple(n)
+    if rules_t is None:
+      entries = n
+    else:
+      resolved = resolve(n, rules_t)
+      entries = unassigned_to_none(resolved)
+      missing = unmapped_names(n, resolved, UNASSIGNED)
+      if missing:
+        unmapped.append(Unmapped(
+            where, _shape(x), n, PartitionSpec(*entries), missing))
+        if strict:
+          return x  # reported with every other leaf's below
+    return _place(x, entries, mesh, where, n, fit, changes)
+
+  if _is_single(value):
+    out = one(value, names, path)
+  elif _is_names(names) or isinstance(names, list):
+    raise ShardingError([_tree_given(value, names, path)])
+  else:
+    out = _map_names(one, names, value, path)
+  _report(unmapped, mesh, strict, 'Pass logical=False if the names are mesh axes. ')
+  if changes:
+    warn_adjustments(changes, stacklevel=3)
+  return out
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+  return tuple(getattr(x, 'shape', ()))
+
+
+def _is_single(value: Any) -> bool:
+  """Whether ``value`` is one array-like leaf, not a container of them."""
+  return hasattr(value, 'shape') or jax.tree_util.treedef_is_leaf(
+      jax.tree_util.tree_structure(value))
+
+
+def _tree_given(value: Any, names: Any, path: str) -> ShardingProblem:
+  n = len(jax.tree_util.tree_leaves(value))
+  return ShardingProblem(
+      path, None, tuple(names), None,
+      f'a pytree ({type(value).__name__} with {n} leaves) was given where one '
+      'array is expected',
+      'give one names tuple per array as a tree of the same structure, e.g. '
+      "shard_value({'a': x, 'b': y}, {'a': ('data', None), 'b': (None,)}), "
+      'map over the tree (jax.tree.map(lambda v: fsm.shard_value(v, names), '
+      'tree)), or lay out an annotated tree with fsm.get_sharding and '
+      'jax.device_put',
+  )
+
+
+def _map_names(one: Any, names: Any, value: Any, path: str) -> Any:
+  """Applies ``one(leaf, names, path)`` per names tuple of a names tree."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(names, is_leaf=_is_names)
+  try:
+    values = treedef.flatten_up_to(value)
+  except (ValueError, TypeError) as e:
+    raise ShardingError([ShardingProblem(
+        path, None, None, None,
+        f'the names tree does not match the value tree: {e}',
+        'give one names tuple (or None) per array, in a tree of the same '
+        'structure as the value',
+    )]) from None
+  out = [
+      x if n is None else one(x, n, _join(path, path_str(k)))
+      for (k, n), x in zip(flat, values)
+  ]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _join(root: str, sub: str) -> str:
+  return f'{root}/{sub}' if sub else root
+
+
+def _place(
+    x: Any, entries: tuple[Any, ...], mesh: AnyMesh, where: str, names: Any,
+    fit: bool, changes: list[tuple[str, tuple[str, ...]]],
+) -> Any:
+  fitted: list[str] | None = [] if fit else None
+  out = apply_spec(x, entries, mesh, path=where, names=names, fit_changes=fitted)
+  if fitted:
+    changes.append((where, tuple(fitted)))
+  return out
+
+
+def _report(
+    unmapped: list[Unmapped], mesh: AnyMesh, strict: bool, also: str = ''
+) -> None:
+  """Warns about unmapped mesh-axis names, or raises them all when strict.
+
+  In strict mode the leaves concerned were left unplaced, so every unmapped
+  name of the call is raised together.
+  """
+  # warn <- report_unmapped <- _report <- shard_value / constraint <- user.
+  problems = report_unmapped(unmapped, mesh.axis_names, strict, stacklevel=4,
+                             also=also)
+  if problems:
+    raise ShardingError(problems)
 
 
 def _constrain_one(
@@ -88,23 +228,34 @@ def _constrain_one(
     rules: tuple[tuple[str, Any], ...],
     mesh: AnyMesh,
     fallback: RulesFallback,
+    strict: bool,
+    where: str,
+    fit: bool,
+    changes: list[tuple[str, tuple[str, ...]]],
+    unmapped: list[Unmapped],
 ) -> Any:
   if names is None:
     return x
   names = tuple(names)
   resolved = resolve(names, rules)
-  if any(r is UNASSIGNED for r in resolved):
+  entries = unassigned_to_none(resolved)
+  missing = unmapped_names(names, resolved, UNASSIGNED)
+  if missing:
+    if strict:
+      unmapped.append(Unmapped(where, _shape(x), names, PartitionSpec(*entries),
+                               missing))
+      return x  # reported with every other leaf's by the caller
     if fallback is RulesFallback.NO_CONSTRAINT:
       return x
     if fallback is RulesFallback.RAISE_ERROR:
-      missing = [n for n, r in zip(names, resolved) if r is UNASSIGNED]
       raise ShardingError([ShardingProblem(
-          '<constraint>', tuple(getattr(x, 'shape', ())), names, None,
-          f'no rule maps logical name(s) {missing}',
+          where, _shape(x), names, None,
+          f'no rule maps logical name(s) {list(missing)}',
           'add a rule for them, or use fallback=RulesFallback.AXIS_IS_UNSHARDED',
       )])
-  entries = unassigned_to_none(resolved)
-  return apply_spec(x, entries, mesh, path='<constraint>', names=names)
+    unmapped.append(Unmapped(where, _shape(x), names, PartitionSpec(*entries),
+                             missing))
+  return _place(x, entries, mesh, where, names, fit, changes)
 
 
 def _is_names(x: Any) -> bool:
@@ -123,12 +274,28 @@ def with_logical_constraint(
     rules: LogicalRules | None = None,
     mesh: AnyMesh | None = None,
     fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED,
+    *,
+    fit: bool = False,
+    strict: bool = False,
 ) -> PyTree:
   """Constrains an activation (or a pytree of them) by logical names.
 
-  With no rules (given or in context) or no mesh (given or set) it returns
-  ``x`` itself. Works under Auto and Explicit meshes, eagerly and in ``jit``;
-  inside ``shard_map`` the manual axes are left alone.
+  With no rules (given or in context) or no mesh (given, set by
+  ``jax.set_mesh`` or by the deprecated ``with mesh:``) it returns ``x``
+  itself. Works under Auto and Explicit meshes, eagerly and in ``jit``;
+  inside ``shard_map`` the manual axes are left alone. A replicated name
+  that is also a mesh-axis name gets an :class:`UnmappedMeshAxisNameWarning`.
+
+  Args:
+    x: an array, or a pytree of arrays with ``names`` a tree of names tuples.
+    names: one logical name (or None) per dimension, or a tree of them.
+    rules: logical axis rules; None uses the context rules.
+    mesh: the mesh; None uses the context mesh.
+    fallback: what a name no rule maps does (see :class:`RulesFallback`).
+    fit: replicate dimensions the mesh cannot shard as asked instead of
+      failing; one :class:`ShardingFitWarning` lists the changes.
+    strict: a logical name no usable rule maps raises a ShardingError naming
+      it (whatever ``fallback`` says).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -140,11 +307,18 @@ def with_logical_constraint(
   mesh = mesh if mesh is not None else context_mesh()
   if not rules_t or mesh is None or names is None:
     return x
+  changes: list[tuple[str, tuple[str, ...]]] = []
+  unmapped: list[Unmapped] = []
+
+  def one(v: Any, n: Any, where: str) -> Any:
+    return _constrain_one(v, n, rules_t, mesh, fallback, strict, where, fit,
+                          changes, unmapped)
+
   if _is_names(names):
-    return _constrain_one(x, names, rules_t, mesh, fallback)
-  return jax.tree_util.tree_map(
-      lambda n, v: _constrain_one(v, n, rules_t, mesh, fallback),
-      names, x, is_leaf=_is_names,
-  )
-
-
+    out = one(x, names, '<constraint>')
+  else:
+    out = _map_names(one, names, x, '<constraint>')
+  _report(unmapped, mesh, strict)
+  if changes:
+    warn_adjustments(changes, stacklevel=3)
+  return out

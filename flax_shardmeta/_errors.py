@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from flax_shardmeta._specs import format_spec
@@ -212,6 +212,10 @@ class LaunchError(FlaxShardmetaError):
 class ShardingFitWarning(UserWarning):
   """Issued when ``fit=True`` replicated dimensions that could not be sharded.
 
+  The message lists the changes (summarised per kind of change on large
+  trees); ``adjustments`` holds every change as a ``'path: change'`` line,
+  built only when first read.
+
   Example:
     >>> import warnings
     >>> import jax, jax.numpy as jnp
@@ -225,4 +229,50 @@ class ShardingFitWarning(UserWarning):
     ...   plan = fsm.plan(tree, mesh, fit=True)
     >>> caught[0].category.__name__, plan.entries[0].spec
     ('ShardingFitWarning', P(None,))
+    >>> caught[0].message.adjustments
+    ("w: dimension 0: 'model' -> None (dimension 0 of size 6 is not divisible by 'model'=4 (= 4))",)
   """
+
+  def __init__(
+      self,
+      message: str,
+      adjustments: Sequence[str] | Callable[[], Iterable[str]] | None = None,
+  ):
+    super().__init__(message)
+    self._adjustments = adjustments
+
+  @property
+  def adjustments(self) -> tuple[str, ...]:
+    """Every change, one ``'path: change'`` line each, in tree order."""
+    if callable(self._adjustments):
+      self._adjustments = tuple(self._adjustments())
+    return tuple(self._adjustments or ())
+
+
+class UnmappedMeshAxisNameWarning(UserWarning):
+  """Issued when a logical name no rule maps is also a mesh-axis name.
+
+  Such a dimension is replicated, which is rarely what was meant: either the
+  names were meant as mesh axes (annotate with ``with_partitioning`` /
+  ``Partitioned``, or pass ``logical=False`` to ``shard_value``), or a rule
+  such as ``('data', 'data')`` is missing. One warning per such name and
+  call, listing the parameters concerned.
+
+  Example:
+    >>> import warnings
+    >>> import jax, flax_shardmeta as fsm
+    >>> mesh = jax.sharding.AbstractMesh((2,), ('data',))
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter('always')
+    ...   spec = fsm.logical_to_mesh_sharding(jax.P('data'), mesh).spec
+    >>> spec, caught[0].category.__name__
+    (P(None,), 'UnmappedMeshAxisNameWarning')
+  """
+
+
+def unmapped_hint(name: str) -> str:
+  """How to fix a logical name no rule maps (with the mesh-axis case spelled out)."""
+  return (
+      f'did you mean mesh-axis annotations (`with_partitioning`) or a rule '
+      f'({name!r}, {name!r})?'
+  )

@@ -15,14 +15,19 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from flax_shardmeta._errors import NoMeshError, ShardingError, ShardingProblem
 from flax_shardmeta._specs import mesh_axes_of
 from flax_shardmeta._typing import AnyMesh
-from flax_shardmeta._validate import check_spec
+from flax_shardmeta._validate import check_spec, fit_spec
 
 
 def context_mesh() -> AnyMesh | None:
-  """The mesh set by ``jax.set_mesh`` (concrete if known), or None."""
+  """The mesh set by ``jax.set_mesh`` (concrete if known), or None.
+
+  The deprecated ``with mesh:`` context is honoured too, as jax still
+  honours it for ``with_sharding_constraint``: ignoring it would silently
+  drop every constraint of code not yet moved to ``jax.set_mesh``.
+  """
   abstract = jax.sharding.get_abstract_mesh()
   if abstract.empty:
-    return None
+    return legacy_mesh()
   if getattr(abstract, 'manual_axes', ()):
     return abstract  # inside shard_map only the abstract view knows Manual axes
   try:
@@ -30,6 +35,20 @@ def context_mesh() -> AnyMesh | None:
   except ValueError:  # inside jit only the abstract mesh is available
     return abstract
   return abstract if concrete.empty else concrete
+
+
+def legacy_mesh() -> jax.sharding.Mesh | None:
+  """The mesh of an enclosing ``with mesh:`` (deprecated by jax), or None."""
+  # jax has no public accessor for it (only the deprecated, warning
+  # jax.interpreters.pxla.thread_resources); read the private state, and treat
+  # its absence in a future jax as "no legacy mesh".
+  try:
+    from jax._src import mesh as mesh_internals
+
+    legacy = mesh_internals.thread_resources.env.physical_mesh
+  except (ImportError, AttributeError):
+    return None
+  return None if legacy.empty else legacy
 
 
 def manual_axes(mesh: AnyMesh) -> frozenset[str]:
@@ -59,14 +78,24 @@ def apply_spec(
     *,
     path: str = '<value>',
     names: Any = None,
+    fit_changes: list[str] | None = None,
 ) -> Any:
-  """Validates ``entries`` for ``value`` on ``mesh`` and applies them."""
+  """Validates ``entries`` for ``value`` on ``mesh`` and applies them.
+
+  With ``fit_changes`` (a list), dimensions the mesh cannot shard as asked
+  are replicated instead of failing (``fit=True``), and each change is
+  appended to it as one sentence.
+  """
   manual = manual_axes(mesh)
   if manual:
     entries = _drop_axes(entries, manual)
   shape = tuple(getattr(value, 'shape', ()))
+  if fit_changes is not None:
+    entries, issues, changes = fit_spec(shape, entries, mesh)
+    fit_changes.extend(changes)
+  else:
+    issues = check_spec(shape, entries, mesh)
   spec = PartitionSpec(*entries)
-  issues = check_spec(shape, entries, mesh)
   if issues:
     raise ShardingError(
         [ShardingProblem(path, shape, names, spec, r, h, d) for r, h, d in issues]

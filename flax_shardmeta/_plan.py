@@ -31,6 +31,8 @@ from flax_shardmeta._sharding import (
 )
 from flax_shardmeta._specs import format_spec, json_entry, mesh_axes_of
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
+from flax_shardmeta._unmapped import Unmapped
+from flax_shardmeta._unmapped import report as report_unmapped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,17 +127,53 @@ class PlanEntry:
 
 @dataclasses.dataclass(frozen=True)
 class Mismatch:
-  """An array whose actual sharding differs from its planned one."""
+  """An array whose actual sharding differs from its planned one.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> mesh = jax.make_mesh((2, 4), ('data', 'model'))
+    >>> x = jax.device_put(jnp.zeros(8), jax.NamedSharding(mesh, jax.P()))
+    >>> (m,) = fsm.verify({'w': x}, {'w': jax.NamedSharding(mesh, jax.P('model'))})
+    >>> m.path, m.shape, str(m)
+    ('w', (8,), "w: planned P('model'), found P()")
+  """
 
   path: str
   expected: Sharding | None
   actual: Sharding | None
+  shape: tuple[int, ...] | None = None
 
   def __str__(self) -> str:
     return (
         f'{self.path}: planned {_spec_of(self.expected)}, '
         f'found {_spec_of(self.actual)}'
     )
+
+
+class Mismatches(list):
+  """What :func:`verify` returns: a list of :class:`Mismatch`, printed as a table.
+
+  Compares, iterates and indexes like the list it is; ``str`` (and so
+  ``print``) renders the differences as a table like a plan's.
+
+  Attributes:
+    checked: how many arrays were compared.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> mesh = jax.make_mesh((2, 4), ('data', 'model'))
+    >>> x = jax.device_put(jnp.zeros(8), jax.NamedSharding(mesh, jax.P('model')))
+    >>> found = fsm.verify({'w': x}, {'w': jax.NamedSharding(mesh, jax.P('model'))})
+    >>> found == [], found.checked
+    (True, 1)
+  """
+
+  def __init__(self, mismatches: Sequence[Mismatch] = (), checked: int = 0):
+    super().__init__(mismatches)
+    self.checked = checked
+
+  def __str__(self) -> str:
+    return plan_format.format_mismatches(self, self.checked)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -297,6 +335,7 @@ def plan(
     rules: LogicalRules | None = None,
     *,
     fit: bool = False,
+    strict: bool = False,
 ) -> ShardingPlan:
   """Lays out every array leaf of ``tree`` on ``mesh`` without touching devices.
 
@@ -310,6 +349,8 @@ def plan(
     rules: logical axis rules; None uses the context rules.
     fit: replicate dimensions their mesh axes cannot divide instead of
       reporting them; changes go to ``plan.adjustments`` and one warning.
+    strict: a logical name no usable rule maps is a problem instead of being
+      replicated (see :func:`flax_shardmeta.get_sharding`).
 
   Returns:
     The :class:`ShardingPlan`.
@@ -323,25 +364,33 @@ def plan(
     >>> p.entries[0].spec, p.entries[0].shard_shape, p.bytes_per_device
     (P('data', 'model'), (16, 256), 16384)
   """
-  leaves, layouts, build = layout_tree(tree, mesh, rules, fit)
+  leaves, layouts, build = layout_tree(tree, mesh, rules, fit, every_path=True)
   rules_t = effective_rules(rules)
   sizes = tuple(zip(mesh.axis_names, mesh.axis_sizes))
   axis_names = tuple(mesh.axis_names)
   entries: list[PlanEntry] = []
   index: list[int | None] = []
   problems: list[ShardingProblem] = []
-  adjustments: list[str] = []
+  adjusted: list[tuple[str, tuple[str, ...]]] = []
+  unmapped: list[Unmapped] = []
   for lf, lay in zip(leaves, layouts):
     if lay.shape is None:
       index.append(None)
       continue
     index.append(len(entries))
-    entries.append(_entry(lf, lay, sizes, rules_t, axis_names))
-    adjustments.extend(f'{lf.path}: {a}' for a in lay.adjustments)
+    entry = _entry(lf, lay, sizes, rules_t, axis_names)
+    entries.append(entry)
+    if lay.adjustments:
+      adjusted.append((entry.path, lay.adjustments))
     if lay.issues:
-      problems.extend(problems_of(lf.path, lf, lay))
-  if adjustments:
-    warn_adjustments(adjustments)
+      problems.extend(problems_of(entry.path, lf, lay))
+    if lay.unmapped and lf.annotation is not None:  # only annotations map names
+      unmapped.append(Unmapped(
+          entry.path, lay.shape, lf.annotation.names, lay.spec, lay.unmapped))
+  problems += report_unmapped(unmapped, axis_names, strict)
+  adjustments = [f'{path}: {a}' for path, changes in adjusted for a in changes]
+  if adjusted:
+    warn_adjustments(adjusted)
   return ShardingPlan(
       tuple(entries), mesh, rules_t, tuple(problems), tuple(adjustments),
       index, build,
@@ -350,7 +399,7 @@ def plan(
 
 def verify(
     arrays: PyTree, plan_or_shardings: ShardingPlan | PyTree
-) -> list[Mismatch]:
+) -> Mismatches:
   """The arrays whose actual sharding differs from the planned one.
 
   Args:
@@ -361,6 +410,8 @@ def verify(
   Returns:
     One :class:`Mismatch` per differing array, with its path; empty when all
     match. Shardings are compared with ``Sharding.is_equivalent_to``.
+    ``print`` shows the differences as a table (path, shape, planned spec,
+    actual spec).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -368,28 +419,60 @@ def verify(
     >>> x = {'w': jax.device_put(jnp.zeros((8, 2)), jax.NamedSharding(mesh, jax.P()))}
     >>> fsm.verify(x, fsm.plan(x, mesh))
     []
-    >>> [str(m) for m in fsm.verify(x, {'w': jax.NamedSharding(mesh, jax.P('data'))})]
-    ["w: planned P('data'), found P()"]
+    >>> print(fsm.verify(x, {'w': jax.NamedSharding(mesh, jax.P('data'))}))
+    1 of 1 arrays differ from the plan:
+    array  shape  planned    actual
+    -------------------------------
+    w      8x2    P('data')  P()
   """
   if isinstance(plan_or_shardings, ShardingPlan):
     p = plan_or_shardings
     expected = {e.path: named_sharding(p.mesh, e.spec) for e in p.entries
                 if e.spec is not None}
   else:
-    sh_leaves, _ = ann_lib.walk(plan_or_shardings)
+    sh_leaves, _ = ann_lib.walk(plan_or_shardings, every_path=True)
     expected = {lf.path: lf.value for lf in sh_leaves
                 if isinstance(lf.value, Sharding)}
-  leaves, _ = ann_lib.walk(arrays)
+  leaves, _ = ann_lib.walk(arrays, every_path=True)
   out: list[Mismatch] = []
+  checked = 0
   for lf in leaves:
     shape = getattr(lf.value, 'shape', None)
     if shape is None:
       continue
+    checked += 1
     want = expected.get(lf.path)
     have = getattr(lf.value, 'sharding', None)
     if want is None or have is None or not have.is_equivalent_to(want, len(shape)):
-      out.append(Mismatch(lf.path, want, have))
-  return out
+      out.append(Mismatch(lf.path, want, have, tuple(shape)))
+  return Mismatches(out, checked)
+
+
+def actual_shardings(tree: PyTree) -> PyTree:
+  """Each array's actual sharding, read back from the arrays themselves.
+
+  The inverse of :func:`flax_shardmeta.get_sharding`: where that computes the
+  layouts annotations ask for, this reads the layouts arrays have (usually a
+  ``NamedSharding``; its ``.spec`` is the PartitionSpec). Host values (NumPy
+  arrays, Python scalars) and non-array leaves give None. Boxes and NNX
+  Variables are read through, and the result has the structure
+  ``get_sharding`` would give, so the two compare leaf by leaf.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, flax_shardmeta as fsm
+    >>> mesh = jax.make_mesh((8,), ('data',))
+    >>> x = jax.device_put(jnp.zeros((8, 2)), jax.NamedSharding(mesh, jax.P('data')))
+    >>> out = fsm.actual_shardings({'x': x, 'host': np.zeros(3), 'step': 1})
+    >>> out['x'].spec, out['host'], out['step']
+    (P('data',), None, None)
+  """
+  leaves, build = ann_lib.walk(tree)
+  return build([_sharding_of(lf.value) for lf in leaves])
+
+
+def _sharding_of(value: Any) -> Sharding | None:
+  sharding = getattr(value, 'sharding', None)
+  return sharding if isinstance(sharding, Sharding) else None
 
 
 # Helpers

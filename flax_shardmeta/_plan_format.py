@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from flax_shardmeta._specs import format_spec
 
 if TYPE_CHECKING:
-  from flax_shardmeta._plan import PlanEntry, ShardingPlan
+  from flax_shardmeta._plan import Mismatch, PlanEntry, ShardingPlan
 
 _INDEX = re.compile(r'(?<=_)\d+$|^\d+$')
 _MIN_STACK = 3
@@ -180,4 +180,37 @@ def format_table(plan: ShardingPlan) -> str:
     lines += [f'  - {p}' for p in plan.problems]
   else:
     lines.append('problems: none')
+  return '\n'.join(lines)
+
+
+def _spec_text(sharding: Any) -> str:
+  if sharding is None:
+    return '-'
+  spec = getattr(sharding, 'spec', None)
+  return format_spec(spec) if spec is not None else type(sharding).__name__
+
+
+def format_mismatches(mismatches: list[Mismatch], checked: int) -> str:
+  """:func:`verify`'s result as a table: path, shape, planned and actual spec.
+
+  ``-`` marks a sharding that is missing (an array the plan does not know,
+  or a value without one).
+  """
+  if not mismatches:
+    return f'all {checked} arrays match the plan'
+  header = ('array', 'shape', 'planned', 'actual')
+  rows = [header] + [
+      (m.path,
+       'x'.join(map(str, m.shape)) or 'scalar' if m.shape is not None else '?',
+       _spec_text(m.expected), _spec_text(m.actual))
+      for m in mismatches
+  ]
+  widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+
+  def line(r: tuple[str, ...]) -> str:
+    return '  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+
+  lines = [f'{len(mismatches)} of {checked} arrays differ from the plan:',
+           line(header), '-' * len(line(header))]
+  lines += [line(r) for r in rows[1:]]
   return '\n'.join(lines)

@@ -7,10 +7,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 from jax.sharding import PartitionSpec
 
-from flax_shardmeta._annotation import path_str
+from flax_shardmeta._annotation import Leaf, walk
 from flax_shardmeta._errors import InvalidRulesError
 from flax_shardmeta._typing import PyTree
 
@@ -20,40 +19,49 @@ PartitionRules = Sequence[tuple[str, PartitionSpec]]
 
 
 def match_partition_rules(
-    rules: PartitionRules, tree: PyTree, min_size: int = 0
+    rules: PartitionRules, tree: PyTree, min_size: int | None = None
 ) -> PyTree:
   """A PartitionSpec per array leaf, chosen by regex over its path.
 
-  ``re.search`` runs over '/'-joined key paths and the first matching rule
-  wins. Scalars and leaves with fewer than ``min_size`` elements get ``P()``;
-  specs longer than the leaf's rank are trimmed. Leaves no rule matches are
-  all reported in one InvalidRulesError.
+  ``re.search`` runs over '/'-joined parameter paths and the first matching
+  rule wins. A path is the parameter's own (``Dense_0/kernel``), also for
+  Linen boxes (``nn.Partitioned``, fsm boxes) and NNX Variables: never the
+  box's or Variable's inner ``value`` field, so ``'kernel$'`` matches on
+  Linen variables, boxed trees and ``nnx.State`` alike. The result has the
+  structure :func:`flax_shardmeta.get_sharding` gives the same tree (a spec
+  where a box was; inside the Variable for NNX state).
+
+  Scalars, and leaves with fewer than ``min_size`` elements, get ``P()``;
+  ``min_size=None`` (the default) means no size threshold. Specs longer than
+  the leaf's rank are trimmed. Leaves no rule matches are all reported in
+  one InvalidRulesError.
 
   Example:
     >>> import jax.numpy as jnp, flax_shardmeta as fsm
     >>> from jax.sharding import PartitionSpec as P
     >>> params = {'dense': {'kernel': jnp.zeros((4, 8)), 'bias': jnp.zeros(8)}}
     >>> fsm.match_partition_rules(
-    ...     [('kernel', P(None, 'model')), ('.*', P())], params)
+    ...     [('kernel$', P(None, 'model')), ('.*', P())], params)
     {'dense': {'bias': P(), 'kernel': P(None, 'model')}}
   """
   compiled = [(re.compile(pattern), spec) for pattern, spec in rules]
   unmatched: list[str] = []
 
-  def choose(path: tuple[Any, ...], leaf: Any) -> Any:
-    shape = getattr(leaf, 'shape', None)
+  def choose(lf: Leaf) -> Any:
+    shape = getattr(lf.value, 'shape', None)
     if shape is None:
       return None
-    if len(shape) == 0 or math.prod(shape) < min_size:
+    if len(shape) == 0 or (min_size is not None and math.prod(shape) < min_size):
       return PartitionSpec()
-    name = path_str(path)
+    name = lf.path
     for regex, spec in compiled:
       if regex.search(name):
         return PartitionSpec(*tuple(spec)[: len(shape)])
     unmatched.append(f'{name} {tuple(shape)}')
     return None
 
-  out = jax.tree_util.tree_map_with_path(choose, tree)
+  leaves, build = walk(tree, every_path=True)
+  out = build([choose(lf) for lf in leaves])
   if unmatched:
     raise InvalidRulesError(
         f'No partition rule matches {len(unmatched)} leaf path(s):\n'

@@ -17,12 +17,15 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
+import jax
 from jax.sharding import PartitionSpec
 
+from flax_shardmeta import _unmapped as unmapped_lib
 from flax_shardmeta._errors import (
     InvalidNamesError,
     InvalidRulesError,
     RuleConflictError,
+    ShardingError,
 )
 from flax_shardmeta._specs import (
     UNASSIGNED,
@@ -333,19 +336,32 @@ def explain(
 
 @overload
 def logical_to_mesh_axes(
-    names: None, rules: LogicalRules | None = None) -> None: ...
+    names: None, rules: LogicalRules | None = None, *, strict: bool = False
+) -> None: ...
 @overload
 def logical_to_mesh_axes(
-    names: LogicalNames, rules: LogicalRules | None = None) -> PartitionSpec: ...
+    names: LogicalNames, rules: LogicalRules | None = None, *, strict: bool = False
+) -> PartitionSpec: ...
 def logical_to_mesh_axes(
-    names: LogicalNames | None, rules: LogicalRules | None = None
+    names: LogicalNames | None,
+    rules: LogicalRules | None = None,
+    *,
+    strict: bool = False,
 ) -> PartitionSpec | None:
   """Resolves logical dimension names to a PartitionSpec of mesh axes.
 
   Rules apply in order, so earlier rules have priority whatever the order of
   the dimensions; a name with no usable rule is replicated; ``None`` and
   ``PartitionSpec.UNCONSTRAINED`` entries pass through. ``rules=None`` uses
-  the context rules.
+  the context rules. A replicated name that is an axis of the mesh set by
+  ``jax.set_mesh`` gets an :class:`UnmappedMeshAxisNameWarning`.
+
+  Args:
+    names: one logical name (or None, a mesh-axis tuple, UNCONSTRAINED) per
+      dimension.
+    rules: logical axis rules; None uses the context rules.
+    strict: raise a ShardingError for a name no usable rule maps instead of
+      replicating it.
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -357,8 +373,22 @@ def logical_to_mesh_axes(
     return None
   if rules is None:
     rules = get_logical_axis_rules()
-  resolved = resolve(tuple(names), rules)
-  return PartitionSpec(*unassigned_to_none(resolved))
+  names = tuple(names)
+  resolved = resolve(names, rules)
+  spec = PartitionSpec(*unassigned_to_none(resolved))
+  missing = unmapped_lib.unmapped_names(names, resolved, UNASSIGNED)
+  if missing:
+    record = unmapped_lib.Unmapped('<names>', None, names, spec, missing)
+    problems = unmapped_lib.report(
+        [record], _context_mesh_axes(), strict, stacklevel=3)
+    if problems:
+      raise ShardingError(problems)
+  return spec
+
+
+def _context_mesh_axes() -> tuple[str, ...]:
+  # Only the axis names are needed: the abstract mesh of jax.set_mesh has them.
+  return tuple(jax.sharding.get_abstract_mesh().axis_names)
 
 
 # Standard rules

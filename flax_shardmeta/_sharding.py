@@ -15,22 +15,27 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
+from flax_shardmeta import _unmapped as unmapped_lib
 from flax_shardmeta._errors import (
-  FlaxShardmetaError,
-  ShardingError,
-  ShardingFitWarning,
-  ShardingProblem,
+    FlaxShardmetaError,
+    ShardingError,
+    ShardingFitWarning,
+    ShardingProblem,
 )
 from flax_shardmeta._rules import (
-  composite_rules,
-  get_logical_axis_rules,
-  logical_to_mesh_axes,
-  normalize_rules,
-  resolve,
+    composite_rules,
+    get_logical_axis_rules,
+    normalize_rules,
+    resolve,
 )
-from flax_shardmeta._specs import UNASSIGNED, format_spec
+from flax_shardmeta._specs import UNASSIGNED, UNCONSTRAINED
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
-from flax_shardmeta._validate import check_spec, rank_issue
+from flax_shardmeta._validate import (
+    check_spec,
+    fit_spec,
+    rank_issue,
+    unconstrained_issue,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +47,8 @@ class LeafLayout:
     spec: the resolved PartitionSpec, or None for a non-array leaf.
     issues: ``(reason, hint, dims)`` problems left after any fitting.
     adjustments: what fit mode changed, one sentence each.
+    sharding: ``NamedSharding(mesh, spec)`` when the layout is valid.
+    unmapped: logical names no rule maps (replicated), in dimension order.
   """
 
   shape: tuple[int, ...] | None
@@ -49,7 +56,7 @@ class LeafLayout:
   issues: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
   adjustments: tuple[str, ...] = ()
   sharding: NamedSharding | None = None
-  """``NamedSharding(mesh, spec)`` when the layout is valid."""
+  unmapped: tuple[str, ...] = ()
 
 
 def leaf_shape(value: Any) -> tuple[int, ...] | None:
@@ -69,13 +76,21 @@ def layout_of(
     mesh: AnyMesh,
     rules: tuple[tuple[str, Any], ...],
     fit: bool = False,
+    *,
+    for_constraint: bool = False,
 ) -> LeafLayout:
-  """Resolves and validates one leaf (cached on all arguments)."""
-  return _layout_cached(shape, annotation, mesh, rules, fit)
+  """Resolves and validates one leaf (cached on all arguments).
+
+  ``for_constraint``: the spec is applied as a sharding constraint, where
+  UNCONSTRAINED is valid; otherwise it becomes a ``NamedSharding`` for
+  ``jit`` / ``device_put``, which refuse it.
+  """
+  return _layout_cached(shape, annotation, mesh, rules, fit, for_constraint)
 
 
 @functools.lru_cache(maxsize=65536)
-def _layout_cached(shape, annotation, mesh, rules, fit) -> LeafLayout:
+def _layout_cached(shape, annotation, mesh, rules, fit, for_constraint
+                   ) -> LeafLayout:
   if shape is None:
     return LeafLayout(None, None)
   if annotation is None:
@@ -106,23 +121,24 @@ def _layout_cached(shape, annotation, mesh, rules, fit) -> LeafLayout:
     keep = any(e is not None for e in kept) and not check_spec(shape, kept, mesh)
     spec = PartitionSpec(*kept) if keep else PartitionSpec()
     return LeafLayout(shape, spec, sharding=named_sharding(mesh, spec))
-  adjustments: list[str] = []
-  if fit and any(dims for _, _, dims in issues):
-    entries = list(entries)
-    for reason, _, dims in issues:
-      for d in dims:
-        if entries[d] is not None:
-          adjustments.append(
-              f'dimension {d}: {format_spec(PartitionSpec(entries[d]))[2:-1]} '
-              f'-> None ({reason})'
-          )
-          entries[d] = None
-    entries = tuple(entries)
-    issues = check_spec(shape, entries, mesh)
+  adjustments: tuple[str, ...] = ()
+  if fit and issues:
+    entries, issues, adjustments = fit_spec(shape, entries, mesh)
+  if not for_constraint:
+    open_dims = unconstrained_issue(entries)
+    if open_dims is not None and fit:
+      entries = tuple(None if e is UNCONSTRAINED else e for e in entries)
+      adjustments += tuple(
+          f'dimension {d}: UNCONSTRAINED -> None (a NamedSharding cannot leave '
+          'a dimension to the compiler)' for d in open_dims[2])
+    elif open_dims is not None:
+      issues += (open_dims,)
   spec = PartitionSpec(*entries)
+  unmapped = () if annotation.optimizer_state else unmapped_of(
+      annotation, mesh, rules)
   return LeafLayout(
-      shape, spec, issues, tuple(adjustments),
-      None if issues else named_sharding(mesh, spec),
+      shape, spec, issues, adjustments,
+      None if issues else named_sharding(mesh, spec), unmapped,
   )
 
 
@@ -140,6 +156,24 @@ def resolve_names(
       if r is UNASSIGNED else r
       for n, r in zip(annotation.names, resolved)
   )
+
+
+def unmapped_of(
+    annotation: ann_lib.Annotation, mesh: AnyMesh | None,
+    rules: tuple[tuple[str, Any], ...],
+) -> tuple[str, ...]:
+  """The annotation's logical names that no rule maps, so are replicated.
+
+  Names flax's own NNX annotations keep as mesh axes are not replicated, so
+  they are not listed.
+  """
+  if not annotation.logical:
+    return ()
+  resolved = resolve(annotation.names, composite_rules(rules, annotation.rules))
+  missing = unmapped_lib.unmapped_names(annotation.names, resolved, UNASSIGNED)
+  if missing and annotation.keep_mesh_names and mesh is not None:
+    missing = tuple(n for n in missing if n not in mesh.axis_names)
+  return missing
 
 
 @functools.lru_cache(maxsize=16384)
@@ -164,10 +198,15 @@ def layout_tree(
     mesh: AnyMesh,
     rules: LogicalRules | None = None,
     fit: bool = False,
+    *,
+    every_path: bool = False,
 ) -> tuple[list[ann_lib.Leaf], list[LeafLayout], Any]:
-  """Walks ``tree`` and lays out every leaf; returns leaves, layouts, builder."""
+  """Walks ``tree`` and lays out every leaf; returns leaves, layouts, builder.
+
+  ``every_path``: the caller reads every leaf's path (see ``walk``).
+  """
   rules_t = effective_rules(rules)
-  leaves, build = ann_lib.walk(tree)
+  leaves, build = ann_lib.walk(tree, every_path)
   # mesh, rules and fit are fixed for this call: memoize on what varies.
   memo: dict[Any, LeafLayout] = {}
   layouts = []
@@ -186,6 +225,7 @@ def get_sharding(
     rules: LogicalRules | None = None,
     *,
     fit: bool = False,
+    strict: bool = False,
 ) -> PyTree:
   """A ``NamedSharding`` for every array leaf of ``tree``, validated.
 
@@ -195,12 +235,19 @@ def get_sharding(
   output, TrainStates, optax states (see :func:`get_partition_spec` for the
   optimizer-state rule) and flax's own boxes.
 
+  A logical name no rule maps is replicated; if it is also a mesh-axis name
+  an :class:`UnmappedMeshAxisNameWarning` says so (once per name, listing the
+  parameters).
+
   Args:
     tree: the (abstract) variables, train state or NNX state.
     mesh: a ``Mesh`` or ``AbstractMesh``.
     rules: logical axis rules; None uses the context rules.
     fit: replicate dimensions their mesh axes cannot divide (or axes the mesh
-      lacks) instead of failing; every change is listed in one warning.
+      lacks, or UNCONSTRAINED entries) instead of failing; the changes are
+      listed in one :class:`ShardingFitWarning`.
+    strict: a logical name no usable rule maps is a problem (raised with the
+      others) instead of being replicated.
 
   Returns:
     A tree of the same structure with NamedSharding (or None) leaves.
@@ -218,28 +265,79 @@ def get_sharding(
   """
   leaves, layouts, build = layout_tree(tree, mesh, rules, fit)
   problems: list[ShardingProblem] = []
-  adjustments: list[str] = []
+  adjusted: list[tuple[ann_lib.Leaf, tuple[str, ...]]] = []
+  unmapped: list[unmapped_lib.Unmapped] = []
   results: list[Any] = []
   for lf, lay in zip(leaves, layouts):
     if lay.adjustments:
-      adjustments.extend(f'{lf.path}: {a}' for a in lay.adjustments)
+      adjusted.append((lf, lay.adjustments))
     if lay.issues:
       problems.extend(problems_of(lf.path, lf, lay))
+    if lay.unmapped:
+      unmapped.append(unmapped_record(lf, lay))
     results.append(lay.sharding)
+  problems += unmapped_lib.report(unmapped, mesh.axis_names, strict)
   if problems:
     raise ShardingError(problems)
-  if adjustments:
-    warn_adjustments(adjustments)
+  if adjusted:
+    warn_adjustments(adjusted)
   return build(results)
 
 
-def warn_adjustments(adjustments: list[str]) -> None:
-  """One warning listing every change fit mode made."""
+def unmapped_record(lf: ann_lib.Leaf, lay: LeafLayout) -> unmapped_lib.Unmapped:
+  """The leaf's unmapped names, its path made only if reported."""
+  names = lf.annotation.names if lf.annotation is not None else ()
+  return unmapped_lib.Unmapped(
+      lambda: lf.path, lay.shape, names, lay.spec, lay.unmapped)
+
+
+MAX_LISTED = 20
+"""Fit changes listed one by one in a warning; more are summarised by kind."""
+
+
+def warn_adjustments(
+    adjusted: list[tuple[Any, tuple[str, ...]]], stacklevel: int = 3
+) -> None:
+  """One :class:`ShardingFitWarning` for every change fit mode made.
+
+  Up to :data:`MAX_LISTED` changes are listed with their paths. Beyond that,
+  each kind of change is listed once with its count and a few example paths
+  (so a large tree does not pay for thousands of path strings); the warning's
+  ``adjustments`` attribute builds the full list when read.
+
+  Args:
+    adjusted: ``(leaf, changes)`` pairs, one per leaf fit mode changed; a
+      leaf is an annotation walk's Leaf or a path string.
+    stacklevel: passed to ``warnings.warn``.
+  """
+  def path(leaf: Any) -> str:
+    return leaf if isinstance(leaf, str) else leaf.path
+
+  def every_change() -> list[str]:
+    return [f'{path(lf)}: {a}' for lf, changes in adjusted for a in changes]
+
+  total = sum(len(changes) for _, changes in adjusted)
+  head = (f'fit=True replicated {total} dimension(s) that could not be sharded '
+          'as annotated')
+  if total <= MAX_LISTED:
+    lines = [f'  - {line}' for line in every_change()]
+  else:
+    by_change: dict[str, list[Any]] = {}
+    for lf, changes in adjusted:
+      for a in changes:
+        by_change.setdefault(a, []).append(lf)
+    lines = []
+    for change, where in list(by_change.items())[:MAX_LISTED]:
+      examples = ', '.join(path(lf) for lf in where[:3])
+      more = ', ...' if len(where) > 3 else ''
+      lines.append(f'  - {len(where)} x {change}: {examples}{more}')
+    if len(by_change) > MAX_LISTED:
+      lines.append(f'  - ... and {len(by_change) - MAX_LISTED} more kinds of change')
+    lines.append('  (the full list: the warning\'s `adjustments`, or '
+                 'fsm.plan(..., fit=True).adjustments)')
   warnings.warn(
-      f'fit=True replicated {len(adjustments)} dimension(s) that could not be '
-      'sharded as annotated:\n' + '\n'.join(f'  - {a}' for a in adjustments),
-      ShardingFitWarning,
-      stacklevel=3,
+      ShardingFitWarning(f'{head}:\n' + '\n'.join(lines), every_change),
+      stacklevel=stacklevel,
   )
 
 
@@ -278,8 +376,14 @@ def _is_spec(x: Any) -> bool:
   return isinstance(x, PartitionSpec)
 
 
-def logical_to_mesh(tree: PyTree, rules: LogicalRules | None = None) -> PyTree:
+def logical_to_mesh(
+    tree: PyTree, rules: LogicalRules | None = None, *, strict: bool = False
+) -> PyTree:
   """Resolves every logical PartitionSpec leaf of ``tree`` to mesh axes.
+
+  A name no rule maps is replicated (with ``strict=True``, a ShardingError);
+  if it is an axis of the mesh set by ``jax.set_mesh``, an
+  :class:`UnmappedMeshAxisNameWarning` says so.
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -287,21 +391,55 @@ def logical_to_mesh(tree: PyTree, rules: LogicalRules | None = None) -> PyTree:
     >>> fsm.logical_to_mesh({'w': P('embed', 'mlp')}, [('mlp', 'model')])
     {'w': P(None, 'model')}
   """
+  mesh = jax.sharding.get_abstract_mesh()
+  return _logical_to_mesh(tree, rules, strict, tuple(mesh.axis_names))
+
+
+def _logical_to_mesh(
+    tree: PyTree, rules: LogicalRules | None, strict: bool,
+    mesh_axis_names: tuple[str, ...],
+) -> PyTree:
   rules_t = effective_rules(rules)
-  return jax.tree_util.tree_map(
-      lambda x: logical_to_mesh_axes(tuple(x), rules_t) if _is_spec(x) else x,
-      tree,
-      is_leaf=_is_spec,
-  )
+  flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_spec)
+  out: list[Any] = []
+  unmapped: list[unmapped_lib.Unmapped] = []
+  for i, x in enumerate(flat):
+    if not _is_spec(x):
+      out.append(x)
+      continue
+    names = tuple(x)
+    resolved = resolve(names, rules_t)
+    spec = PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
+    missing = unmapped_lib.unmapped_names(names, resolved, UNASSIGNED)
+    if missing:
+      unmapped.append(unmapped_lib.Unmapped(
+          functools.partial(_spec_path, tree, i), None, names, spec, missing))
+    out.append(spec)
+  problems = unmapped_lib.report(unmapped, mesh_axis_names, strict, stacklevel=4)
+  if problems:
+    raise ShardingError(problems)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _spec_path(tree: PyTree, index: int) -> str:
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_spec)
+  return ann_lib.path_str(flat[index][0]) or '<spec>'
 
 
 def logical_to_mesh_sharding(
-    tree: PyTree, mesh: AnyMesh, rules: LogicalRules | None = None
+    tree: PyTree,
+    mesh: AnyMesh,
+    rules: LogicalRules | None = None,
+    *,
+    strict: bool = False,
 ) -> PyTree:
   """Like :func:`logical_to_mesh`, then ``NamedSharding(mesh, spec)`` per leaf.
 
   Mesh axes are checked against the mesh (shapes are unknown here, so
-  divisibility is checked later by :func:`get_sharding` or jax).
+  divisibility is checked later by :func:`get_sharding` or jax). A logical
+  name no rule maps that is one of ``mesh``'s axes gets an
+  :class:`UnmappedMeshAxisNameWarning` (with ``strict=True``, every name no
+  rule maps is a ShardingError).
 
   Example:
     >>> import jax, flax_shardmeta as fsm
@@ -310,7 +448,7 @@ def logical_to_mesh_sharding(
     >>> fsm.logical_to_mesh_sharding(P('batch'), mesh, [('batch', 'data')]).spec
     P('data',)
   """
-  specs = logical_to_mesh(tree, rules)
+  specs = _logical_to_mesh(tree, rules, strict, tuple(mesh.axis_names))
   flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
   problems = []
   out = []

@@ -16,6 +16,10 @@ from flax_shardmeta._specs import UNCONSTRAINED, mesh_axes_of
 Issue = tuple[str, str, tuple[int, ...]]
 """(reason, hint, dims concerned)."""
 
+FIT_CALLS = ('fit=True (fsm.get_sharding, fsm.plan, fsm.shard_value, '
+             'fsm.with_logical_constraint)')
+"""Where hints send the reader for fit mode: every call that takes ``fit=``."""
+
 
 def mesh_key(mesh: Any) -> tuple[tuple[str, int], ...]:
   """Hashable (axis name, size) pairs of a Mesh or AbstractMesh."""
@@ -55,7 +59,7 @@ def _check(
       issues.append((
           f"mesh axis '{a}' (dimension {dim}) is not in the mesh ({shown_mesh})",
           'use an axis the mesh has, change the rule that produced it, or '
-          'pass fit=True to replicate this dimension',
+          f'replicate this dimension with {FIT_CALLS}',
           (dim,),
       ))
     for a in axis_names:
@@ -79,7 +83,7 @@ def _check(
           f'dimension {dim} of size {shape[dim]} is not divisible by {over} '
           f'(= {factor})',
           f'make the size a multiple of {factor}, shard it over other mesh '
-          'axes, or pass fit=True to replicate this dimension',
+          f'axes, or replicate this dimension with {FIT_CALLS}',
           (dim,),
       ))
   return tuple(issues)
@@ -95,3 +99,64 @@ def rank_issue(n_names: int, ndim: int) -> Issue:
       "transform_metadata={nnx.PARTITION_NAME: 'layers'} (NNX)",
       (),
   )
+
+
+def fit_spec(
+    shape: tuple[int, ...], spec: tuple[Any, ...], mesh: Any
+) -> tuple[tuple[Any, ...], tuple[Issue, ...], tuple[str, ...]]:
+  """Replicates the dimensions whose mesh axes cannot shard them.
+
+  The one fitting rule behind every ``fit=True``: each dimension an issue of
+  :func:`check_spec` concerns (missing mesh axis, indivisible size, axis used
+  twice) becomes None; issues no replication can fix (rank) are kept.
+
+  Returns:
+    ``(entries, issues left, changes)``, one sentence per change.
+  """
+  return _fit(tuple(shape), tuple(spec), mesh_key(mesh))
+
+
+@functools.lru_cache(maxsize=65536)
+def _fit(
+    shape: tuple[int, ...],
+    spec: tuple[Any, ...],
+    axes: tuple[tuple[str, int], ...],
+) -> tuple[tuple[Any, ...], tuple[Issue, ...], tuple[str, ...]]:
+  issues = _check(shape, spec, axes)
+  if not any(dims for _, _, dims in issues):
+    return spec, issues, ()
+  entries = list(spec)
+  changes: list[str] = []
+  for reason, _, dims in issues:
+    for d in dims:
+      if entries[d] is not None:
+        changes.append(
+            f'dimension {d}: {format_entry(entries[d])} -> None ({reason})')
+        entries[d] = None
+  fitted = tuple(entries)
+  return fitted, _check(shape, fitted, axes), tuple(changes)
+
+
+def unconstrained_issue(spec: tuple[Any, ...]) -> Issue | None:
+  """The problem of UNCONSTRAINED entries in a spec meant for a ``NamedSharding``.
+
+  ``PartitionSpec.UNCONSTRAINED`` leaves a dimension to the compiler, which
+  only a sharding constraint can do: ``jit``'s ``in_shardings`` /
+  ``out_shardings`` and ``device_put`` refuse it.
+  """
+  dims = tuple(i for i, e in enumerate(spec) if e is UNCONSTRAINED)
+  if not dims:
+    return None
+  shown = ', '.join(map(str, dims))
+  return (
+      f'UNCONSTRAINED (dimension {shown}) is only valid in a sharding '
+      "constraint; jit's in/out_shardings and device_put need a definite layout",
+      'use None (replicated) or mesh axes in the annotation or rule, or pass '
+      'fit=True to replicate it',
+      dims,
+  )
+
+
+def format_entry(entry: Any) -> str:
+  """One spec entry as written in a PartitionSpec, e.g. ``'model'`` or ``('a', 'b')``."""
+  return 'UNCONSTRAINED' if entry is UNCONSTRAINED else repr(entry)

@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                  help='exit 0 even when the plan has problems')
   p.add_argument('--fit', action='store_true',
                  help='replicate dimensions that cannot be sharded, and list them')
+  p.add_argument('--strict', action='store_true',
+                 help='a logical name no rule maps is a problem instead of '
+                 'being replicated')
   return parser
 
 
@@ -337,10 +340,15 @@ def run_plan(args: argparse.Namespace) -> int:
 
       rules = standard_logical_axis_rules()
   mesh = jax.sharding.AbstractMesh(axis_sizes, axis_names)
-  with warnings.catch_warnings():
-    # Fit-mode changes are part of the output below; no need to warn twice.
-    warnings.simplefilter('ignore')
-    result = plan(state, mesh, rules, fit=args.fit)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    result = plan(state, mesh, rules, fit=args.fit, strict=args.strict)
+  from flax_shardmeta._errors import ShardingFitWarning
+
+  for w in caught:
+    # Fit-mode changes are part of the output below; no need to say them twice.
+    if not issubclass(w.category, ShardingFitWarning):
+      print(f'flax-shardmeta: warning: {w.message}', file=sys.stderr)
   if args.format == 'json':
     print(json.dumps(result.to_dict(), indent=1))
   else:

@@ -177,7 +177,8 @@ def _place(value: Any, annotation: ann_lib.Annotation) -> Any:
   if mesh is None or shape is None:
     return value
   layout = sharding_lib.layout_of(
-      shape, annotation, mesh, sharding_lib.effective_rules(None)
+      shape, annotation, mesh, sharding_lib.effective_rules(None),
+      for_constraint=True,
   )
   if layout.issues:
     raise ShardingError(

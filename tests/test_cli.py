@@ -90,6 +90,27 @@ def test_fit_exits_0_and_lists_adjustments(capsys):
   assert 'fit mode adjustments (2):' in out
 
 
+def test_strict_turns_unmapped_names_into_problems(capsys, tmp_path):
+  rules = tmp_path / 'rules.json'
+  rules.write_text(json.dumps([['hidden', 'model'], ['layers', None]]))
+  argv = [*MLP, '--optimizer', 'none', '--rules', str(rules)]
+  code, out, err = run(capsys, *argv)
+  assert code == 0, err  # 'embed' has no rule: replicated, no problem
+  code, out, err = run(capsys, *argv, '--strict')
+  assert code == 1
+  assert "no usable rule maps logical name 'embed' (strict=True)" in out
+  assert '--allow-problems' in err
+
+
+def test_mesh_axis_name_warning_goes_to_stderr(capsys, tmp_path):
+  rules = tmp_path / 'rules.json'
+  rules.write_text(json.dumps([['hidden', 'data'], ['layers', None]]))
+  code, out, err = run(capsys, *MLP, '--optimizer', 'none', '--rules', str(rules),
+                       '--mesh', 'data=2,embed=4')
+  assert code == 0, err
+  assert err.startswith("flax-shardmeta: warning: Logical name 'embed'")
+
+
 @pytest.mark.parametrize('argv, message', [
     (['--model', 'gpt5', '--mesh', 'data=2'], "unknown model 'gpt5'"),
     (['--model', 'mlp', '--mesh', 'data2'], 'malformed --mesh'),

@@ -257,3 +257,125 @@ def test_unbox_rank_mismatch_raises(mesh):
 def test_shard_value_axis_twice_in_one_dimension(mesh):
   with pytest.raises(fsm.ShardingError, match="mesh axis 'data' shards dimension 0 twice"):
     fsm.shard_value(jnp.ones((8, 8)), (('data', 'data'), None), mesh=mesh)
+
+
+# fit=, strict=, logical= and trees
+# ------------------------------------------------------------------------------
+
+
+def test_shard_value_fit_replicates_and_warns_once(mesh):
+  x = jnp.ones((3, 8))
+  with pytest.raises(fsm.ShardingError, match=r'fsm\.shard_value'):
+    fsm.shard_value(x, ('data', None), mesh=mesh)  # the hint names fit's calls
+  with pytest.warns(fsm.ShardingFitWarning) as record:
+    out = fsm.shard_value(x, ('data', 'model'), mesh=mesh, fit=True, path='acts')
+  assert_layout(out, mesh, P(None, 'model'))
+  (warning,) = record
+  assert "acts: dimension 0: 'data' -> None" in str(warning.message)
+  assert warning.message.adjustments == (
+      "acts: dimension 0: 'data' -> None (dimension 0 of size 3 is not "
+      "divisible by 'data'=2 (= 2))",)
+
+
+def test_constraint_fit_on_a_tree_one_warning(mesh):
+  tree = {'a': jnp.ones((3, 8)), 'b': jnp.ones((8, 6))}
+  names = {'a': ('batch', 'hidden'), 'b': ('batch', 'hidden')}
+  with pytest.warns(fsm.ShardingFitWarning) as record:
+    out = fsm.with_logical_constraint(tree, names, RULES, mesh=mesh, fit=True)
+  assert_layout(out['a'], mesh, P(None, 'model'))
+  assert_layout(out['b'], mesh, P('data', None))
+  (warning,) = record
+  text = str(warning.message)
+  assert 'replicated 2 dimension(s)' in text
+  assert "<constraint>/a: dimension 0: 'data' -> None" in text
+  assert "<constraint>/b: dimension 1: 'model' -> None" in text
+
+
+def test_constraint_fit_inside_jit(mesh):
+  @jax.jit
+  def f(x):
+    return fsm.with_logical_constraint(x * 2, ('batch', 'hidden'), RULES,
+                                       mesh=mesh, fit=True)
+
+  with pytest.warns(fsm.ShardingFitWarning, match="dimension 1: 'model' -> None"):
+    out = f(jax.device_put(jnp.ones((8, 6)), NamedSharding(mesh, P())))
+  assert_layout(out, mesh, P('data', None))
+
+
+def test_shard_value_strict_lists_every_unmapped_name(mesh):
+  with pytest.raises(fsm.ShardingError, match="no usable rule maps logical name 'embed'"
+                     ) as info:
+    fsm.shard_value(jnp.ones((8, 8)), ('embed', 'heads'), RULES, mesh=mesh,
+                    strict=True)
+  assert [p.names for p in info.value.problems] == [('embed', 'heads')] * 2
+  assert "'heads'" in str(info.value.problems[1])
+  # Mapped names pass in strict mode.
+  out = fsm.shard_value(jnp.ones((8, 8)), ('batch', 'hidden'), RULES, mesh=mesh,
+                        strict=True)
+  assert_layout(out, mesh, P('data', 'model'))
+
+
+def test_constraint_strict_names_the_leaf(mesh):
+  with pytest.raises(fsm.ShardingError, match=r"<constraint>/b: .*'embed'"):
+    fsm.with_logical_constraint(
+        {'a': jnp.ones((8, 8)), 'b': jnp.ones((8, 8))},
+        {'a': ('batch', None), 'b': ('embed', None)}, RULES, mesh=mesh,
+        strict=True)
+
+
+def test_shard_value_mesh_axis_name_inside_a_rule_context_warns(mesh):
+  x = jnp.ones((8, 8))
+  with fsm.logical_axis_rules(RULES):
+    with pytest.warns(fsm.UnmappedMeshAxisNameWarning,
+                      match=r"'data' is not mapped .* rule \('data', 'data'\)\? "
+                      'Pass logical=False') as record:
+      out = fsm.shard_value(x, ('data', None), mesh=mesh)
+    assert len(record) == 1
+    assert_layout(out, mesh, P(None, None))
+    # Explicit: mesh axes, rules ignored, no warning.
+    assert_layout(fsm.shard_value(x, ('data', None), mesh=mesh, logical=False),
+                  mesh, P('data', None))
+
+
+def test_shard_value_logical_flag(mesh):
+  x = jnp.ones((8, 8))
+  # Default outside a rule context: mesh axes.
+  assert_layout(fsm.shard_value(x, ('data', None), mesh=mesh), mesh, P('data', None))
+  # logical=True with no rules: every name is unmapped, so replicated.
+  assert_layout(fsm.shard_value(x, ('batch', None), mesh=mesh, logical=True),
+                mesh, P(None, None))
+  # logical=False ignores the rules given.
+  out = fsm.shard_value(x, ('model', 'data'), RULES, mesh=mesh, logical=False)
+  assert_layout(out, mesh, P('model', 'data'))
+
+
+def test_shard_value_tree_with_one_names_tuple_says_so(mesh):
+  tree = {'a': jnp.ones((8, 2)), 'b': jnp.ones((8, 2))}
+  with pytest.raises(fsm.ShardingError,
+                     match=r'a pytree \(dict with 2 leaves\) was given where one '
+                     r'array is expected.*get_sharding'):
+    fsm.shard_value(tree, ('data', None), mesh=mesh)
+
+
+def test_shard_value_tree_with_a_names_tree(mesh):
+  tree = {'a': jnp.ones((8, 2)), 'b': jnp.ones((4,)), 'c': jnp.ones(3)}
+  out = fsm.shard_value(tree, {'a': ('data', None), 'b': ('model',), 'c': None},
+                        mesh=mesh)
+  assert_layout(out['a'], mesh, P('data', None))
+  assert_layout(out['b'], mesh, P('model'))
+  assert out['c'] is tree['c']
+  with pytest.raises(fsm.ShardingError, match=r"<value>/c: shape \(3,\).*'model'"):
+    fsm.shard_value(tree, {'a': (None, None), 'b': None, 'c': ('model',)},
+                    mesh=mesh, logical=False)
+
+
+def test_constraint_honours_the_legacy_mesh_context():
+  auto = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2)
+  x = jnp.ones((8, 8))
+  with pytest.warns(DeprecationWarning, match='with mesh'):
+    with auto:
+      eager = fsm.with_logical_constraint(x, ('batch', None), RULES)
+      traced = jax.jit(
+          lambda v: fsm.with_logical_constraint(v, (None, 'hidden'), RULES))(x)
+  assert_layout(eager, auto, P('data', None))
+  assert_layout(traced, auto, P(None, 'model'))

@@ -17,6 +17,7 @@ PACKAGE = pathlib.Path(flax_shardmeta.__file__).parent
 LAYERS = [
     ['_typing', '_specs', '_caches'],
     ['_errors'],
+    ['_unmapped'],
     ['_rules'],
     ['_validate'],
     ['_placement'],

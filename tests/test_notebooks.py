@@ -79,7 +79,7 @@ def test_linen_scale_up():
   assert len(losses) == 5 and losses[-1] < losses[0], losses
   assert 'Sharding plan: 8 arrays on mesh data=2 x model=4 (8 devices)' in out
   assert "P(None, 'model', None)" in out and 'problems: none' in out
-  assert 'mismatches: []' in out
+  assert re.search(r'all \d+ arrays match the plan', out)
   assert 'CPU 0,4' in out  # visualize_array_sharding drew the shards
 
 
@@ -90,7 +90,7 @@ def test_nnx():
   assert len(losses) == 5 and losses[-1] < losses[0], losses
   # shard_module laid the stacked 'layers' axis out over 'data'.
   assert "(4, 1024, 1024) P('data', None, 'model')" in out
-  assert 'mismatches after training: []' in out
+  assert re.search(r'after training: all \d+ arrays match the plan', out)
   assert re.search(r"opt_state/0/v_row/layers/W1 +\(4, 1024\) +P\(\)", out)
   assert "['ScanDotReluDot_0']['W2'].value" in out  # the bridged Linen module
 

@@ -285,3 +285,66 @@ def test_repr_and_show_outside_a_notebook(capsys):
 def test_plan_names_are_public_and_documented(name):
   assert name in fsm.__all__
   assert getattr(fsm, name).__doc__
+
+
+# strict=, actual_shardings, the verify table
+# ------------------------------------------------------------------------------
+
+
+def test_plan_strict_records_unmapped_names_as_problems():
+  mesh = AbstractMesh((2, 4), ('data', 'model'))
+  rules = [('hidden', 'model')]  # no rule for 'embed' or 'layers'
+  p = fsm.plan(_mlp_state(optimizer='none'), mesh, rules, strict=True)
+  unmapped = {(pr.path.rsplit('/', 1)[-1], pr.reason.split("'")[1])
+              for pr in p.problems}
+  assert ('kernel', 'layers') in unmapped and ('W2', 'embed') in unmapped
+  assert all('strict=True' in pr.reason for pr in p.problems)
+  assert not fsm.plan(_mlp_state(optimizer='none'), mesh, MLP_RULES,
+                      strict=True).problems
+
+
+def test_plan_warns_about_mesh_axis_names():
+  mesh = AbstractMesh((2, 4), ('data', 'model'))
+  tree = {'w': fsm.LogicalPartitioned(_sds((8, 8)), ('data', 'hidden'))}
+  with pytest.warns(fsm.UnmappedMeshAxisNameWarning, match="'data'.*Concerned: w"):
+    p = fsm.plan(tree, mesh, [('hidden', 'model')])
+  assert p.entries[0].spec == P(None, 'model') and not p.problems
+
+
+def test_actual_shardings_reads_layouts_back():
+  import numpy as np
+
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  model = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+  state = nnx.state(model)
+  placed = jax.device_put(state['kernel'].get_value(),
+                          NamedSharding(mesh, P(None, 'model')))
+  state['kernel'].set_value(placed)
+  got = fsm.actual_shardings(state)
+  assert isinstance(got, nnx.State)
+  assert got['kernel'].get_value().spec == P(None, 'model')
+  tree = {'box': fsm.Partitioned(placed, (None, 'model')), 'host': np.ones(3),
+          'step': 3, 'name': 'x'}
+  got = fsm.actual_shardings(tree)
+  assert got['box'].spec == P(None, 'model')
+  assert got['host'] is None and got['step'] is None and got['name'] is None
+
+
+def test_verify_prints_a_diff_table():
+  mesh = jax.make_mesh((8,), ('data',))
+  tree = {'a': jax.device_put(jnp.zeros((8, 2)), NamedSharding(mesh, P())),
+          'b': jax.device_put(jnp.zeros((8,)), NamedSharding(mesh, P('data')))}
+  same = {'a': NamedSharding(mesh, P()), 'b': NamedSharding(mesh, P('data'))}
+  ok = fsm.verify(tree, same)
+  assert ok == [] and isinstance(ok, fsm.Mismatches)
+  assert str(ok) == 'all 2 arrays match the plan'
+  planned = {'a': NamedSharding(mesh, P('data', None)), 'b': same['b']}
+  out = fsm.verify(tree, planned)
+  assert [m.path for m in out] == ['a'] and out[0].shape == (8, 2)
+  lines = str(out).splitlines()
+  assert lines[0] == '1 of 2 arrays differ from the plan:'
+  assert lines[1].split() == ['array', 'shape', 'planned', 'actual']
+  assert lines[3].split() == ['a', '8x2', "P('data',", 'None)', 'P()']
+  # An array the plan does not know shows '-' as its planned layout.
+  missing = str(fsm.verify(tree, {'b': same['b']})).splitlines()[3].split()
+  assert missing == ['a', '8x2', '-', 'P()']

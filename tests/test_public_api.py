@@ -23,6 +23,8 @@ PUBLIC_API = {
     'LaunchError',
     'LogicalPartitioned',
     'MeshShapeError',
+    'Mismatch',
+    'Mismatches',
     'NoMeshError',
     'PARTITION_NAME',
     'Partitioned',
@@ -33,9 +35,11 @@ PUBLIC_API = {
     'ShardingFitWarning',
     'ShardingPlan',
     'ShardingProblem',
+    'UnmappedMeshAxisNameWarning',
     '__version__',
     'as_abstract',
     'clear_caches',
+    'actual_shardings',
     'composite_rules',
     'data_layout',
     'explain_resolution',
@@ -126,6 +130,7 @@ def test_library_code_raises_no_bare_value_error():
   ]
   assert not offenders, offenders
   assert issubclass(fsm.ShardingFitWarning, UserWarning)
+  assert issubclass(fsm.UnmappedMeshAxisNameWarning, UserWarning)
 
 
 def test_package_is_typed():

@@ -87,3 +87,48 @@ def test_on_model_variables_and_get_sharding(mesh):
       jax.random.key(0), jnp.ones((4, 8)))
   kernel = params['params']['layers_0']['kernel']
   assert kernel.sharding.is_equivalent_to(shardings['params']['layers_0']['kernel'], 2)
+
+
+# Paths are the parameter's own, whatever holds it
+# ------------------------------------------------------------------------------
+
+PARAM_RULES = [('kernel$', P(None, 'model')), ('bias$', P())]
+
+
+def test_nnx_state_paths_stop_at_variables():
+  from flax import nnx
+
+  state = nnx.state(nnx.Linear(16, 32, rngs=nnx.Rngs(0)))
+  specs = fsm.match_partition_rules(PARAM_RULES, state)
+  # Same structure as the input: a State of Variables holding the specs.
+  assert isinstance(specs, nnx.State)
+  assert isinstance(specs['kernel'], nnx.Param)
+  assert specs['kernel'].get_value() == P(None, 'model')
+  assert specs['bias'].get_value() == P()
+
+
+@pytest.mark.parametrize('wrap', [
+    lambda init: nn.with_partitioning(init, (None, 'model')),
+    lambda init: fsm.with_partitioning(init, (None, 'model')),
+    lambda init: fsm.with_logical_partitioning(init, ('embed', 'mlp')),
+], ids=['flax-box', 'fsm-box', 'fsm-logical-box'])
+def test_boxed_linen_paths_stop_at_boxes(wrap):
+  model = nn.Dense(32, kernel_init=wrap(nn.initializers.lecun_normal()))
+  variables = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((2, 16)))
+  specs = fsm.match_partition_rules(PARAM_RULES, variables)
+  # The box is replaced by its spec, as fsm.get_sharding does.
+  assert specs == {'params': {'kernel': P(None, 'model'), 'bias': P()}}
+
+
+def test_unmatched_box_is_reported_by_its_parameter_path():
+  tree = {'Dense_0': {'kernel': fsm.Partitioned(jnp.zeros((4, 8)), (None, 'm'))}}
+  with pytest.raises(fsm.InvalidRulesError, match=r'Dense_0/kernel \(4, 8\)') as info:
+    fsm.match_partition_rules([('bias$', P())], tree)
+  assert 'value' not in str(info.value)
+
+
+def test_min_size_none_means_no_threshold():
+  rules = [('.*', P('model'))]
+  specs = fsm.match_partition_rules(rules, PARAMS, min_size=None)
+  assert specs == fsm.match_partition_rules(rules, PARAMS)
+  assert specs['encoder']['attn']['query']['bias'] == P('model')  # 16 elements

@@ -273,3 +273,23 @@ def test_explain_is_resolve(names, rules):
     assert len(applied) <= 1
     if applied:
       assert d.mesh_axes == applied[0].rule[1]
+
+
+def test_logical_to_mesh_axes_strict_names_the_unmapped_name():
+  assert fsm.logical_to_mesh_axes(('batch', None), [('batch', 'data')],
+                                  strict=True) == P('data', None)
+  with pytest.raises(fsm.ShardingError, match="no usable rule maps logical name 'length'"):
+    fsm.logical_to_mesh_axes(('batch', 'length'), [('batch', 'data')], strict=True)
+  # Every rule of 'bar' skipped (its axis is taken) counts as unmapped too.
+  with pytest.raises(fsm.ShardingError, match="'bar'"):
+    fsm.logical_to_mesh_axes(('bar', 'foo'), [('foo', 'model'), ('bar', 'model')],
+                             strict=True)
+
+
+def test_logical_to_mesh_axes_warns_for_a_context_mesh_axis_name():
+  import jax
+
+  mesh = jax.make_mesh((2,), ('data',))
+  with jax.set_mesh(mesh):
+    with pytest.warns(fsm.UnmappedMeshAxisNameWarning, match=r"rule \('data', 'data'\)"):
+      assert fsm.logical_to_mesh_axes(('data', None), []) == P(None, None)

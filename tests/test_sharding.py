@@ -436,3 +436,112 @@ def test_shardings_place_real_arrays(mesh):
   assert w2.sharding == NamedSharding(mesh, P('model', None))
   np.testing.assert_array_equal(
       w2, variables['params']['DotReluDot_0']['W2'].value)
+
+
+# strict=, the mesh-axis-name warning, UNCONSTRAINED, large fits
+# ------------------------------------------------------------------------------
+
+
+def _logical_tree(n, names=('embed', 'data')):
+  return {f'layer_{i}': {'w': fsm.LogicalPartitioned(
+      jax.ShapeDtypeStruct((8, 8), jnp.float32), names)} for i in range(n)}
+
+
+def test_mesh_axis_name_as_logical_name_warns_once_per_name(mesh):
+  tree = _logical_tree(12, ('model', 'data'))
+  with pytest.warns(fsm.UnmappedMeshAxisNameWarning) as record:
+    out = fsm.get_sharding(tree, mesh, [('embed', None)])
+  assert out['layer_0']['w'].spec == P(None, None)
+  assert len(record) == 2  # 'model' and 'data', not one per leaf
+  first = str(record[0].message)
+  assert "Logical name 'model'" in first
+  assert "did you mean mesh-axis annotations (`with_partitioning`) or a rule " \
+      "('model', 'model')?" in first
+  assert 'layer_0/w, layer_1/w, layer_10/w' in first and 'and 2 more' in first
+  # A name that is no mesh axis is replicated silently, as documented.
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    fsm.get_sharding(_logical_tree(2, ('embed', 'mlp')), mesh, [])
+
+
+def test_issue_example_logical_to_mesh_sharding_warns(mesh):
+  with pytest.warns(fsm.UnmappedMeshAxisNameWarning, match="'data'.*Concerned: w"):
+    out = fsm.logical_to_mesh_sharding({'w': P('data', None)}, mesh)
+  assert out['w'].spec == P(None, None)
+
+
+def test_strict_get_sharding_lists_every_unmapped_name(mesh):
+  tree = {'a': fsm.LogicalPartitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32),
+                                      ('batch', 'length')),
+          'b': fsm.LogicalPartitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32),
+                                      ('data', None))}
+  with pytest.raises(fsm.ShardingError) as info:
+    fsm.get_sharding(tree, mesh, RULES, strict=True)
+  problems = {(p.path, p.reason.split("'")[1]) for p in info.value.problems}
+  assert problems == {('a', 'length'), ('b', 'data')}
+  by_path = {p.path: p for p in info.value.problems}
+  assert "rule ('data', 'data')" in by_path['b'].hint
+  assert "('length', None)" in by_path['a'].hint
+  # Rules that map every name pass.
+  rules = RULES + (('length', None), ('data', 'data'))
+  out = fsm.get_sharding(tree, mesh, rules, strict=True)
+  assert out['b'].spec == P('data', None)
+
+
+def test_strict_leaves_mesh_axis_annotations_alone(mesh):
+  variables = abstract_vars(Net(16))
+  out = fsm.get_sharding(variables, mesh, strict=True)
+  assert out['params']['DotReluDot_0']['W2'].spec == P('model', None)
+
+
+def test_unconstrained_is_a_problem_for_named_shardings(mesh):
+  tree = {'w': fsm.Partitioned(jax.ShapeDtypeStruct((8, 6), jnp.float32),
+                               ('data', P.UNCONSTRAINED))}
+  with pytest.raises(fsm.ShardingError, match='UNCONSTRAINED .*only valid in a '
+                     'sharding constraint'):
+    fsm.get_sharding(tree, mesh)
+  with pytest.warns(fsm.ShardingFitWarning, match='UNCONSTRAINED -> None'):
+    out = fsm.get_sharding(tree, mesh, fit=True)
+  assert out['w'].spec == P('data', None)
+  # What jit refused before is now accepted.
+  y = jax.jit(lambda: jnp.zeros((8, 6)), out_shardings=out['w'])()
+  assert y.sharding.is_equivalent_to(out['w'], 2)
+
+
+def test_large_fit_warning_summarises_and_lists_lazily(mesh):
+  tree = {f'layer_{i}': {
+      'w': fsm.Partitioned(jax.ShapeDtypeStruct((6,), jnp.float32), ('model',)),
+      'v': fsm.Partitioned(jax.ShapeDtypeStruct((3, 8), jnp.float32), ('data', None)),
+      'ok': fsm.Partitioned(jax.ShapeDtypeStruct((8,), jnp.float32), ('model',)),
+  } for i in range(30)}
+  with pytest.warns(fsm.ShardingFitWarning) as record:
+    fsm.get_sharding(tree, mesh, fit=True)
+  (warning,) = record
+  text = str(warning.message)
+  assert 'replicated 60 dimension(s)' in text
+  assert "30 x dimension 0: 'data' -> None" in text
+  assert 'layer_0/v, layer_1/v, layer_10/v, ...' in text
+  assert text.count('\n') < 10
+  full = warning.message.adjustments
+  assert len(full) == 60
+  assert full[0].startswith("layer_0/v: dimension 0: 'data' -> None")
+  assert full[-1].startswith("layer_9/w: dimension 0: 'model' -> None")
+
+
+def test_few_paths_are_found_without_flattening_the_tree():
+  from flax_shardmeta import _annotation
+
+  tree = {'a': [jnp.ones(2), None, (jnp.ones(1), {'b': jnp.ones(3)})],
+          'c': fsm.Partitioned(jnp.ones(3), ('x',)), 'd': {}, 'e': optax.adam(
+              1e-3).init({'w': jnp.ones(2)})}
+  expected = [_annotation.path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=_annotation._stop)[0]]
+  leaves, _ = _annotation.walk(tree)
+  # Read in reverse so each is found by descent before any full flattening.
+  descended = [lf.path for lf in reversed(leaves)][::-1]
+  assert len(leaves) < _annotation._KeyPaths.DESCENTS
+  assert descended[:4] == expected[:4]
+  assert 'e/0/mu/w' in descended
+  # Made in the flattening pass, when every path will be read: the same.
+  eager, _ = _annotation.walk(tree, every_path=True)
+  assert [lf.path for lf in eager] == descended
