@@ -26,6 +26,7 @@ test-slow: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check flax_shardmeta tests benchmarks
+	$(BIN)/ruff format --check flax_shardmeta tests benchmarks
 	$(BIN)/pyright
 
 bench: $(STAMP)

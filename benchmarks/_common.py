@@ -21,31 +21,33 @@ def machine() -> dict[str, str]:
 
   cpu = 'unknown'
   try:
-    found = re.search(r'^model name\s*:\s*(.+)$', Path('/proc/cpuinfo').read_text(), re.M)
+    found = re.search(
+      r'^model name\s*:\s*(.+)$', Path('/proc/cpuinfo').read_text(), re.M
+    )
     cpu = found.group(1).strip() if found else cpu
   except OSError:
     pass
   return {
-      'load': ', '.join(f'{x:.2f}' for x in os.getloadavg()),
-      'nproc': str(os.cpu_count()),
-      'cpu': cpu,
-      'python': platform.python_version(),
-      'jax': jax.__version__,
-      'flax': flax.__version__,
+    'load': ', '.join(f'{x:.2f}' for x in os.getloadavg()),
+    'nproc': str(os.cpu_count()),
+    'cpu': cpu,
+    'python': platform.python_version(),
+    'jax': jax.__version__,
+    'flax': flax.__version__,
   }
 
 
 def machine_line(info: dict[str, str]) -> str:
   """One sentence naming the machine and software versions."""
   return (
-      f'Machine: {info["nproc"]} CPUs ({info["cpu"]}); Python {info["python"]}, '
-      f'jax {info["jax"]}, flax {info["flax"]}; load average before the runs '
-      f'{info["load"]}.'
+    f'Machine: {info["nproc"]} CPUs ({info["cpu"]}); Python {info["python"]}, '
+    f'jax {info["jax"]}, flax {info["flax"]}; load average before the runs '
+    f'{info["load"]}.'
   )
 
 
 def alternate(
-    candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+  candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
 ) -> dict[str, float]:
   """Median seconds of each candidate, run A B C A B C ... after a warm-up.
 
@@ -76,7 +78,7 @@ def write_section(title: str, body: str, path: Path = ROOT / 'BENCHMARKS.md') ->
     text = text.rstrip('\n') + '\n\n' + section
   else:
     nxt = text.find('\n## ', start + len(title))
-    rest = '' if nxt == -1 else '\n' + text[nxt + 1:]
+    rest = '' if nxt == -1 else '\n' + text[nxt + 1 :]
     text = text[:start] + section + rest
   path.write_text(text)
 

@@ -28,12 +28,18 @@ SECTION = '## Memory: sharded initialization'
 LAYERS, ROWS, COLS = 8, 4096, 16384
 RULES = (('embed', 'data'), ('mlp', 'model'))
 VARIANTS = {
-    'linen-flax-jit': 'Linen, flax boxes: eval_shape -> logical_to_mesh_sharding -> jit(init)',
-    'linen-fsm-jit': 'Linen, fsm boxes: eval_shape -> fsm.get_sharding -> jit(init)',
-    'linen-fsm-sharded-init': 'Linen, fsm boxes: fsm.sharded_init(model.init, mesh)',
-    'nnx-flax-eager': 'NNX, flax nnx.with_partitioning: eager construction under jax.set_mesh',
-    'nnx-flax-jit': 'NNX, flax nnx.with_partitioning: construction under nnx.jit',
-    'nnx-fsm-eager': 'NNX, fsm.nnx.with_logical_partitioning: eager construction under jax.set_mesh',
+  'linen-flax-jit': (
+    'Linen, flax boxes: eval_shape -> logical_to_mesh_sharding -> jit(init)'
+  ),
+  'linen-fsm-jit': 'Linen, fsm boxes: eval_shape -> fsm.get_sharding -> jit(init)',
+  'linen-fsm-sharded-init': 'Linen, fsm boxes: fsm.sharded_init(model.init, mesh)',
+  'nnx-flax-eager': (
+    'NNX, flax nnx.with_partitioning: eager construction under jax.set_mesh'
+  ),
+  'nnx-flax-jit': 'NNX, flax nnx.with_partitioning: construction under nnx.jit',
+  'nnx-fsm-eager': (
+    'NNX, fsm.nnx.with_logical_partitioning: eager construction under jax.set_mesh'
+  ),
 }
 
 
@@ -53,45 +59,65 @@ def worker(variant: str) -> dict[str, float]:
 
   import flax_shardmeta as fsm
 
-  mesh = jax.make_mesh((2, 4), ('data', 'model'),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mesh = jax.make_mesh(
+    (2, 4), ('data', 'model'), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
   key, x = jax.random.key(0), jnp.ones((1,))
   api, kind, how = variant.split('-', 2)
 
   if api == 'linen':
-    wrap = fsm.with_logical_partitioning if kind == 'fsm' else nn.with_logical_partitioning
+    wrap = (
+      fsm.with_logical_partitioning if kind == 'fsm' else nn.with_logical_partitioning
+    )
 
     class Model(nn.Module):
       @nn.compact
       def __call__(self, x):
         for i in range(LAYERS):
-          self.param(f'w{i}', wrap(nn.initializers.lecun_normal(), ('embed', 'mlp')),
-                     (ROWS, COLS))
+          self.param(
+            f'w{i}',
+            wrap(nn.initializers.lecun_normal(), ('embed', 'mlp')),
+            (ROWS, COLS),
+          )
         return x
 
     model = Model()
-    with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES), nn.logical_axis_rules(RULES):
+    with (
+      jax.set_mesh(mesh),
+      fsm.logical_axis_rules(RULES),
+      nn.logical_axis_rules(RULES),
+    ):
       abstract = jax.eval_shape(model.init, key, x)
       if how == 'sharded-init':
         run = fsm.sharded_init(model.init, mesh)
       elif kind == 'fsm':
         run = jax.jit(model.init, out_shardings=fsm.get_sharding(abstract, mesh))
       else:
-        run = jax.jit(model.init, out_shardings=nn.logical_to_mesh_sharding(
-            nn.get_partition_spec(abstract), mesh, RULES))
+        run = jax.jit(
+          model.init,
+          out_shardings=nn.logical_to_mesh_sharding(
+            nn.get_partition_spec(abstract), mesh, RULES
+          ),
+        )
       return _measure(lambda: run(key, x))
 
   if kind == 'fsm':
     kernel_init = fsm.nnx.with_logical_partitioning(
-        nnx.initializers.lecun_normal(), ('embed', 'mlp'))
+      nnx.initializers.lecun_normal(), ('embed', 'mlp')
+    )
   else:
-    kernel_init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ('data', 'model'))
+    kernel_init = nnx.with_partitioning(
+      nnx.initializers.lecun_normal(), ('data', 'model')
+    )
 
   class NnxModel(nnx.Module):
     def __init__(self, rngs):
-      self.layers = nnx.List([
+      self.layers = nnx.List(
+        [
           nnx.Linear(ROWS, COLS, use_bias=False, kernel_init=kernel_init, rngs=rngs)
-          for _ in range(LAYERS)])
+          for _ in range(LAYERS)
+        ]
+      )
 
   with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
     if how == 'jit':
@@ -109,8 +135,11 @@ def _measure(make) -> dict[str, float]:
   out = make()
   jax.block_until_ready(out)
   nbytes = sum(a.nbytes for a in jax.tree.leaves(out))
-  return {'increase': _status('VmHWM') - baseline, 'model': LAYERS * ROWS * COLS * 4,
-          'held': nbytes}
+  return {
+    'increase': _status('VmHWM') - baseline,
+    'model': LAYERS * ROWS * COLS * 4,
+    'held': nbytes,
+  }
 
 
 def llama_case() -> dict[str, float]:
@@ -124,8 +153,9 @@ def llama_case() -> dict[str, float]:
 
   config = dataclasses.replace(models.LLAMA_CONFIGS['llama3-8b'], num_layers=4)
   model = models.Llama(config, jnp.float32)
-  mesh = jax.make_mesh((2, 4), ('data', 'model'),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mesh = jax.make_mesh(
+    (2, 4), ('data', 'model'), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
   key, tokens = jax.random.key(0), jnp.ones((8, 1), jnp.int32)
   with jax.set_mesh(mesh), fsm.logical_axis_rules(models.LLAMA_RULES):
     abstract = jax.eval_shape(model.init, key, tokens)
@@ -136,9 +166,12 @@ def llama_case() -> dict[str, float]:
   chunked = fsm.sharded_init(model.init, mesh, models.LLAMA_RULES)
   chunked = chunked.lower(key, tokens).compile().memory_analysis()
   return {
-      'plan': plan.bytes_per_device, 'leaves': len(jax.tree.leaves(abstract)),
-      'plain_out': plain.output_size_in_bytes, 'plain_temp': plain.temp_size_in_bytes,
-      'out': chunked.output_size_in_bytes, 'temp': chunked.temp_size_in_bytes,
+    'plan': plan.bytes_per_device,
+    'leaves': len(jax.tree.leaves(abstract)),
+    'plain_out': plain.output_size_in_bytes,
+    'plain_temp': plain.temp_size_in_bytes,
+    'out': chunked.output_size_in_bytes,
+    'temp': chunked.temp_size_in_bytes,
   }
 
 
@@ -154,19 +187,23 @@ def main() -> int:
 
   info = machine()
   lines = [
-      'Command: `python benchmarks/memory.py` (each variant in a fresh process).',
-      '',
-      f'Model: {LAYERS} parameters of {ROWS}x{COLS} float32 '
-      f'({LAYERS * ROWS * COLS * 4 / 2**30:.1f} GiB), names (embed, mlp), rules '
-      f'{RULES}, mesh (2, 4) with Auto axes: every byte in exactly one shard.',
-      '',
-      '| variant | peak RSS increase | x model size | target |',
-      '| --- | --- | --- | --- |',
+    'Command: `python benchmarks/memory.py` (each variant in a fresh process).',
+    '',
+    f'Model: {LAYERS} parameters of {ROWS}x{COLS} float32 '
+    f'({LAYERS * ROWS * COLS * 4 / 2**30:.1f} GiB), names (embed, mlp), rules '
+    f'{RULES}, mesh (2, 4) with Auto axes: every byte in exactly one shard.',
+    '',
+    '| variant | peak RSS increase | x model size | target |',
+    '| --- | --- | --- | --- |',
   ]
   ok = True
   for name, label in VARIANTS.items():
-    out = subprocess.run([sys.executable, __file__, '--worker', name],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+      [sys.executable, __file__, '--worker', name],
+      capture_output=True,
+      text=True,
+      check=True,
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     ratio = result['increase'] / result['model']
     if name == 'linen-fsm-jit':
@@ -176,8 +213,9 @@ def main() -> int:
       ok &= ratio <= 1.3
     else:
       target = '(flax, for comparison)'
-    lines.append(f'| {label} | {result["increase"] / 2**30:.2f} GiB | {ratio:.2f}x | '
-                 f'{target} |')
+    lines.append(
+      f'| {label} | {result["increase"] / 2**30:.2f} GiB | {ratio:.2f}x | {target} |'
+    )
     print(lines[-1], flush=True)
   llama = llama_case()
   temp_ratio = llama['temp'] / llama['plan']
@@ -186,40 +224,40 @@ def main() -> int:
   ok &= arrays_out == llama['plan'] and temp_ratio <= 0.25
   mib = 2**20
   lines += [
-      '',
-      'llama3-8b cut to 4 layers, mesh (2, 4), `models.LLAMA_RULES`, float32; '
-      'per-device bytes from `compile().memory_analysis()`:',
-      '',
-      '| program | output | temporaries | temporaries / plan.bytes_per_device |',
-      '| --- | --- | --- | --- |',
-      f'| `jax.jit(model.init, out_shardings=fsm.get_sharding(...))` | '
-      f'{llama["plain_out"] / mib:.1f} MiB | {llama["plain_temp"] / mib:.1f} MiB | '
-      f'{llama["plain_temp"] / llama["plan"]:.2f}x |',
-      f'| `fsm.sharded_init(model.init, mesh)` | {llama["out"] / mib:.1f} MiB | '
-      f'{llama["temp"] / mib:.1f} MiB | {temp_ratio:.2f}x (target <= 0.25x) |',
-      '',
-      f'`plan.bytes_per_device` = {llama["plan"]} bytes; output = '
-      f'{llama["out"]} bytes, of which {8 * llama["leaves"]} are XLA\'s result '
-      f'tuple ({llama["leaves"]} pointers): the arrays take exactly the plan: '
-      f'{arrays_out == llama["plan"]}.',
-      '',
-      'Where the copies come from. (1) jax runs threefry on CPU as a loop whose '
-      'state is two shard-sized uint32 arrays plus a copy: generating a parameter '
-      'takes about 3x its shard in temporaries, whatever the sharding; and XLA '
-      'schedules the generators of independent parameters side by side, so '
-      'several of those sets are alive at once (flax Linen 2.3x). (2) Under '
-      'Explicit axes, or eagerly, the initializer output is first built whole '
-      '(replicated, or on one device) and only then split (flax NNX eager 4.8x). '
-      'Fixes: initializers are run where the sharding is known (jit with '
-      'out_shardings when eager, auto_axes under Explicit axes), and large '
-      'parameters whose values are elementwise in their random bits (normal, '
-      'truncated normal, uniform, variance scaling, constants) are filled chunk '
-      'by chunk on each device from the threefry bits of each chunk\'s own flat '
-      'indices: the same bits jax would give those elements, so the same values. '
-      '`fsm.sharded_init` builds one such program for a whole init (stacked '
-      '`nn.scan` parameters included); fsm.nnx initializers do it per Variable.',
-      '',
-      machine_line(info),
+    '',
+    'llama3-8b cut to 4 layers, mesh (2, 4), `models.LLAMA_RULES`, float32; '
+    'per-device bytes from `compile().memory_analysis()`:',
+    '',
+    '| program | output | temporaries | temporaries / plan.bytes_per_device |',
+    '| --- | --- | --- | --- |',
+    f'| `jax.jit(model.init, out_shardings=fsm.get_sharding(...))` | '
+    f'{llama["plain_out"] / mib:.1f} MiB | {llama["plain_temp"] / mib:.1f} MiB | '
+    f'{llama["plain_temp"] / llama["plan"]:.2f}x |',
+    f'| `fsm.sharded_init(model.init, mesh)` | {llama["out"] / mib:.1f} MiB | '
+    f'{llama["temp"] / mib:.1f} MiB | {temp_ratio:.2f}x (target <= 0.25x) |',
+    '',
+    f'`plan.bytes_per_device` = {llama["plan"]} bytes; output = '
+    f"{llama['out']} bytes, of which {8 * llama['leaves']} are XLA's result "
+    f'tuple ({llama["leaves"]} pointers): the arrays take exactly the plan: '
+    f'{arrays_out == llama["plan"]}.',
+    '',
+    'Where the copies come from. (1) jax runs threefry on CPU as a loop whose '
+    'state is two shard-sized uint32 arrays plus a copy: generating a parameter '
+    'takes about 3x its shard in temporaries, whatever the sharding; and XLA '
+    'schedules the generators of independent parameters side by side, so '
+    'several of those sets are alive at once (flax Linen 2.3x). (2) Under '
+    'Explicit axes, or eagerly, the initializer output is first built whole '
+    '(replicated, or on one device) and only then split (flax NNX eager 4.8x). '
+    'Fixes: initializers are run where the sharding is known (jit with '
+    'out_shardings when eager, auto_axes under Explicit axes), and large '
+    'parameters whose values are elementwise in their random bits (normal, '
+    'truncated normal, uniform, variance scaling, constants) are filled chunk '
+    "by chunk on each device from the threefry bits of each chunk's own flat "
+    'indices: the same bits jax would give those elements, so the same values. '
+    '`fsm.sharded_init` builds one such program for a whole init (stacked '
+    '`nn.scan` parameters included); fsm.nnx initializers do it per Variable.',
+    '',
+    machine_line(info),
   ]
   publish(SECTION, lines, write=not args.no_write)
   return 0 if ok else 1

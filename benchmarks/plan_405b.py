@@ -20,8 +20,16 @@ import time
 from _common import ROOT, machine, write_section
 
 COMMAND = [
-    sys.executable, '-m', 'flax_shardmeta', 'plan', '--model', 'llama3-405b',
-    '--mesh', 'data=512,model=8', '--format', 'json',
+  sys.executable,
+  '-m',
+  'flax_shardmeta',
+  'plan',
+  '--model',
+  'llama3-405b',
+  '--mesh',
+  'data=512,model=8',
+  '--format',
+  'json',
 ]
 TARGET_SECONDS = 5.0
 TARGET_RSS_GIB = 1.5
@@ -43,14 +51,15 @@ def run_once() -> tuple[float, float, int]:
 
 
 def report(
-    walls: list[float], cpus: list[float], rss: list[int], info: dict[str, str]
+  walls: list[float], cpus: list[float], rss: list[int], info: dict[str, str]
 ) -> str:
   """The BENCHMARKS.md section."""
   median = statistics.median(walls)
   peak = max(rss) / 2**30
   ok = median < TARGET_SECONDS and peak < TARGET_RSS_GIB
   shown = ' '.join(c if c != sys.executable else 'python' for c in COMMAND)
-  return '\n'.join([
+  return '\n'.join(
+    [
       SECTION,
       '',
       f'Command (run {len(walls)} times in fresh processes, from the repository root):',
@@ -71,7 +80,7 @@ def report(
       f'Result: {"within" if ok else "MISSES"} the targets.',
       '',
       'Where the time goes (pyinstrument, when this was written): importing '
-      'jax and flax is most of it; tracing the model\'s init under '
+      "jax and flax is most of it; tracing the model's init under "
       '`jax.eval_shape` (one scanned layer) about 0.5 s; laying out the 37 '
       'arrays a few milliseconds, since layouts are cached per distinct '
       'pattern and explanations are only computed when read.',
@@ -81,7 +90,8 @@ def report(
       f'{info["load"]} (other processes share the CPUs; wall time grows with '
       'load, CPU time does not). Measured with `python benchmarks/plan_405b.py`.',
       '',
-  ])
+    ]
+  )
 
 
 def main() -> int:
@@ -97,13 +107,18 @@ def main() -> int:
     walls.append(wall)
     cpus.append(cpu)
     rss.append(peak)
-    print(f'run {i}: {wall:.2f} s wall, {cpu:.2f} s CPU, peak RSS {peak / 2**20:.0f} MiB')
+    print(
+      f'run {i}: {wall:.2f} s wall, {cpu:.2f} s CPU, peak RSS {peak / 2**20:.0f} MiB'
+    )
   section = report(walls, cpus, rss, info)
   if not args.no_write:
-    write_section(SECTION, section[len(SECTION):])
+    write_section(SECTION, section[len(SECTION) :])
   print(section)
-  return 0 if statistics.median(walls) < TARGET_SECONDS and \
-      max(rss) < TARGET_RSS_GIB * 2**30 else 1
+  return (
+    0
+    if statistics.median(walls) < TARGET_SECONDS and max(rss) < TARGET_RSS_GIB * 2**30
+    else 1
+  )
 
 
 if __name__ == '__main__':

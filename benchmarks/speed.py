@@ -46,10 +46,19 @@ from jax.sharding import PartitionSpec  # noqa: E402
 import flax_shardmeta as fsm  # noqa: E402
 
 SECTION = '## Speed: get_sharding and tracing overhead'
-RULES = (('batch', 'data'), ('embed', None), ('mlp', 'model'),
-         ('heads', 'model'), ('kv', None))
-PATTERNS = (((512, 2048), ('embed', 'mlp')), ((2048, 512), ('mlp', 'embed')),
-            ((512, 8, 64), ('embed', 'heads', 'kv')), ((512,), ('embed',)))
+RULES = (
+  ('batch', 'data'),
+  ('embed', None),
+  ('mlp', 'model'),
+  ('heads', 'model'),
+  ('kv', None),
+)
+PATTERNS = (
+  ((512, 2048), ('embed', 'mlp')),
+  ((2048, 512), ('mlp', 'embed')),
+  ((512, 8, 64), ('embed', 'heads', 'kv')),
+  ((512,), ('embed',)),
+)
 
 
 def get_sharding_case(repeats: int) -> dict[str, float]:
@@ -57,24 +66,32 @@ def get_sharding_case(repeats: int) -> dict[str, float]:
 
   def tree(box):
     return {
-        f'layer_{i}': {
-            f'w{j}': box(jax.ShapeDtypeStruct(shape, jnp.float32), names)
-            for j, (shape, names) in enumerate(PATTERNS)
-        }
-        for i in range(20_000 // len(PATTERNS))
+      f'layer_{i}': {
+        f'w{j}': box(jax.ShapeDtypeStruct(shape, jnp.float32), names)
+        for j, (shape, names) in enumerate(PATTERNS)
+      }
+      for i in range(20_000 // len(PATTERNS))
     }
 
   ours, theirs = tree(fsm.LogicalPartitioned), tree(nn.LogicallyPartitioned)
-  return alternate({
+  return alternate(
+    {
       'flax': lambda: nn.logical_to_mesh_sharding(
-          nn.get_partition_spec(theirs), mesh, RULES),
+        nn.get_partition_spec(theirs), mesh, RULES
+      ),
       'fsm': lambda: fsm.get_sharding(ours, mesh, RULES),
-  }, repeats)
+    },
+    repeats,
+  )
 
 
-FIT_PATTERNS = (((512, 2048), (None, 'model')), ((2048, 512), ('model', None)),
-                ((512, 8, 64), (None, 'model', None)), ((2050,), ('model',)),
-                ((512,), (None,)))
+FIT_PATTERNS = (
+  ((512, 2048), (None, 'model')),
+  ((2048, 512), ('model', None)),
+  ((512, 8, 64), (None, 'model', None)),
+  ((2050,), ('model',)),
+  ((512,), (None,)),
+)
 """Five leaves per layer; the (2050,) bias is not divisible by 'model'=4."""
 
 
@@ -88,11 +105,11 @@ def fit_case(repeats: int) -> dict[str, float] | None:
 
   def tree(leaf):
     return {
-        f'layer_{i}': {
-            f'w{j}': leaf(jax.ShapeDtypeStruct(shape, jnp.float32), names)
-            for j, (shape, names) in enumerate(FIT_PATTERNS)
-        }
-        for i in range(20_000 // len(FIT_PATTERNS))
+      f'layer_{i}': {
+        f'w{j}': leaf(jax.ShapeDtypeStruct(shape, jnp.float32), names)
+        for j, (shape, names) in enumerate(FIT_PATTERNS)
+      }
+      for i in range(20_000 // len(FIT_PATTERNS))
     }
 
   ours = tree(fsm.Partitioned)
@@ -110,14 +127,19 @@ def fit_case(repeats: int) -> dict[str, float] | None:
       warnings.simplefilter('ignore', DeprecationWarning)
       with mesh:
         return jax.tree_util.tree_map(
-            lambda x, spec: escale.get_corrected_named_sharding(x.shape, spec),
-            shapes, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+          lambda x, spec: escale.get_corrected_named_sharding(x.shape, spec),
+          shapes,
+          specs,
+          is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
 
   ref = jax.tree_util.tree_leaves(eformer_fit())
   got = jax.tree_util.tree_leaves(fsm_fit())
   # Same layouts, so the timing compares the same work.
-  assert all(a.is_equivalent_to(b, len(s.shape)) for a, b, s in
-             zip(ref, got, jax.tree_util.tree_leaves(shapes))), 'layouts differ'
+  assert all(
+    a.is_equivalent_to(b, len(s.shape))
+    for a, b, s in zip(ref, got, jax.tree_util.tree_leaves(shapes))
+  ), 'layouts differ'
   return alternate({'eformer': eformer_fit, 'fsm': fsm_fit}, repeats)
 
 
@@ -132,10 +154,16 @@ def _linen_model(kind: str) -> nn.Module:
   class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
-      h = nn.Dense(256, kernel_init=wrap(nn.initializers.lecun_normal(), ('embed', 'mlp')),
-                   bias_init=wrap(nn.initializers.zeros, ('mlp',)))(x)
-      return nn.Dense(64, kernel_init=wrap(nn.initializers.lecun_normal(), ('mlp', 'embed')),
-                      bias_init=wrap(nn.initializers.zeros, ('embed',)))(nn.relu(h))
+      h = nn.Dense(
+        256,
+        kernel_init=wrap(nn.initializers.lecun_normal(), ('embed', 'mlp')),
+        bias_init=wrap(nn.initializers.zeros, ('mlp',)),
+      )(x)
+      return nn.Dense(
+        64,
+        kernel_init=wrap(nn.initializers.lecun_normal(), ('mlp', 'embed')),
+        bias_init=wrap(nn.initializers.zeros, ('embed',)),
+      )(nn.relu(h))
 
   class Model(nn.Module):
     @nn.compact
@@ -151,8 +179,9 @@ def linen_trace_case(repeats: int) -> dict[str, float]:
   x, key = jnp.ones((8, 64)), jax.random.key(0)
   models = {k: _linen_model(k) for k in ('none', 'flax', 'fsm')}
   return alternate(
-      {k: (lambda m=m: jax.make_jaxpr(m.init)(key, x)) for k, m in models.items()},
-      repeats)
+    {k: (lambda m=m: jax.make_jaxpr(m.init)(key, x)) for k, m in models.items()},
+    repeats,
+  )
 
 
 def nnx_trace_case(repeats: int) -> dict[str, float]:
@@ -167,9 +196,13 @@ def nnx_trace_case(repeats: int) -> dict[str, float]:
   def build(kind):
     class Model(nnx.Module):
       def __init__(self, rngs):
-        self.layers = nnx.List([
+        self.layers = nnx.List(
+          [
             nnx.Linear(64, 64, kernel_init=init(kind, ('embed', 'mlp')), rngs=rngs)
-            for _ in range(48)])
+            for _ in range(48)
+          ]
+        )
+
     return lambda: nnx.eval_shape(lambda: Model(nnx.Rngs(0)))
 
   return alternate({k: build(k) for k in ('none', 'flax', 'fsm')}, repeats)
@@ -186,26 +219,53 @@ def main() -> int:
   lt = linen_trace_case(args.repeats)
   nt = nnx_trace_case(args.repeats)
   rows = [
-      ('`get_sharding`, 20,000 leaves, validated', 'flax', gs['flax'], gs['fsm'],
-       '<= 0.5x', None),
-      ('`get_sharding(fit=True)`, 20,000 leaves, 4,000 replicated dimensions',
-       'eformer 0.0.101', None if fc is None else fc['eformer'],
-       None if fc is None else fc['fsm'], '<= 0.5x', None),
-      ('Linen `make_jaxpr(model.init)`, 48 unrolled layers', 'flax', lt['flax'],
-       lt['fsm'], '<= 1.05x', lt['fsm'] / lt['none']),
-      ('NNX construction under `nnx.eval_shape`, 48 layers', 'flax', nt['flax'],
-       nt['fsm'], '<= 1.05x', nt['fsm'] / nt['none']),
+    (
+      '`get_sharding`, 20,000 leaves, validated',
+      'flax',
+      gs['flax'],
+      gs['fsm'],
+      '<= 0.5x',
+      None,
+    ),
+    (
+      '`get_sharding(fit=True)`, 20,000 leaves, 4,000 replicated dimensions',
+      'eformer 0.0.101',
+      None if fc is None else fc['eformer'],
+      None if fc is None else fc['fsm'],
+      '<= 0.5x',
+      None,
+    ),
+    (
+      'Linen `make_jaxpr(model.init)`, 48 unrolled layers',
+      'flax',
+      lt['flax'],
+      lt['fsm'],
+      '<= 1.05x',
+      lt['fsm'] / lt['none'],
+    ),
+    (
+      'NNX construction under `nnx.eval_shape`, 48 layers',
+      'flax',
+      nt['flax'],
+      nt['fsm'],
+      '<= 1.05x',
+      nt['fsm'] / nt['none'],
+    ),
   ]
   lines = [
-      'Command: `python benchmarks/speed.py` (medians of '
-      f'{args.repeats} alternating runs after a warm-up, one process)'
-      + ('' if fc is None else
-         ', run by the Python of the throwaway eformer environment described '
-         'in its docstring') + '.',
-      '',
-      '| work | baseline | baseline (s) | flax_shardmeta (s) | ratio | target '
-      '| ratio to no annotation |',
-      '| --- | --- | --- | --- | --- | --- | --- |',
+    'Command: `python benchmarks/speed.py` (medians of '
+    f'{args.repeats} alternating runs after a warm-up, one process)'
+    + (
+      ''
+      if fc is None
+      else ', run by the Python of the throwaway eformer environment described '
+      'in its docstring'
+    )
+    + '.',
+    '',
+    '| work | baseline | baseline (s) | flax_shardmeta (s) | ratio | target '
+    '| ratio to no annotation |',
+    '| --- | --- | --- | --- | --- | --- | --- |',
   ]
   ok = True
   for name, baseline, a, b, target, vs_none in rows:
@@ -214,35 +274,37 @@ def main() -> int:
       continue
     ratio = b / a
     ok &= ratio <= float(target.strip('<= x'))
-    lines.append(f'| {name} | {baseline} | {a:.4f} | {b:.4f} | {ratio:.2f}x | '
-                 f'{target} | {"-" if vs_none is None else f"{vs_none:.2f}x"} |')
+    lines.append(
+      f'| {name} | {baseline} | {a:.4f} | {b:.4f} | {ratio:.2f}x | '
+      f'{target} | {"-" if vs_none is None else f"{vs_none:.2f}x"} |'
+    )
   lines += [
-      '',
-      'Why get_sharding is cheaper: annotations are interned and each distinct '
-      '(shape, annotation, rules, mesh) is resolved, validated and turned into a '
-      'NamedSharding once; the walk stops at boxes with a per-type lookup '
-      'instead of isinstance checks against ABCs, and key paths are only '
-      'computed when a problem must be reported.',
-      '',
-      'Fit mode against eformer: both replicate exactly the same dimensions '
-      '(checked before timing). flax_shardmeta fits each distinct layout once; '
-      'its warning lists every kind of change with a few example paths, found '
-      'by descending the tree, and builds the full per-path list only when '
-      "the warning's `adjustments` is read. eformer corrects every leaf anew "
-      '(on jax 0.10 its mesh lookup also goes through the deprecated '
-      '`pxla.thread_resources`, a DeprecationWarning per leaf, ignored here). '
-      'When every adjusted path was built for the warning, the same case '
-      'measured 0.62x (and 1.56x-1.80x on a tree with 8,000 changes). When '
-      'eformer cannot be imported the row says "not installed"; the module '
-      'docstring shows a throwaway environment to measure it in.',
-      '',
-      'Tracing: the ratios move by about +-5% from run to run on this shared '
-      '2-core machine (0.95x-1.06x seen). cProfile attributes under 1% of the '
-      'traced time to flax_shardmeta itself (the box wrappers, the mesh lookup '
-      'and the layout step of each initializer); the rest is the initializers '
-      'and flax, the same work in every variant.',
-      '',
-      machine_line(info),
+    '',
+    'Why get_sharding is cheaper: annotations are interned and each distinct '
+    '(shape, annotation, rules, mesh) is resolved, validated and turned into a '
+    'NamedSharding once; the walk stops at boxes with a per-type lookup '
+    'instead of isinstance checks against ABCs, and key paths are only '
+    'computed when a problem must be reported.',
+    '',
+    'Fit mode against eformer: both replicate exactly the same dimensions '
+    '(checked before timing). flax_shardmeta fits each distinct layout once; '
+    'its warning lists every kind of change with a few example paths, found '
+    'by descending the tree, and builds the full per-path list only when '
+    "the warning's `adjustments` is read. eformer corrects every leaf anew "
+    '(on jax 0.10 its mesh lookup also goes through the deprecated '
+    '`pxla.thread_resources`, a DeprecationWarning per leaf, ignored here). '
+    'When every adjusted path was built for the warning, the same case '
+    'measured 0.62x (and 1.56x-1.80x on a tree with 8,000 changes). When '
+    'eformer cannot be imported the row says "not installed"; the module '
+    'docstring shows a throwaway environment to measure it in.',
+    '',
+    'Tracing: the ratios move by about +-5% from run to run on this shared '
+    '2-core machine (0.95x-1.06x seen). cProfile attributes under 1% of the '
+    'traced time to flax_shardmeta itself (the box wrappers, the mesh lookup '
+    'and the layout step of each initializer); the rest is the initializers '
+    'and flax, the same work in every variant.',
+    '',
+    machine_line(info),
   ]
   publish(SECTION, lines, write=not args.no_write)
   return 0 if ok else 1

@@ -51,9 +51,20 @@ class Annotation:
 
   def __post_init__(self) -> None:
     # Annotations key every layout cache lookup: hash the content once.
-    object.__setattr__(self, '_hash', hash((
-        self.names, self.logical, self.rules, self.mesh,
-        self.keep_mesh_names, self.optimizer_state)))
+    object.__setattr__(
+      self,
+      '_hash',
+      hash(
+        (
+          self.names,
+          self.logical,
+          self.rules,
+          self.mesh,
+          self.keep_mesh_names,
+          self.optimizer_state,
+        )
+      ),
+    )
 
   def __hash__(self) -> int:
     return self._hash
@@ -61,12 +72,12 @@ class Annotation:
 
 @functools.lru_cache(maxsize=65536)
 def interned(
-    names: tuple[Any, ...],
-    logical: bool = False,
-    rules: tuple[tuple[str, Any], ...] | None = None,
-    mesh: AnyMesh | None = None,
-    keep_mesh_names: bool = False,
-    optimizer_state: bool = False,
+  names: tuple[Any, ...],
+  logical: bool = False,
+  rules: tuple[tuple[str, Any], ...] | None = None,
+  mesh: AnyMesh | None = None,
+  keep_mesh_names: bool = False,
+  optimizer_state: bool = False,
 ) -> Annotation:
   """One shared Annotation per distinct content, so caches keyed on it hit fast."""
   return Annotation(names, logical, rules, mesh, keep_mesh_names, optimizer_state)
@@ -92,7 +103,7 @@ _OPTIMIZER = object()
 
 
 def register_annotation_type(
-    kind: type, read: Reader, rebuild: Rebuild | None = None
+  kind: type, read: Reader, rebuild: Rebuild | None = None
 ) -> None:
   """Teaches flax_shardmeta a new annotated leaf type.
 
@@ -166,9 +177,9 @@ def rebuild(x: Any, result: Any) -> Any:
 
 def _is_optax_state_type(t: type) -> bool:
   return (
-      issubclass(t, tuple)
-      and hasattr(t, '_fields')
-      and t.__module__.split('.', 1)[0] == 'optax'
+    issubclass(t, tuple)
+    and hasattr(t, '_fields')
+    and t.__module__.split('.', 1)[0] == 'optax'
   )
 
 
@@ -202,8 +213,10 @@ class _KeyPaths:
   DESCENTS = 64
 
   def __init__(
-      self, tree: PyTree, treedef: Any = None,
-      keys: list[tuple[Any, ...]] | None = None,
+    self,
+    tree: PyTree,
+    treedef: Any = None,
+    keys: list[tuple[Any, ...]] | None = None,
   ):
     self._tree = tree
     self._treedef = treedef
@@ -212,8 +225,11 @@ class _KeyPaths:
     self._descents = 0
 
   def __getitem__(self, i: int) -> tuple[Any, ...]:
-    if self._keys is None and self._treedef is not None and (
-        self._descents < self.DESCENTS):
+    if (
+      self._keys is None
+      and self._treedef is not None
+      and (self._descents < self.DESCENTS)
+    ):
       self._descents += 1
       return self._descend(i)
     if self._keys is None:
@@ -244,7 +260,8 @@ class _KeyPaths:
       if defs:
         # One level only: every child is a leaf of this flattening.
         flat, _ = jax.tree_util.tree_flatten_with_path(
-            node, is_leaf=lambda x: x is not node)
+          node, is_leaf=lambda x: x is not node
+        )
         kids = [(k[0], x, d, d.num_leaves) for (k, x), d in zip(flat, defs)]
       else:
         kids = []
@@ -257,8 +274,15 @@ class Leaf:
 
   __slots__ = ('_paths', '_index', 'leaf', 'value', 'annotation', '_prefix')
 
-  def __init__(self, paths: Any, index: int, leaf: Any, value: Any,
-               annotation: Annotation | None, prefix: Any = ''):
+  def __init__(
+    self,
+    paths: Any,
+    index: int,
+    leaf: Any,
+    value: Any,
+    annotation: Annotation | None,
+    prefix: Any = '',
+  ):
     self._paths = paths
     self._index = index
     self.leaf = leaf
@@ -289,7 +313,7 @@ def _stop(x: Any) -> bool:
 
 
 def walk(
-    tree: PyTree, every_path: bool = False
+  tree: PyTree, every_path: bool = False
 ) -> tuple[list[Leaf], Callable[[list[Any]], PyTree]]:
   """Flattens ``tree`` down to annotated leaves and plain leaves.
 
@@ -336,7 +360,7 @@ def walk(
       out.extend(results[pos:start])
       if isinstance(fix[0], int):
         n, sub_build = fix
-        out.append(sub_build(results[start:start + n]))
+        out.append(sub_build(results[start : start + n]))
         pos = start + n
       else:
         fn, leaf = fix

@@ -31,11 +31,11 @@ from flax_shardmeta._rules import (
 )
 from flax_shardmeta._specs import format_spec, unassigned_to_none
 from flax_shardmeta._typing import (
-    AnyMesh,
-    BoxingInitializer,
-    LogicalNames,
-    LogicalRules,
-    PyTree,
+  AnyMesh,
+  BoxingInitializer,
+  LogicalNames,
+  LogicalRules,
+  PyTree,
 )
 from flax_shardmeta._validate import rank_issue
 
@@ -98,14 +98,14 @@ class Partitioned(meta.AxisMetadata[A], Generic[A]):
     names = list(self.names)
     if not -len(names) <= index < len(names):
       raise InvalidNamesError(
-          f'Cannot remove axis {index} from names {format_spec(self.names)}: '
-          f'there are only {len(names)} names.'
+        f'Cannot remove axis {index} from names {format_spec(self.names)}: '
+        f'there are only {len(names)} names.'
       )
     if names[index] != name:
       raise InvalidNamesError(
-          f'Cannot remove axis {index} named {name!r} from names '
-          f'{format_spec(self.names)}: that position holds {names[index]!r}. '
-          'Pass the same metadata_params to the transform that added it.'
+        f'Cannot remove axis {index} named {name!r} from names '
+        f'{format_spec(self.names)}: that position holds {names[index]!r}. '
+        'Pass the same metadata_params to the transform that added it.'
       )
     del names[index]
     return self._with(names=tuple(names))
@@ -129,11 +129,11 @@ class Partitioned(meta.AxisMetadata[A], Generic[A]):
     """Metadata for an ``nnx.Variable`` (used by ``nnx.bridge``)."""
     # nnx.bridge builds the Variable from this dict alone, value included.
     return {
-        'value': self.value,
-        'out_sharding': self.names,
-        'mesh': self.mesh,
-        'fsm_logical': False,
-        'eager_sharding': False,
+      'value': self.value,
+      'out_sharding': self.names,
+      'mesh': self.mesh,
+      'fsm_logical': False,
+      'eager_sharding': False,
     }
 
   @classmethod
@@ -157,8 +157,7 @@ class Partitioned(meta.AxisMetadata[A], Generic[A]):
     if type(other) is not type(self):
       return NotImplemented
     same_value = self.value is other.value or (
-        isinstance(self.value, jax.ShapeDtypeStruct)
-        and self.value == other.value
+      isinstance(self.value, jax.ShapeDtypeStruct) and self.value == other.value
     )
     return same_value and self._static() == other._static()
 
@@ -171,8 +170,9 @@ class Partitioned(meta.AxisMetadata[A], Generic[A]):
     else:
       shown = repr(value)
     extra = ''.join(
-        f', {k}={v!r}' for k, v in zip(('mesh', 'rules'), self._static()[1:])
-        if v is not None
+      f', {k}={v!r}'
+      for k, v in zip(('mesh', 'rules'), self._static()[1:])
+      if v is not None
     )
     return f'{type(self).__name__}({shown}, names={format_spec(self.names)}{extra})'
 
@@ -193,11 +193,11 @@ class LogicalPartitioned(Partitioned[A]):
   __slots__ = ('_rules',)
 
   def __init__(
-      self,
-      value: A,
-      names: LogicalNames,
-      mesh: AnyMesh | None = None,
-      rules: LogicalRules | None = None,
+    self,
+    value: A,
+    names: LogicalNames,
+    mesh: AnyMesh | None = None,
+    rules: LogicalRules | None = None,
   ):
     super().__init__(value, names, mesh)
     self._rules = normalize_rules(rules) if rules is not None else None
@@ -211,14 +211,21 @@ class LogicalPartitioned(Partitioned[A]):
     return self._rules
 
   def to_nnx_metadata(self) -> dict[str, Any]:
-    return {**super().to_nnx_metadata(), 'fsm_logical': True,
-            'sharding_rules': self._rules}
+    return {
+      **super().to_nnx_metadata(),
+      'fsm_logical': True,
+      'sharding_rules': self._rules,
+    }
 
   @classmethod
   def from_nnx_metadata(cls, metadata: dict[str, Any]) -> LogicalPartitioned[Any]:
     value: Any = metadata.get('value')
-    return cls(value, metadata['out_sharding'], mesh=metadata.get('mesh'),
-               rules=metadata.get('sharding_rules'))
+    return cls(
+      value,
+      metadata['out_sharding'],
+      mesh=metadata.get('mesh'),
+      rules=metadata.get('sharding_rules'),
+    )
 
   def _static(self) -> tuple[Any, ...]:
     return (self.names, self.mesh, self._rules)
@@ -236,8 +243,8 @@ def as_names(names: Any) -> tuple[Any, ...]:
   """Names as a tuple (lists become tuples); a bare string is refused."""
   if isinstance(names, str):
     raise InvalidNamesError(
-        f'names must be a sequence with one entry per dimension, got the '
-        f'string {names!r}; write ({names!r},) for a rank-1 value.'
+      f'names must be a sequence with one entry per dimension, got the '
+      f'string {names!r}; write ({names!r},) for a rank-1 value.'
     )
   return tuple(tuple(n) if isinstance(n, list) else n for n in names)
 
@@ -262,7 +269,7 @@ def _unflatten(aux: tuple[type, tuple[Any, ...]], children: Any):
 
 for _cls in (Partitioned, LogicalPartitioned):
   jax.tree_util.register_pytree_with_keys(
-      _cls, _flatten_with_keys, _unflatten, _flatten
+    _cls, _flatten_with_keys, _unflatten, _flatten
   )
 
 
@@ -285,17 +292,22 @@ def constrain_box(box: Partitioned[Any]) -> Any:
     entries = box.names
   if len(entries) != len(value.shape):
     reason, hint, _ = rank_issue(len(entries), len(value.shape))
-    raise ShardingError([ShardingProblem(
-        '<unboxed parameter>', tuple(value.shape), box.names, None, reason,
-        hint)], context=' (fsm.plan or fsm.get_sharding name the path)')
+    raise ShardingError(
+      [
+        ShardingProblem(
+          '<unboxed parameter>', tuple(value.shape), box.names, None, reason, hint
+        )
+      ],
+      context=' (fsm.plan or fsm.get_sharding name the path)',
+    )
   return apply_spec(value, entries, mesh, names=box.names)
 
 
 def with_partitioning(
-    init_fn: Callable[..., Any],
-    names: LogicalNames,
-    *,
-    mesh: AnyMesh | None = None,
+  init_fn: Callable[..., Any],
+  names: LogicalNames,
+  *,
+  mesh: AnyMesh | None = None,
 ) -> BoxingInitializer:
   """Wraps an initializer so its result is boxed with mesh-axis ``names``.
 
@@ -314,11 +326,11 @@ def with_partitioning(
 
 
 def with_logical_partitioning(
-    init_fn: Callable[..., Any],
-    names: LogicalNames,
-    *,
-    mesh: AnyMesh | None = None,
-    rules: LogicalRules | None = None,
+  init_fn: Callable[..., Any],
+  names: LogicalNames,
+  *,
+  mesh: AnyMesh | None = None,
+  rules: LogicalRules | None = None,
 ) -> BoxingInitializer:
   """Wraps an initializer so its result is boxed with logical ``names``.
 
@@ -330,8 +342,7 @@ def with_logical_partitioning(
 
   @functools.wraps(init_fn)
   def wrapper(*args: Any, **kwargs: Any) -> LogicalPartitioned[Any]:
-    value = generate(
-        init_fn, args, kwargs, names, mesh, logical=True, rules=rules)
+    value = generate(init_fn, args, kwargs, names, mesh, logical=True, rules=rules)
     return LogicalPartitioned(value, names, mesh=mesh, rules=rules)
 
   return wrapper
@@ -352,7 +363,7 @@ def unbox(tree: PyTree) -> PyTree:
     {'w': Array([0., 0.], dtype=float32)}
   """
   return jax.tree_util.tree_map(
-      lambda x: unbox(_raw(x)) if is_box(x) else x, tree, is_leaf=is_box
+    lambda x: unbox(_raw(x)) if is_box(x) else x, tree, is_leaf=is_box
   )
 
 

@@ -19,7 +19,7 @@ from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 
 
 def as_abstract(
-    tree: PyTree, mesh: AnyMesh, rules: LogicalRules | None = None
+  tree: PyTree, mesh: AnyMesh, rules: LogicalRules | None = None
 ) -> PyTree:
   """``tree`` with ``ShapeDtypeStruct`` leaves carrying the planned shardings.
 
@@ -46,7 +46,9 @@ def as_abstract(
   """
   p = plan(tree, mesh, rules)
   if p.problems:
-    raise ShardingError(p.problems, f' on mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}')
+    raise ShardingError(
+      p.problems, f' on mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}'
+    )
   specs = {e.path: e.spec for e in p.entries}
   leaves, build = ann_lib.walk(tree)
   return build([_abstract_leaf(lf, specs.get(lf.path), mesh) for lf in leaves])
@@ -56,6 +58,7 @@ def _abstract_leaf(lf: ann_lib.Leaf, spec: Any, mesh: AnyMesh) -> Any:
   if spec is None:
     return lf.leaf
   struct = jax.ShapeDtypeStruct(
-      lf.value.shape, lf.value.dtype, sharding=named_sharding(mesh, spec))
+    lf.value.shape, lf.value.dtype, sharding=named_sharding(mesh, spec)
+  )
   replace = getattr(lf.leaf, 'replace_boxed', None)
   return replace(struct) if callable(replace) else struct

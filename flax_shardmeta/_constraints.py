@@ -1,4 +1,4 @@
-"""Applying a layout to a value by names: ``shard_value`` and ``with_logical_constraint``.
+"""Laying values out by names: ``shard_value`` and ``with_logical_constraint``.
 
 Both resolve names through the rules and place the value with
 ``_placement.apply_spec``, eagerly, inside ``jit`` and inside ``shard_map``.
@@ -16,9 +16,9 @@ from flax_shardmeta._annotation import path_str
 from flax_shardmeta._errors import ShardingError, ShardingProblem
 from flax_shardmeta._placement import apply_spec, context_mesh, require_mesh
 from flax_shardmeta._rules import (
-    get_logical_axis_rules,
-    normalize_rules,
-    resolve,
+  get_logical_axis_rules,
+  normalize_rules,
+  resolve,
 )
 from flax_shardmeta._sharding import warn_adjustments
 from flax_shardmeta._specs import UNASSIGNED, unassigned_to_none
@@ -50,15 +50,15 @@ class RulesFallback(enum.Enum):
 
 
 def shard_value(
-    value: Any,
-    names: LogicalNames | PartitionSpec | PyTree,
-    rules: LogicalRules | None = None,
-    mesh: AnyMesh | None = None,
-    *,
-    path: str = '<value>',
-    logical: bool | None = None,
-    fit: bool = False,
-    strict: bool = False,
+  value: Any,
+  names: LogicalNames | PartitionSpec | PyTree,
+  rules: LogicalRules | None = None,
+  mesh: AnyMesh | None = None,
+  *,
+  path: str = '<value>',
+  logical: bool | None = None,
+  fit: bool = False,
+  strict: bool = False,
 ) -> Any:
   """Lays ``value`` out as ``names`` say, eagerly or inside ``jit``.
 
@@ -131,8 +131,7 @@ def shard_value(
       entries = unassigned_to_none(resolved)
       missing = unmapped_names(n, resolved, UNASSIGNED)
       if missing:
-        unmapped.append(Unmapped(
-            where, _shape(x), n, PartitionSpec(*entries), missing))
+        unmapped.append(Unmapped(where, _shape(x), n, PartitionSpec(*entries), missing))
         if strict:
           return x  # reported with every other leaf's below
     return _place(x, entries, mesh, where, n, fit, changes)
@@ -156,20 +155,24 @@ def _shape(x: Any) -> tuple[int, ...]:
 def _is_single(value: Any) -> bool:
   """Whether ``value`` is one array-like leaf, not a container of them."""
   return hasattr(value, 'shape') or jax.tree_util.treedef_is_leaf(
-      jax.tree_util.tree_structure(value))
+    jax.tree_util.tree_structure(value)
+  )
 
 
 def _tree_given(value: Any, names: Any, path: str) -> ShardingProblem:
   n = len(jax.tree_util.tree_leaves(value))
   return ShardingProblem(
-      path, None, tuple(names), None,
-      f'a pytree ({type(value).__name__} with {n} leaves) was given where one '
-      'array is expected',
-      'give one names tuple per array as a tree of the same structure, e.g. '
-      "shard_value({'a': x, 'b': y}, {'a': ('data', None), 'b': (None,)}), "
-      'map over the tree (jax.tree.map(lambda v: fsm.shard_value(v, names), '
-      'tree)), or lay out an annotated tree with fsm.get_sharding and '
-      'jax.device_put',
+    path,
+    None,
+    tuple(names),
+    None,
+    f'a pytree ({type(value).__name__} with {n} leaves) was given where one '
+    'array is expected',
+    'give one names tuple per array as a tree of the same structure, e.g. '
+    "shard_value({'a': x, 'b': y}, {'a': ('data', None), 'b': (None,)}), "
+    'map over the tree (jax.tree.map(lambda v: fsm.shard_value(v, names), '
+    'tree)), or lay out an annotated tree with fsm.get_sharding and '
+    'jax.device_put',
   )
 
 
@@ -179,15 +182,22 @@ def _map_names(one: Any, names: Any, value: Any, path: str) -> Any:
   try:
     values = treedef.flatten_up_to(value)
   except (ValueError, TypeError) as e:
-    raise ShardingError([ShardingProblem(
-        path, None, None, None,
-        f'the names tree does not match the value tree: {e}',
-        'give one names tuple (or None) per array, in a tree of the same '
-        'structure as the value',
-    )]) from None
+    raise ShardingError(
+      [
+        ShardingProblem(
+          path,
+          None,
+          None,
+          None,
+          f'the names tree does not match the value tree: {e}',
+          'give one names tuple (or None) per array, in a tree of the same '
+          'structure as the value',
+        )
+      ]
+    ) from None
   out = [
-      x if n is None else one(x, n, _join(path, path_str(k)))
-      for (k, n), x in zip(flat, values)
+    x if n is None else one(x, n, _join(path, path_str(k)))
+    for (k, n), x in zip(flat, values)
   ]
   return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -197,8 +207,13 @@ def _join(root: str, sub: str) -> str:
 
 
 def _place(
-    x: Any, entries: tuple[Any, ...], mesh: AnyMesh, where: str, names: Any,
-    fit: bool, changes: list[tuple[str, tuple[str, ...]]],
+  x: Any,
+  entries: tuple[Any, ...],
+  mesh: AnyMesh,
+  where: str,
+  names: Any,
+  fit: bool,
+  changes: list[tuple[str, tuple[str, ...]]],
 ) -> Any:
   fitted: list[str] | None = [] if fit else None
   out = apply_spec(x, entries, mesh, path=where, names=names, fit_changes=fitted)
@@ -208,7 +223,7 @@ def _place(
 
 
 def _report(
-    unmapped: list[Unmapped], mesh: AnyMesh, strict: bool, also: str = ''
+  unmapped: list[Unmapped], mesh: AnyMesh, strict: bool, also: str = ''
 ) -> None:
   """Warns about unmapped mesh-axis names, or raises them all when strict.
 
@@ -216,23 +231,22 @@ def _report(
   name of the call is raised together.
   """
   # warn <- report_unmapped <- _report <- shard_value / constraint <- user.
-  problems = report_unmapped(unmapped, mesh.axis_names, strict, stacklevel=4,
-                             also=also)
+  problems = report_unmapped(unmapped, mesh.axis_names, strict, stacklevel=4, also=also)
   if problems:
     raise ShardingError(problems)
 
 
 def _constrain_one(
-    x: Any,
-    names: Any,
-    rules: tuple[tuple[str, Any], ...],
-    mesh: AnyMesh,
-    fallback: RulesFallback,
-    strict: bool,
-    where: str,
-    fit: bool,
-    changes: list[tuple[str, tuple[str, ...]]],
-    unmapped: list[Unmapped],
+  x: Any,
+  names: Any,
+  rules: tuple[tuple[str, Any], ...],
+  mesh: AnyMesh,
+  fallback: RulesFallback,
+  strict: bool,
+  where: str,
+  fit: bool,
+  changes: list[tuple[str, tuple[str, ...]]],
+  unmapped: list[Unmapped],
 ) -> Any:
   if names is None:
     return x
@@ -242,41 +256,51 @@ def _constrain_one(
   missing = unmapped_names(names, resolved, UNASSIGNED)
   if missing:
     if strict:
-      unmapped.append(Unmapped(where, _shape(x), names, PartitionSpec(*entries),
-                               missing))
+      unmapped.append(
+        Unmapped(where, _shape(x), names, PartitionSpec(*entries), missing)
+      )
       return x  # reported with every other leaf's by the caller
     if fallback is RulesFallback.NO_CONSTRAINT:
       return x
     if fallback is RulesFallback.RAISE_ERROR:
-      raise ShardingError([ShardingProblem(
-          where, _shape(x), names, None,
-          f'no rule maps logical name(s) {list(missing)}',
-          'add a rule for them, or use fallback=RulesFallback.AXIS_IS_UNSHARDED',
-      )])
-    unmapped.append(Unmapped(where, _shape(x), names, PartitionSpec(*entries),
-                             missing))
+      raise ShardingError(
+        [
+          ShardingProblem(
+            where,
+            _shape(x),
+            names,
+            None,
+            f'no rule maps logical name(s) {list(missing)}',
+            'add a rule for them, or use fallback=RulesFallback.AXIS_IS_UNSHARDED',
+          )
+        ]
+      )
+    unmapped.append(Unmapped(where, _shape(x), names, PartitionSpec(*entries), missing))
   return _place(x, entries, mesh, where, names, fit, changes)
 
 
 def _is_names(x: Any) -> bool:
-  return x is None or isinstance(x, PartitionSpec) or (
+  return (
+    x is None
+    or isinstance(x, PartitionSpec)
+    or (
       isinstance(x, tuple)
       and all(
-          e is None or isinstance(e, str) or e is PartitionSpec.UNCONSTRAINED
-          for e in x
+        e is None or isinstance(e, str) or e is PartitionSpec.UNCONSTRAINED for e in x
       )
+    )
   )
 
 
 def with_logical_constraint(
-    x: PyTree,
-    names: Any,
-    rules: LogicalRules | None = None,
-    mesh: AnyMesh | None = None,
-    fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED,
-    *,
-    fit: bool = False,
-    strict: bool = False,
+  x: PyTree,
+  names: Any,
+  rules: LogicalRules | None = None,
+  mesh: AnyMesh | None = None,
+  fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED,
+  *,
+  fit: bool = False,
+  strict: bool = False,
 ) -> PyTree:
   """Constrains an activation (or a pytree of them) by logical names.
 
@@ -311,8 +335,9 @@ def with_logical_constraint(
   unmapped: list[Unmapped] = []
 
   def one(v: Any, n: Any, where: str) -> Any:
-    return _constrain_one(v, n, rules_t, mesh, fallback, strict, where, fit,
-                          changes, unmapped)
+    return _constrain_one(
+      v, n, rules_t, mesh, fallback, strict, where, fit, changes, unmapped
+    )
 
   if _is_names(names):
     out = one(x, names, '<constraint>')

@@ -53,10 +53,10 @@ class DataLayout:
 
 
 def data_layout(
-    mesh: Mesh,
-    global_batch_size: int,
-    batch_axes: str | Sequence[str] | None = None,
-    rules: LogicalRules | None = None,
+  mesh: Mesh,
+  global_batch_size: int,
+  batch_axes: str | Sequence[str] | None = None,
+  rules: LogicalRules | None = None,
 ) -> DataLayout:
   """How this process takes part in a global batch sharded over ``batch_axes``.
 
@@ -79,47 +79,55 @@ def data_layout(
     >>> import jax, flax_shardmeta as fsm
     >>> mesh = jax.make_mesh((2, 4), ('data', 'model'))
     >>> fsm.data_layout(mesh, 32)  # one process holds every row
-    DataLayout(batch_size=32, shard_id=0, num_shards=1, is_first_host_in_replica_set=True)
+    DataLayout(batch_size=32, shard_id=0, num_shards=1,
+               is_first_host_in_replica_set=True)
   """
   axes = _batch_axes(mesh, batch_axes, rules)
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing:
     raise BatchLayoutError(
-        f'batch axes {axes} are not all in the mesh {dict(mesh.shape)} '
-        f'(missing {missing}); pass batch_axes= or a rule for the logical name '
-        "'batch'.")
+      f'batch axes {axes} are not all in the mesh {dict(mesh.shape)} '
+      f'(missing {missing}); pass batch_axes= or a rule for the logical name '
+      "'batch'."
+    )
   ways = math.prod(mesh.shape[a] for a in axes)
   if global_batch_size % ways:
     raise BatchLayoutError(
-        f'a global batch of {global_batch_size} rows does not divide over the '
-        f'batch axes {axes} ({ways} ways): each device would hold '
-        f'{global_batch_size / ways:g} rows. Use a multiple of {ways}, e.g. '
-        f'{ways * max(1, round(global_batch_size / ways))}.')
+      f'a global batch of {global_batch_size} rows does not divide over the '
+      f'batch axes {axes} ({ways} ways): each device would hold '
+      f'{global_batch_size / ways:g} rows. Use a multiple of {ways}, e.g. '
+      f'{ways * max(1, round(global_batch_size / ways))}.'
+    )
   rows_of = _rows_per_process(mesh, axes)
   groups = sorted(set(rows_of.values()), key=min)
   flat = sorted(i for g in groups for i in g)
-  if flat != list(range(ways)) or len({len(g) for g in groups}) != 1 or any(
-      list(g) != list(range(min(g), min(g) + len(g))) for g in groups):
+  if (
+    flat != list(range(ways))
+    or len({len(g) for g in groups}) != 1
+    or any(list(g) != list(range(min(g), min(g) + len(g))) for g in groups)
+  ):
     shown = {p: sorted(g) for p, g in sorted(rows_of.items())}
     raise BatchLayoutError(
-        f'the batch shards over {axes} ({ways} ways) are spread over the '
-        f'processes as {shown} (process -> batch shards); a per-process loader '
-        'needs each process to hold one contiguous block of shards, of the same '
-        'size for all. Put the batch axes first in the mesh or build it with '
-        'fsm.make_mesh(..., dcn_axis_sizes=...).')
+      f'the batch shards over {axes} ({ways} ways) are spread over the '
+      f'processes as {shown} (process -> batch shards); a per-process loader '
+      'needs each process to hold one contiguous block of shards, of the same '
+      'size for all. Put the batch axes first in the mesh or build it with '
+      'fsm.make_mesh(..., dcn_axis_sizes=...).'
+    )
   mine = rows_of[jax.process_index()]
   shard_id = groups.index(mine)
   first = min(p for p, g in rows_of.items() if g == mine)
   return DataLayout(
-      batch_size=global_batch_size // len(groups),
-      shard_id=shard_id,
-      num_shards=len(groups),
-      is_first_host_in_replica_set=jax.process_index() == first,
+    batch_size=global_batch_size // len(groups),
+    shard_id=shard_id,
+    num_shards=len(groups),
+    is_first_host_in_replica_set=jax.process_index() == first,
   )
 
 
-def _batch_axes(mesh: Mesh, batch_axes: str | Sequence[str] | None,
-                rules: LogicalRules | None) -> tuple[str, ...]:
+def _batch_axes(
+  mesh: Mesh, batch_axes: str | Sequence[str] | None, rules: LogicalRules | None
+) -> tuple[str, ...]:
   if batch_axes is not None:
     return (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
   if rules is not None or get_logical_axis_rules():
@@ -143,10 +151,10 @@ def _rows_per_process(mesh: Mesh, axes: tuple[str, ...]) -> dict[int, frozenset[
 
 
 def host_local_to_global(
-    tree: PyTree,
-    mesh: Mesh,
-    names_or_specs: Any,
-    rules: LogicalRules | None = None,
+  tree: PyTree,
+  mesh: Mesh,
+  names_or_specs: Any,
+  rules: LogicalRules | None = None,
 ) -> PyTree:
   """Each process's local rows -> global arrays sharded over ``mesh``.
 
@@ -179,15 +187,20 @@ def host_local_to_global(
     local = np.asarray(x)
     issues = check_spec(_global_shape(local.shape, spec, mesh), tuple(spec), mesh)
     if issues:
-      raise ShardingError([ShardingProblem(
-          path_str(path), local.shape, None, spec, r, h, d) for r, h, d in issues])
+      raise ShardingError(
+        [
+          ShardingProblem(path_str(path), local.shape, None, spec, r, h, d)
+          for r, h, d in issues
+        ]
+      )
     return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local)
 
   return jax.tree_util.tree_map_with_path(one, tree, specs)
 
 
-def _global_shape(local: tuple[int, ...], spec: PartitionSpec, mesh: Mesh
-                  ) -> tuple[int, ...]:
+def _global_shape(
+  local: tuple[int, ...], spec: PartitionSpec, mesh: Mesh
+) -> tuple[int, ...]:
   """The global shape implied by local rows (for checking; jax infers it too)."""
   out = list(local)
   devices = np.asarray(mesh.devices)
@@ -198,8 +211,11 @@ def _global_shape(local: tuple[int, ...], spec: PartitionSpec, mesh: Mesh
       continue
     # How many distinct positions along these axes this process covers.
     here = jax.process_index()
-    mine = {tuple(c[names.index(a)] for a in axes) for c in np.ndindex(devices.shape)
-            if _process_of(devices[c]) == here}
+    mine = {
+      tuple(c[names.index(a)] for a in axes)
+      for c in np.ndindex(devices.shape)
+      if _process_of(devices[c]) == here
+    }
     out[dim] = local[dim] * math.prod(mesh.shape[a] for a in axes) // max(len(mine), 1)
   return tuple(out)
 
@@ -208,8 +224,7 @@ def _process_of(device: Any) -> int:
   return device.process_index
 
 
-def _spec_tree(tree: PyTree, names_or_specs: Any, rules: LogicalRules | None
-               ) -> PyTree:
+def _spec_tree(tree: PyTree, names_or_specs: Any, rules: LogicalRules | None) -> PyTree:
   def to_spec(n: Any) -> PartitionSpec:
     if isinstance(n, PartitionSpec):
       return n
@@ -219,14 +234,18 @@ def _spec_tree(tree: PyTree, names_or_specs: Any, rules: LogicalRules | None
     spec = to_spec(names_or_specs)
     return jax.tree_util.tree_map(lambda _: spec, tree)
   return jax.tree_util.tree_map(
-      lambda _, n: to_spec(n), tree, names_or_specs, is_leaf=_is_names)
+    lambda _, n: to_spec(n), tree, names_or_specs, is_leaf=_is_names
+  )
 
 
 def _is_names(x: Any) -> bool:
   return isinstance(x, PartitionSpec) or (
-      type(x) is tuple and all(e is None or isinstance(e, (str, tuple)) for e in x)
-      and not any(isinstance(e, tuple) and not all(isinstance(a, str) for a in e)
-                  for e in x))
+    type(x) is tuple
+    and all(e is None or isinstance(e, (str, tuple)) for e in x)
+    and not any(
+      isinstance(e, tuple) and not all(isinstance(a, str) for a in e) for e in x
+    )
+  )
 
 
 def global_to_host_local(tree: PyTree) -> PyTree:
@@ -258,7 +277,9 @@ def _local_part(x: Any) -> Any:
     bounds.append((min(starts), max(stops)))
   out = np.empty(tuple(b - a for a, b in bounds), dtype=x.dtype)
   for s in shards:
-    local = tuple(slice(i.indices(n)[0] - a, i.indices(n)[1] - a)
-                  for i, n, (a, _) in zip(s.index, x.shape, bounds))
+    local = tuple(
+      slice(i.indices(n)[0] - a, i.indices(n)[1] - a)
+      for i, n, (a, _) in zip(s.index, x.shape, bounds)
+    )
     out[local] = np.asarray(s.data)
   return out

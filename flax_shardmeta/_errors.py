@@ -42,19 +42,19 @@ class ShardingProblem:
 
   def __str__(self) -> str:
     return (
-        f'{self.path}: shape {self.shape}, names {format_spec(self.names)}, '
-        f'spec {format_spec(self.spec)}: {self.reason}. Fix: {self.hint}'
+      f'{self.path}: shape {self.shape}, names {format_spec(self.names)}, '
+      f'spec {format_spec(self.spec)}: {self.reason}. Fix: {self.hint}'
     )
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-ready form."""
     return {
-        'path': self.path,
-        'shape': list(self.shape) if self.shape is not None else None,
-        'names': format_spec(self.names) if self.names is not None else None,
-        'spec': format_spec(self.spec) if self.spec is not None else None,
-        'reason': self.reason,
-        'hint': self.hint,
+      'path': self.path,
+      'shape': list(self.shape) if self.shape is not None else None,
+      'names': format_spec(self.names) if self.names is not None else None,
+      'spec': format_spec(self.spec) if self.spec is not None else None,
+      'reason': self.reason,
+      'hint': self.hint,
     }
 
 
@@ -230,13 +230,14 @@ class ShardingFitWarning(UserWarning):
     >>> caught[0].category.__name__, plan.entries[0].spec
     ('ShardingFitWarning', P(None,))
     >>> caught[0].message.adjustments
-    ("w: dimension 0: 'model' -> None (dimension 0 of size 6 is not divisible by 'model'=4 (= 4))",)
+    ("w: dimension 0: 'model' -> None (dimension 0 of size 6 is not divisible
+      by 'model'=4 (= 4))",)
   """
 
   def __init__(
-      self,
-      message: str,
-      adjustments: Sequence[str] | Callable[[], Iterable[str]] | None = None,
+    self,
+    message: str,
+    adjustments: Sequence[str] | Callable[[], Iterable[str]] | None = None,
   ):
     super().__init__(message)
     self._adjustments = adjustments
@@ -273,6 +274,6 @@ class UnmappedMeshAxisNameWarning(UserWarning):
 def unmapped_hint(name: str) -> str:
   """How to fix a logical name no rule maps (with the mesh-axis case spelled out)."""
   return (
-      f'did you mean mesh-axis annotations (`with_partitioning`) or a rule '
-      f'({name!r}, {name!r})?'
+    f'did you mean mesh-axis annotations (`with_partitioning`) or a rule '
+    f'({name!r}, {name!r})?'
   )

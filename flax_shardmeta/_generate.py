@@ -18,9 +18,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from flax_shardmeta import _windowed as windowed
 from flax_shardmeta._placement import apply_spec, context_mesh, manual_axes
 from flax_shardmeta._rules import (
-    composite_rules,
-    get_logical_axis_rules,
-    resolve,
+  composite_rules,
+  get_logical_axis_rules,
+  resolve,
 )
 from flax_shardmeta._specs import unassigned_to_none
 from flax_shardmeta._typing import AnyMesh, LogicalRules
@@ -28,14 +28,14 @@ from flax_shardmeta._validate import check_spec
 
 
 def generate(
-    init_fn: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    names: Any,
-    mesh: AnyMesh | None,
-    *,
-    logical: bool = False,
-    rules: LogicalRules | None = None,
+  init_fn: Any,
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  names: Any,
+  mesh: AnyMesh | None,
+  *,
+  logical: bool = False,
+  rules: LogicalRules | None = None,
 ) -> Any:
   """Calls an initializer so that each device generates only its own shard.
 
@@ -72,9 +72,9 @@ def generate(
     return init_fn(*args, **kwargs)
   shape = getattr(out, 'shape', None)
   if (
-      shape is None
-      or len(shape) != len(entries)
-      or check_spec(tuple(shape), entries, mesh)
+    shape is None
+    or len(shape) != len(entries)
+    or check_spec(tuple(shape), entries, mesh)
   ):
     # Invalid layouts are reported, with the parameter path, by
     # get_sharding / plan; here the value is just created as usual.
@@ -99,17 +99,25 @@ class ArrayCall:
   """
 
   @classmethod
-  def split(cls, init_fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-            ) -> tuple[ArrayCall, list[Any]]:
+  def split(
+    cls, init_fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+  ) -> tuple[ArrayCall, list[Any]]:
     """The call with the non-arrays fixed, and the arrays to call it on."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     is_array = tuple(isinstance(x, jax.Array) for x in leaves)
     static = tuple(x for x, a in zip(leaves, is_array) if not a)
-    return (cls(init_fn, treedef, static, is_array),
-            [x for x, a in zip(leaves, is_array) if a])
+    return (
+      cls(init_fn, treedef, static, is_array),
+      [x for x, a in zip(leaves, is_array) if a],
+    )
 
-  def __init__(self, init_fn: Any, treedef: Any, static: tuple[Any, ...],
-               is_array: tuple[bool, ...]):
+  def __init__(
+    self,
+    init_fn: Any,
+    treedef: Any,
+    static: tuple[Any, ...],
+    is_array: tuple[bool, ...],
+  ):
     self.init_fn, self.treedef = init_fn, treedef
     self.static, self.is_array = static, is_array
 
@@ -139,8 +147,9 @@ def _eager_generator(call, avals, mesh, spec, explicit):
   if w is not None:
     # Large parameter: each device fills its shard chunk by chunk.
     return jax.jit(
-        lambda *a: windowed.generate_sharded(w, list(a), sharding, out.dtype),
-        out_shardings=sharding)
+      lambda *a: windowed.generate_sharded(w, list(a), sharding, out.dtype),
+      out_shardings=sharding,
+    )
   if explicit:
     call = jax.sharding.auto_axes(call, out_sharding=spec)
   return jax.jit(call, out_shardings=sharding)

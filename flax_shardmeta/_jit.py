@@ -17,10 +17,10 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_shardmeta._rules import (
-    get_logical_axis_rules,
-    logical_axis_rules,
-    logical_to_mesh_axes,
-    normalize_rules,
+  get_logical_axis_rules,
+  logical_axis_rules,
+  logical_to_mesh_axes,
+  normalize_rules,
 )
 from flax_shardmeta._sharding import get_sharding
 from flax_shardmeta._typing import LogicalRules
@@ -41,8 +41,13 @@ class JitWithContext:
     P('data',)
   """
 
-  def __init__(self, fn: Callable[..., Any], mesh: Mesh,
-               rules: tuple[tuple[str, Any], ...], jitted: Any):
+  def __init__(
+    self,
+    fn: Callable[..., Any],
+    mesh: Mesh,
+    rules: tuple[tuple[str, Any], ...],
+    jitted: Any,
+  ):
     self.mesh, self.rules, self._jitted = mesh, rules, jitted
     functools.update_wrapper(self, fn)
 
@@ -68,14 +73,14 @@ class JitWithContext:
 
 
 def jit(
-    fn: Callable[..., Any],
-    *,
-    mesh: Mesh,
-    rules: LogicalRules | None = None,
-    in_shardings: Any = None,
-    out_shardings: Any = None,
-    static_argnums: int | Sequence[int] = (),
-    donate_argnums: int | Sequence[int] = (),
+  fn: Callable[..., Any],
+  *,
+  mesh: Mesh,
+  rules: LogicalRules | None = None,
+  in_shardings: Any = None,
+  out_shardings: Any = None,
+  static_argnums: int | Sequence[int] = (),
+  donate_argnums: int | Sequence[int] = (),
 ) -> JitWithContext:
   """``jax.jit`` that enters ``mesh`` and the logical rules whenever it traces,
   lowers or runs ``fn``.
@@ -117,6 +122,7 @@ def jit(
     kwargs['in_shardings'] = ins
   if out_shardings is not None:
     kwargs['out_shardings'] = outs
+
   # jax caches traces per function, and the rules are not part of its key:
   # a wrapper of our own keeps two fsm.jit of one function with different
   # rules from sharing a trace.
@@ -124,16 +130,17 @@ def jit(
   def traced(*args: Any, **kw: Any) -> Any:
     return fn(*args, **kw)
 
-  jitted = jax.jit(traced, static_argnums=static_argnums,
-                   donate_argnums=donate_argnums, **kwargs)
+  jitted = jax.jit(
+    traced, static_argnums=static_argnums, donate_argnums=donate_argnums, **kwargs
+  )
   return JitWithContext(fn, mesh, rules_t, jitted)
 
 
 def _is_names(x: Any) -> bool:
   # Plain tuples only: optax states are NamedTuples (some empty).
   return type(x) is tuple and all(
-      e is None or isinstance(e, str) or e is PartitionSpec.UNCONSTRAINED
-      for e in x)
+    e is None or isinstance(e, str) or e is PartitionSpec.UNCONSTRAINED for e in x
+  )
 
 
 def _is_spec_leaf(x: Any) -> bool:
@@ -157,4 +164,5 @@ def _resolve(shardings: Any, mesh: Mesh, rules: tuple[tuple[str, Any], ...]) -> 
   if isinstance(shardings, dict):
     return {k: _resolve(v, mesh, rules) for k, v in shardings.items()}
   return jax.tree_util.tree_map(
-      lambda x: _resolve(x, mesh, rules), shardings, is_leaf=_is_spec_leaf)
+    lambda x: _resolve(x, mesh, rules), shardings, is_leaf=_is_spec_leaf
+  )

@@ -50,13 +50,13 @@ def free_port() -> int:
 
 
 def launch(
-    argv: Sequence[str],
-    *,
-    num_processes: int,
-    devices_per_process: int,
-    timeout: float = 300.0,
-    env: Mapping[str, str] | None = None,
-    cwd: str | None = None,
+  argv: Sequence[str],
+  *,
+  num_processes: int,
+  devices_per_process: int,
+  timeout: float = 300.0,
+  env: Mapping[str, str] | None = None,
+  cwd: str | None = None,
 ) -> list[ProcessResult]:
   """Runs ``python *argv`` in ``num_processes`` processes that form one job.
 
@@ -71,8 +71,11 @@ def launch(
       each process's exit code and the end of its stderr.
   """
   base = dict(os.environ if env is None else env)
-  flags = [f for f in base.get('XLA_FLAGS', '').split()
-           if not f.startswith('--xla_force_host_platform_device_count')]
+  flags = [
+    f
+    for f in base.get('XLA_FLAGS', '').split()
+    if not f.startswith('--xla_force_host_platform_device_count')
+  ]
   flags.append(f'--xla_force_host_platform_device_count={devices_per_process}')
   port = free_port()
   with tempfile.TemporaryDirectory(prefix='fsm-launch-') as tmp:
@@ -82,12 +85,25 @@ def launch(
         out = open(Path(tmp) / f'{i}.out', 'w+')  # noqa: SIM115 - closed below
         err = open(Path(tmp) / f'{i}.err', 'w+')  # noqa: SIM115
         files.append((out, err))
-        child_env = {**base, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': ' '.join(flags),
-                     _COORDINATOR: f'127.0.0.1:{port}',
-                     _NUM_PROCESSES: str(num_processes), _PROCESS_ID: str(i)}
-        procs.append(subprocess.Popen(
-            [sys.executable, *argv], env=child_env, cwd=cwd, stdout=out,
-            stderr=err, stdin=subprocess.DEVNULL, start_new_session=True))
+        child_env = {
+          **base,
+          'JAX_PLATFORMS': 'cpu',
+          'XLA_FLAGS': ' '.join(flags),
+          _COORDINATOR: f'127.0.0.1:{port}',
+          _NUM_PROCESSES: str(num_processes),
+          _PROCESS_ID: str(i),
+        }
+        procs.append(
+          subprocess.Popen(
+            [sys.executable, *argv],
+            env=child_env,
+            cwd=cwd,
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+          )
+        )
       failure = _wait(procs, time.monotonic() + timeout, timeout)
     finally:
       for p in procs:
@@ -96,28 +112,34 @@ def launch(
     for i, (p, (out, err)) in enumerate(zip(procs, files)):
       out.seek(0)
       err.seek(0)
-      results.append(ProcessResult(i, p.pid, f'127.0.0.1:{port}', p.returncode,
-                                   out.read(), err.read()))
+      results.append(
+        ProcessResult(
+          i, p.pid, f'127.0.0.1:{port}', p.returncode, out.read(), err.read()
+        )
+      )
       out.close()
       err.close()
   if failure:
     details = '\n'.join(
-        f'--- process {r.process_id}: exit code {r.returncode}; stderr ends:\n'
-        + _tail(r.stderr) for r in results)
-    raise LaunchError(f'{failure}\n{details}',
-                      [(r.returncode, r.stdout, r.stderr) for r in results])
+      f'--- process {r.process_id}: exit code {r.returncode}; stderr ends:\n'
+      + _tail(r.stderr)
+      for r in results
+    )
+    raise LaunchError(
+      f'{failure}\n{details}', [(r.returncode, r.stdout, r.stderr) for r in results]
+    )
   return results
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], deadline: float, timeout: float
-          ) -> str:
+def _wait(procs: list[subprocess.Popen[bytes]], deadline: float, timeout: float) -> str:
   """'' when all exit with 0; else why the launch ends early."""
   while True:
     codes = [p.poll() for p in procs]
     bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
     if bad:
-      return (f'process {bad[0]} exited with code {codes[bad[0]]}; the others '
-              'were stopped')
+      return (
+        f'process {bad[0]} exited with code {codes[bad[0]]}; the others were stopped'
+      )
     if all(c == 0 for c in codes):
       return ''
     if time.monotonic() > deadline:
@@ -155,13 +177,14 @@ def initialize() -> tuple[int, int]:
   process_id = int(os.environ[_PROCESS_ID])
   num_processes = int(os.environ[_NUM_PROCESSES])
   jax.distributed.initialize(
-      os.environ[_COORDINATOR], num_processes, process_id,
-      initialization_timeout=120)
+    os.environ[_COORDINATOR], num_processes, process_id, initialization_timeout=120
+  )
   return process_id, num_processes
 
 
-def _exit_on_uncaught(kind: type[BaseException], error: BaseException,
-                      traceback: Any) -> None:
+def _exit_on_uncaught(
+  kind: type[BaseException], error: BaseException, traceback: Any
+) -> None:
   sys.__excepthook__(kind, error, traceback)
   sys.stdout.flush()
   sys.stderr.flush()

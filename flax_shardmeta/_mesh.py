@@ -21,12 +21,12 @@ from flax_shardmeta._errors import MeshShapeError
 
 
 def make_mesh(
-    axis_sizes: Sequence[int],
-    axis_names: Sequence[str],
-    *,
-    axis_types: Sequence[AxisType] | None = None,
-    devices: Sequence[Any] | None = None,
-    dcn_axis_sizes: Sequence[int] | None = None,
+  axis_sizes: Sequence[int],
+  axis_names: Sequence[str],
+  *,
+  axis_types: Sequence[AxisType] | None = None,
+  devices: Sequence[Any] | None = None,
+  dcn_axis_sizes: Sequence[int] | None = None,
 ) -> Mesh:
   """A ``Mesh`` of ``axis_sizes`` over all devices of all processes.
 
@@ -61,11 +61,13 @@ def make_mesh(
   names = tuple(axis_names)
   if len(names) != len(axis_sizes):
     raise MeshShapeError(
-        f'{len(axis_sizes)} axis sizes {tuple(axis_sizes)} for {len(names)} axis '
-        f'names {names}; give one size per name.')
+      f'{len(axis_sizes)} axis sizes {tuple(axis_sizes)} for {len(names)} axis '
+      f'names {names}; give one size per name.'
+    )
   hosts = _hosts(devices)
-  sizes = _fill_wildcard(tuple(int(s) for s in axis_sizes), names, len(devices),
-                         len(hosts))
+  sizes = _fill_wildcard(
+    tuple(int(s) for s in axis_sizes), names, len(devices), len(hosts)
+  )
   types = tuple(axis_types) if axis_types is not None else None
   if dcn_axis_sizes is None:
     return jax.make_mesh(sizes, names, axis_types=types, devices=devices)
@@ -73,8 +75,8 @@ def make_mesh(
   ici = _split(sizes, dcn, names, len(devices), len(hosts))
   by_slice = len({getattr(d, 'slice_index', 0) for d in devices}) > 1
   grid = mesh_utils.create_hybrid_device_mesh(
-      ici, dcn, devices, process_is_granule=not by_slice,
-      allow_split_physical_axes=True)
+    ici, dcn, devices, process_is_granule=not by_slice, allow_split_physical_axes=True
+  )
   # jax.make_mesh's default, which it does not export.
   types = types if types is not None else (AxisType.Explicit,) * len(names)
   return Mesh(np.asarray(grid), names, axis_types=types)
@@ -88,13 +90,15 @@ def _hosts(devices: Sequence[Any]) -> list[Any]:
   return sorted({d.process_index for d in devices})
 
 
-def _fill_wildcard(sizes: tuple[int, ...], names: tuple[str, ...], n_devices: int,
-                   n_hosts: int) -> tuple[int, ...]:
+def _fill_wildcard(
+  sizes: tuple[int, ...], names: tuple[str, ...], n_devices: int, n_hosts: int
+) -> tuple[int, ...]:
   wild = [i for i, s in enumerate(sizes) if s == -1]
   if len(wild) > 1 or any(s == 0 or s < -1 for s in sizes):
     raise MeshShapeError(
-        f'axis sizes {sizes} for {names}: sizes must be positive, with at most '
-        'one -1 (all the devices the other axes leave).')
+      f'axis sizes {sizes} for {names}: sizes must be positive, with at most '
+      'one -1 (all the devices the other axes leave).'
+    )
   known = math.prod(s for s in sizes if s != -1)
   if wild:
     if n_devices % known:
@@ -105,21 +109,31 @@ def _fill_wildcard(sizes: tuple[int, ...], names: tuple[str, ...], n_devices: in
   return sizes
 
 
-def _split(sizes: tuple[int, ...], dcn: tuple[int, ...], names: tuple[str, ...],
-           n_devices: int, n_hosts: int) -> tuple[int, ...]:
+def _split(
+  sizes: tuple[int, ...],
+  dcn: tuple[int, ...],
+  names: tuple[str, ...],
+  n_devices: int,
+  n_hosts: int,
+) -> tuple[int, ...]:
   """Per-axis sizes inside one host, checking ``dcn`` against the hosts."""
   if len(dcn) != len(sizes) or any(d < 1 for d in dcn):
     raise MeshShapeError(
-        f'dcn_axis_sizes {dcn} for axes {names}: give one positive entry per '
-        'axis (1 for an axis that stays inside each host).')
+      f'dcn_axis_sizes {dcn} for axes {names}: give one positive entry per '
+      'axis (1 for an axis that stays inside each host).'
+    )
   bad = [n for n, s, d in zip(names, sizes, dcn) if s % d]
   if math.prod(dcn) != n_hosts or bad:
-    why = (f'axes {bad} are not multiples of their dcn sizes' if bad else
-           f'their product is {math.prod(dcn)}, not the {n_hosts} hosts')
+    why = (
+      f'axes {bad} are not multiples of their dcn sizes'
+      if bad
+      else f'their product is {math.prod(dcn)}, not the {n_hosts} hosts'
+    )
     raise MeshShapeError(
-        f'dcn_axis_sizes {dcn} do not fit mesh {dict(zip(names, sizes))}: {why}. '
-        f'{n_devices} devices in {n_hosts} host(s), {n_devices // n_hosts} each; '
-        f'e.g. dcn_axis_sizes={_suggest_dcn(sizes, n_hosts)} would fit.')
+      f'dcn_axis_sizes {dcn} do not fit mesh {dict(zip(names, sizes))}: {why}. '
+      f'{n_devices} devices in {n_hosts} host(s), {n_devices // n_hosts} each; '
+      f'e.g. dcn_axis_sizes={_suggest_dcn(sizes, n_hosts)} would fit.'
+    )
   return tuple(s // d for s, d in zip(sizes, dcn))
 
 
@@ -133,17 +147,20 @@ def _suggest_dcn(sizes: tuple[int, ...], n_hosts: int) -> tuple[int, ...]:
   return tuple(out)
 
 
-def _misfit(sizes: tuple[int, ...], names: tuple[str, ...], n_devices: int,
-            n_hosts: int) -> str:
+def _misfit(
+  sizes: tuple[int, ...], names: tuple[str, ...], n_devices: int, n_hosts: int
+) -> str:
   per_host = n_devices // max(n_hosts, 1)
   return (
-      f'mesh {dict(zip(names, sizes))} does not fit {n_devices} devices in '
-      f'{n_hosts} process(es) ({per_host} each). A factorisation that fits: '
-      f'axis_sizes={_suggest_sizes(sizes, n_devices, n_hosts)}, or -1 for one axis.')
+    f'mesh {dict(zip(names, sizes))} does not fit {n_devices} devices in '
+    f'{n_hosts} process(es) ({per_host} each). A factorisation that fits: '
+    f'axis_sizes={_suggest_sizes(sizes, n_devices, n_hosts)}, or -1 for one axis.'
+  )
 
 
-def _suggest_sizes(sizes: tuple[int, ...], n_devices: int, n_hosts: int
-                   ) -> tuple[int, ...]:
+def _suggest_sizes(
+  sizes: tuple[int, ...], n_devices: int, n_hosts: int
+) -> tuple[int, ...]:
   """Keeps as many of the given sizes as fit; the first axis takes the rest."""
   sizes = tuple(1 if s == -1 else s for s in sizes)
   for i in range(len(sizes)):
@@ -151,5 +168,8 @@ def _suggest_sizes(sizes: tuple[int, ...], n_devices: int, n_hosts: int
     if rest and n_devices % rest == 0:
       return tuple(n_devices // rest if j == i else s for j, s in enumerate(sizes))
   per_host = n_devices // max(n_hosts, 1)
-  return (n_devices // per_host,) + (1,) * (len(sizes) - 2) + (per_host,) \
-      if len(sizes) > 1 else (n_devices,)
+  return (
+    (n_devices // per_host,) + (1,) * (len(sizes) - 2) + (per_host,)
+    if len(sizes) > 1
+    else (n_devices,)
+  )

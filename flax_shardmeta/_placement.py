@@ -72,13 +72,13 @@ def _drop_axes(entries: tuple[Any, ...], drop: frozenset[str]) -> tuple[Any, ...
 
 
 def apply_spec(
-    value: Any,
-    entries: tuple[Any, ...],
-    mesh: AnyMesh,
-    *,
-    path: str = '<value>',
-    names: Any = None,
-    fit_changes: list[str] | None = None,
+  value: Any,
+  entries: tuple[Any, ...],
+  mesh: AnyMesh,
+  *,
+  path: str = '<value>',
+  names: Any = None,
+  fit_changes: list[str] | None = None,
 ) -> Any:
   """Validates ``entries`` for ``value`` on ``mesh`` and applies them.
 
@@ -98,11 +98,9 @@ def apply_spec(
   spec = PartitionSpec(*entries)
   if issues:
     raise ShardingError(
-        [ShardingProblem(path, shape, names, spec, r, h, d) for r, h, d in issues]
+      [ShardingProblem(path, shape, names, spec, r, h, d) for r, h, d in issues]
     )
-  types = {
-      n: t for n, t in zip(mesh.axis_names, mesh.axis_types) if n not in manual
-  }
+  types = {n: t for n, t in zip(mesh.axis_names, mesh.axis_types) if n not in manual}
   if not types:
     return value
   kinds = set(types.values())
@@ -114,23 +112,27 @@ def apply_spec(
     if manual:
       return jax.lax.with_sharding_constraint(value, spec)
     return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
-  raise ShardingError([ShardingProblem(
-      path, shape, names, spec,
-      f'the mesh mixes axis types { {n: str(t) for n, t in types.items()} }, '
-      'and a layout is applied with with_sharding_constraint (all Auto) or '
-      'reshard (all Explicit)',
-      'make every axis the same type, e.g. jax.make_mesh(shape, names, '
-      'axis_types=(AxisType.Explicit,) * n)',
-  )])
+  raise ShardingError(
+    [
+      ShardingProblem(
+        path,
+        shape,
+        names,
+        spec,
+        f'the mesh mixes axis types { {n: str(t) for n, t in types.items()} }, '
+        'and a layout is applied with with_sharding_constraint (all Auto) or '
+        'reshard (all Explicit)',
+        'make every axis the same type, e.g. jax.make_mesh(shape, names, '
+        'axis_types=(AxisType.Explicit,) * n)',
+      )
+    ]
+  )
 
 
 def require_mesh(mesh: AnyMesh | None, what: str) -> AnyMesh:
   mesh = mesh if mesh is not None else context_mesh()
   if mesh is None:
     raise NoMeshError(
-        f'{what} needs a mesh: pass mesh=... or run inside '
-        '`with jax.set_mesh(mesh):`.'
+      f'{what} needs a mesh: pass mesh=... or run inside `with jax.set_mesh(mesh):`.'
     )
   return mesh
-
-

@@ -70,11 +70,14 @@ class PlanEntry:
   bytes_per_device: int
   adjustments: tuple[str, ...] = ()
   annotation: ann_lib.Annotation | None = dataclasses.field(
-      default=None, repr=False, compare=False)
+    default=None, repr=False, compare=False
+  )
   rules: tuple[tuple[str, Any], ...] = dataclasses.field(
-      default=(), repr=False, compare=False)
+    default=(), repr=False, compare=False
+  )
   mesh_axis_names: tuple[str, ...] = dataclasses.field(
-      default=(), repr=False, compare=False)
+    default=(), repr=False, compare=False
+  )
 
   @property
   def size(self) -> int:
@@ -93,35 +96,36 @@ class PlanEntry:
     Computed on first read, not when the plan is made.
     """
     return explain_entry(
-        self.shape, self.annotation, self.rules, self.mesh_axis_names, self.spec)
+      self.shape, self.annotation, self.rules, self.mesh_axis_names, self.spec
+    )
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-ready form."""
     return {
-        'path': self.path,
-        'shape': list(self.shape),
-        'dtype': str(self.dtype),
-        'names': _json_entries(self.names),
-        'spec': _json_entries(self.spec),
-        'shard_shape': list(self.shard_shape),
-        'bytes_per_device': self.bytes_per_device,
+      'path': self.path,
+      'shape': list(self.shape),
+      'dtype': str(self.dtype),
+      'names': _json_entries(self.names),
+      'spec': _json_entries(self.spec),
+      'shard_shape': list(self.shard_shape),
+      'bytes_per_device': self.bytes_per_device,
     }
 
   def __treescope_repr__(self, path: str, subtree_renderer: Any) -> Any:
     import treescope  # only for notebooks: keeps the CLI start-up light
 
     return treescope.repr_lib.render_object_constructor(
-        object_type=type(self),
-        attributes={
-            'shape': self.shape,
-            'dtype': str(self.dtype),
-            'names': self.names,
-            'spec': format_spec(self.spec),
-            'shard_shape': self.shard_shape,
-            'per_device': plan_format.format_bytes(self.bytes_per_device),
-        },
-        path=path,
-        subtree_renderer=subtree_renderer,
+      object_type=type(self),
+      attributes={
+        'shape': self.shape,
+        'dtype': str(self.dtype),
+        'names': self.names,
+        'spec': format_spec(self.spec),
+        'shard_shape': self.shard_shape,
+        'per_device': plan_format.format_bytes(self.bytes_per_device),
+      },
+      path=path,
+      subtree_renderer=subtree_renderer,
     )
 
 
@@ -145,8 +149,7 @@ class Mismatch:
 
   def __str__(self) -> str:
     return (
-        f'{self.path}: planned {_spec_of(self.expected)}, '
-        f'found {_spec_of(self.actual)}'
+      f'{self.path}: planned {_spec_of(self.expected)}, found {_spec_of(self.actual)}'
     )
 
 
@@ -250,10 +253,12 @@ class ShardingPlan:
       ShardingError: if the plan has problems.
     """
     self._require_valid()
-    return self._build([
+    return self._build(
+      [
         None if i is None else named_sharding(self.mesh, self.entries[i].spec)
         for i in self._entry_index
-    ])
+      ]
+    )
 
   def _require_valid(self) -> None:
     if self.problems:
@@ -262,13 +267,13 @@ class ShardingPlan:
   def to_dict(self) -> dict[str, Any]:
     """JSON-serializable form (see the CLI's ``--format json``)."""
     return {
-        'mesh': dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)),
-        'rules': [[n, json_entry(t)] for n, t in self.rules],
-        'entries': [e.to_dict() for e in self.entries],
-        'bytes_per_device': self.bytes_per_device,
-        'total_bytes': self.total_bytes,
-        'problems': [p.to_dict() for p in self.problems],
-        'adjustments': list(self.adjustments),
+      'mesh': dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)),
+      'rules': [[n, json_entry(t)] for n, t in self.rules],
+      'entries': [e.to_dict() for e in self.entries],
+      'bytes_per_device': self.bytes_per_device,
+      'total_bytes': self.total_bytes,
+      'problems': [p.to_dict() for p in self.problems],
+      'adjustments': list(self.adjustments),
     }
 
   def __str__(self) -> str:
@@ -277,10 +282,10 @@ class ShardingPlan:
   def __repr__(self) -> str:
     mesh = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))
     return (
-        f'ShardingPlan({len(self.entries)} arrays, mesh={mesh}, '
-        f'bytes_per_device={self.bytes_per_device}, '
-        f'total_bytes={self.total_bytes}, problems={len(self.problems)}, '
-        f'adjustments={len(self.adjustments)})'
+      f'ShardingPlan({len(self.entries)} arrays, mesh={mesh}, '
+      f'bytes_per_device={self.bytes_per_device}, '
+      f'total_bytes={self.total_bytes}, problems={len(self.problems)}, '
+      f'adjustments={len(self.adjustments)})'
     )
 
   def _treescope_view(self) -> dict[str, Any]:
@@ -292,12 +297,12 @@ class ShardingPlan:
         node = node.setdefault(p, {})
       node[leaf] = e
     return {
-        'mesh': dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)),
-        'bytes_per_device': plan_format.format_bytes(self.bytes_per_device),
-        'total_bytes': plan_format.format_bytes(self.total_bytes),
-        'problems': [str(p) for p in self.problems],
-        'adjustments': list(self.adjustments),
-        'entries': modules,
+      'mesh': dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)),
+      'bytes_per_device': plan_format.format_bytes(self.bytes_per_device),
+      'total_bytes': plan_format.format_bytes(self.total_bytes),
+      'problems': [str(p) for p in self.problems],
+      'adjustments': list(self.adjustments),
+      'entries': modules,
     }
 
   def _repr_html_(self) -> str:
@@ -330,12 +335,12 @@ def _ipython_shell() -> Any:
 
 
 def plan(
-    tree: PyTree,
-    mesh: AnyMesh,
-    rules: LogicalRules | None = None,
-    *,
-    fit: bool = False,
-    strict: bool = False,
+  tree: PyTree,
+  mesh: AnyMesh,
+  rules: LogicalRules | None = None,
+  *,
+  fit: bool = False,
+  strict: bool = False,
 ) -> ShardingPlan:
   """Lays out every array leaf of ``tree`` on ``mesh`` without touching devices.
 
@@ -385,21 +390,25 @@ def plan(
     if lay.issues:
       problems.extend(problems_of(entry.path, lf, lay))
     if lay.unmapped and lf.annotation is not None:  # only annotations map names
-      unmapped.append(Unmapped(
-          entry.path, lay.shape, lf.annotation.names, lay.spec, lay.unmapped))
+      unmapped.append(
+        Unmapped(entry.path, lay.shape, lf.annotation.names, lay.spec, lay.unmapped)
+      )
   problems += report_unmapped(unmapped, axis_names, strict)
   adjustments = [f'{path}: {a}' for path, changes in adjusted for a in changes]
   if adjusted:
     warn_adjustments(adjusted)
   return ShardingPlan(
-      tuple(entries), mesh, rules_t, tuple(problems), tuple(adjustments),
-      index, build,
+    tuple(entries),
+    mesh,
+    rules_t,
+    tuple(problems),
+    tuple(adjustments),
+    index,
+    build,
   )
 
 
-def verify(
-    arrays: PyTree, plan_or_shardings: ShardingPlan | PyTree
-) -> Mismatches:
+def verify(arrays: PyTree, plan_or_shardings: ShardingPlan | PyTree) -> Mismatches:
   """The arrays whose actual sharding differs from the planned one.
 
   Args:
@@ -427,12 +436,12 @@ def verify(
   """
   if isinstance(plan_or_shardings, ShardingPlan):
     p = plan_or_shardings
-    expected = {e.path: named_sharding(p.mesh, e.spec) for e in p.entries
-                if e.spec is not None}
+    expected = {
+      e.path: named_sharding(p.mesh, e.spec) for e in p.entries if e.spec is not None
+    }
   else:
     sh_leaves, _ = ann_lib.walk(plan_or_shardings, every_path=True)
-    expected = {lf.path: lf.value for lf in sh_leaves
-                if isinstance(lf.value, Sharding)}
+    expected = {lf.path: lf.value for lf in sh_leaves if isinstance(lf.value, Sharding)}
   leaves, _ = ann_lib.walk(arrays, every_path=True)
   out: list[Mismatch] = []
   checked = 0
@@ -484,11 +493,11 @@ def _itemsize(dtype: Any) -> int:
 
 
 def _entry(
-    lf: ann_lib.Leaf,
-    lay: LeafLayout,
-    sizes: tuple[tuple[str, int], ...],
-    rules: tuple[tuple[str, Any], ...],
-    axis_names: tuple[str, ...],
+  lf: ann_lib.Leaf,
+  lay: LeafLayout,
+  sizes: tuple[tuple[str, int], ...],
+  rules: tuple[tuple[str, Any], ...],
+  axis_names: tuple[str, ...],
 ) -> PlanEntry:
   shape = lay.shape or ()
   dtype = getattr(lf.value, 'dtype', None)
@@ -496,16 +505,25 @@ def _entry(
   ann = lf.annotation
   names = ann.names if ann is not None and len(ann.names) == len(shape) else None
   return PlanEntry(
-      lf.path, shape, dtype, names, lay.spec, shard,
-      math.prod(shard) * _itemsize(dtype), lay.adjustments, ann, rules, axis_names,
+    lf.path,
+    shape,
+    dtype,
+    names,
+    lay.spec,
+    shard,
+    math.prod(shard) * _itemsize(dtype),
+    lay.adjustments,
+    ann,
+    rules,
+    axis_names,
   )
 
 
 @functools.lru_cache(maxsize=16384)
 def _shard_shape(
-    shape: tuple[int, ...],
-    spec: PartitionSpec | None,
-    mesh_sizes: tuple[tuple[str, int], ...],
+  shape: tuple[int, ...],
+  spec: PartitionSpec | None,
+  mesh_sizes: tuple[tuple[str, int], ...],
 ) -> tuple[int, ...]:
   sizes = dict(mesh_sizes)
   if spec is None:

@@ -44,11 +44,11 @@ class ExplainedDim:
 
 @functools.lru_cache(maxsize=4096)
 def explain_entry(
-    shape: tuple[int, ...],
-    ann: ann_lib.Annotation | None,
-    rules: tuple[tuple[str, Any], ...],
-    mesh_axis_names: tuple[str, ...],
-    spec: PartitionSpec | None,
+  shape: tuple[int, ...],
+  ann: ann_lib.Annotation | None,
+  rules: tuple[tuple[str, Any], ...],
+  mesh_axis_names: tuple[str, ...],
+  spec: PartitionSpec | None,
 ) -> tuple[ExplainedDim, ...]:
   """Per dimension of one entry: the rule steps and the outcome in words.
 
@@ -58,26 +58,41 @@ def explain_entry(
   given = tuple(spec) if spec is not None else ()
   final = given + (None,) * (len(shape) - len(given))
   if ann is None:
-    return tuple(ExplainedDim(d, None, None, (), 'not annotated, so replicated')
-                 for d in range(len(shape)))
+    return tuple(
+      ExplainedDim(d, None, None, (), 'not annotated, so replicated')
+      for d in range(len(shape))
+    )
   if len(ann.names) != len(shape):
     note = (
-        f'optimizer state under a rank-{len(ann.names)} annotation '
-        f'{ann.names!r}: replicated' if ann.optimizer_state
-        else f'{len(ann.names)} names for a rank-{len(shape)} array: not planned'
+      f'optimizer state under a rank-{len(ann.names)} annotation '
+      f'{ann.names!r}: replicated'
+      if ann.optimizer_state
+      else f'{len(ann.names)} names for a rank-{len(shape)} array: not planned'
     )
     return tuple(ExplainedDim(d, None, final[d], (), note) for d in range(len(shape)))
   if not ann.logical:
     return tuple(
-        ExplainedDim(d, n, final[d], (), _fitted(
-            'mesh axes as written' if n is not None else 'replicated as written',
-            n, final[d], ann.optimizer_state))
-        for d, n in enumerate(ann.names))
+      ExplainedDim(
+        d,
+        n,
+        final[d],
+        (),
+        _fitted(
+          'mesh axes as written' if n is not None else 'replicated as written',
+          n,
+          final[d],
+          ann.optimizer_state,
+        ),
+      )
+      for d, n in enumerate(ann.names)
+    )
   try:
     dims = explain(ann.names, composite_rules(rules, ann.rules))
   except FlaxShardmetaError as e:
-    return tuple(ExplainedDim(d, n, final[d], (), f'not resolved: {e}')
-                 for d, n in enumerate(ann.names))
+    return tuple(
+      ExplainedDim(d, n, final[d], (), f'not resolved: {e}')
+      for d, n in enumerate(ann.names)
+    )
   out = []
   for d, x in enumerate(dims):
     resolved = x.mesh_axes
@@ -92,8 +107,15 @@ def explain_entry(
       note = 'every rule was skipped, so replicated'
     else:
       note = ''
-    out.append(ExplainedDim(d, x.name, final[d], x.steps,
-                            _fitted(note, resolved, final[d], ann.optimizer_state)))
+    out.append(
+      ExplainedDim(
+        d,
+        x.name,
+        final[d],
+        x.steps,
+        _fitted(note, resolved, final[d], ann.optimizer_state),
+      )
+    )
   return tuple(out)
 
 
@@ -108,4 +130,3 @@ def _fitted(note: str, resolved: Any, final: Any, optimizer_state: bool) -> str:
   else:
     change = f'fit mode replicated it instead of {resolved!r}'
   return f'{note}; {change}' if note else change
-

@@ -58,14 +58,12 @@ def _module_key(module: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 
 def _signature(entries: list[PlanEntry]) -> tuple[Any, ...]:
-  return tuple(
-      (_split(e.path)[1], e.shape, str(e.dtype), e.spec) for e in entries)
+  return tuple((_split(e.path)[1], e.shape, str(e.dtype), e.spec) for e in entries)
 
 
 def _stack_label(key: tuple[str, ...], indices: list[tuple[int, ...]]) -> str:
   """``Block_{0..125}`` when one index runs contiguously, else ``Block_*``."""
-  varying = [i for i in range(len(indices[0]))
-             if len({ix[i] for ix in indices}) > 1]
+  varying = [i for i in range(len(indices[0])) if len({ix[i] for ix in indices}) > 1]
   out, k = [], 0
   for part in key:
     if part.endswith('#'):
@@ -113,8 +111,10 @@ def _groups(entries: tuple[PlanEntry, ...]) -> list[tuple[str, int, list[PlanEnt
 
 def _natural_key(label: str) -> tuple[tuple[int, str | int], ...]:
   return tuple(
-      (1, int(t)) if t.isdigit() else (0, t)
-      for part in label.split('/') for t in [*re.split(r'(\d+)', part), '/'] if t
+    (1, int(t)) if t.isdigit() else (0, t)
+    for part in label.split('/')
+    for t in [*re.split(r'(\d+)', part), '/']
+    if t
   )
 
 
@@ -127,13 +127,22 @@ def _stacked_layers(members: list[PlanEntry]) -> int | None:
 
 def format_table(plan: ShardingPlan) -> str:
   """The plan as a table: one block per module, then totals and problems."""
-  mesh = ' x '.join(f'{n}={s}' for n, s in zip(plan.mesh.axis_names,
-                                                 plan.mesh.axis_sizes))
+  mesh = ' x '.join(
+    f'{n}={s}' for n, s in zip(plan.mesh.axis_names, plan.mesh.axis_sizes)
+  )
   lines = [
-      f'Sharding plan: {len(plan.entries)} arrays on mesh {mesh} '
-      f'({plan.num_devices} devices), {len(plan.rules)} rules'
+    f'Sharding plan: {len(plan.entries)} arrays on mesh {mesh} '
+    f'({plan.num_devices} devices), {len(plan.rules)} rules'
   ]
-  header = ('array', 'shape', 'dtype', 'names', 'spec', 'per device shard', 'bytes/device')
+  header = (
+    'array',
+    'shape',
+    'dtype',
+    'names',
+    'spec',
+    'per device shard',
+    'bytes/device',
+  )
   rows: list[tuple[str, ...] | str] = []
   for label, copies, members in _groups(plan.entries):
     per_copy = sum(e.bytes_per_device for e in members)
@@ -147,7 +156,8 @@ def format_table(plan: ShardingPlan) -> str:
     title = f'{label or "(root)"}/' + (f'  [{", ".join(notes)}]' if notes else '')
     rows.append(f'{title}  {total}/device')
     for e in members:
-      rows.append((
+      rows.append(
+        (
           '  ' + _split(e.path)[1],
           'x'.join(map(str, e.shape)) or 'scalar',
           str(e.dtype),
@@ -155,7 +165,8 @@ def format_table(plan: ShardingPlan) -> str:
           format_spec(e.spec),
           'x'.join(map(str, e.shard_shape)) or 'scalar',
           format_bytes(e.bytes_per_device),
-      ))
+        )
+      )
   table = [header] + [r for r in rows if isinstance(r, tuple)]
   widths = [max(len(r[i]) for r in table) for i in range(len(header))]
 
@@ -168,9 +179,9 @@ def format_table(plan: ShardingPlan) -> str:
   lines += [r if isinstance(r, str) else line(r) for r in rows]
   lines.append('-' * len(line(header)))
   lines.append(
-      f'total: {format_count(plan.num_elements())} elements, '
-      f'{format_bytes(plan.total_bytes)} unsharded, '
-      f'{format_bytes(plan.bytes_per_device)} per device'
+    f'total: {format_count(plan.num_elements())} elements, '
+    f'{format_bytes(plan.total_bytes)} unsharded, '
+    f'{format_bytes(plan.bytes_per_device)} per device'
   )
   if plan.adjustments:
     lines.append(f'fit mode adjustments ({len(plan.adjustments)}):')
@@ -200,17 +211,23 @@ def format_mismatches(mismatches: list[Mismatch], checked: int) -> str:
     return f'all {checked} arrays match the plan'
   header = ('array', 'shape', 'planned', 'actual')
   rows = [header] + [
-      (m.path,
-       'x'.join(map(str, m.shape)) or 'scalar' if m.shape is not None else '?',
-       _spec_text(m.expected), _spec_text(m.actual))
-      for m in mismatches
+    (
+      m.path,
+      'x'.join(map(str, m.shape)) or 'scalar' if m.shape is not None else '?',
+      _spec_text(m.expected),
+      _spec_text(m.actual),
+    )
+    for m in mismatches
   ]
   widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
 
   def line(r: tuple[str, ...]) -> str:
     return '  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
 
-  lines = [f'{len(mismatches)} of {checked} arrays differ from the plan:',
-           line(header), '-' * len(line(header))]
+  lines = [
+    f'{len(mismatches)} of {checked} arrays differ from the plan:',
+    line(header),
+    '-' * len(line(header)),
+  ]
   lines += [line(r) for r in rows[1:]]
   return '\n'.join(lines)

@@ -19,7 +19,7 @@ PartitionRules = Sequence[tuple[str, PartitionSpec]]
 
 
 def match_partition_rules(
-    rules: PartitionRules, tree: PyTree, min_size: int | None = None
+  rules: PartitionRules, tree: PyTree, min_size: int | None = None
 ) -> PyTree:
   """A PartitionSpec per array leaf, chosen by regex over its path.
 
@@ -64,8 +64,8 @@ def match_partition_rules(
   out = build([choose(lf) for lf in leaves])
   if unmatched:
     raise InvalidRulesError(
-        f'No partition rule matches {len(unmatched)} leaf path(s):\n'
-        + '\n'.join(f'  - {u}' for u in unmatched)
-        + "\nAdd a rule for them, e.g. a final catch-all ('.*', P())."
+      f'No partition rule matches {len(unmatched)} leaf path(s):\n'
+      + '\n'.join(f'  - {u}' for u in unmatched)
+      + "\nAdd a rule for them, e.g. a final catch-all ('.*', P())."
     )
   return out

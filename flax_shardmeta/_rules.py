@@ -22,18 +22,18 @@ from jax.sharding import PartitionSpec
 
 from flax_shardmeta import _unmapped as unmapped_lib
 from flax_shardmeta._errors import (
-    InvalidNamesError,
-    InvalidRulesError,
-    RuleConflictError,
-    ShardingError,
+  InvalidNamesError,
+  InvalidRulesError,
+  RuleConflictError,
+  ShardingError,
 )
 from flax_shardmeta._specs import (
-    UNASSIGNED,
-    UNCONSTRAINED,
-    format_entry,
-    format_spec,
-    mesh_axes_of,
-    unassigned_to_none,
+  UNASSIGNED,
+  UNCONSTRAINED,
+  format_entry,
+  format_spec,
+  mesh_axes_of,
+  unassigned_to_none,
 )
 from flax_shardmeta._typing import LogicalNames, LogicalRules, MeshAxes
 
@@ -104,55 +104,53 @@ def normalize_rules(rules: LogicalRules | None) -> tuple[tuple[str, Any], ...]:
     return ()
   if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
     raise InvalidRulesError(
-        f'Logical axis rules must be a sequence of (logical_name, mesh_axes) '
-        f'pairs, got {type(rules).__name__}: {rules!r}.'
+      f'Logical axis rules must be a sequence of (logical_name, mesh_axes) '
+      f'pairs, got {type(rules).__name__}: {rules!r}.'
     )
   out = []
   for i, rule in enumerate(rules):
     if (
-        not isinstance(rule, Sequence)
-        or isinstance(rule, str)
-        or len(rule) != 2
-        or not isinstance(rule[0], str)
+      not isinstance(rule, Sequence)
+      or isinstance(rule, str)
+      or len(rule) != 2
+      or not isinstance(rule[0], str)
     ):
       raise InvalidRulesError(
-          f'Logical axis rule #{i} is {rule!r}; expected a pair '
-          "(logical_name: str, mesh_axes), e.g. ('mlp', 'model')."
+        f'Logical axis rule #{i} is {rule!r}; expected a pair '
+        "(logical_name: str, mesh_axes), e.g. ('mlp', 'model')."
       )
     name, target = rule
     if isinstance(target, list):
       target = tuple(target)
     if isinstance(target, PartitionSpec):
       raise InvalidRulesError(
-          f'Logical axis rule {rule!r}: the target must be a mesh axis, a '
-          'tuple of mesh axes, None or PartitionSpec.UNCONSTRAINED, not a '
-          'PartitionSpec.'
+        f'Logical axis rule {rule!r}: the target must be a mesh axis, a '
+        'tuple of mesh axes, None or PartitionSpec.UNCONSTRAINED, not a '
+        'PartitionSpec.'
       )
     if isinstance(target, tuple) and not all(isinstance(a, str) for a in target):
       raise InvalidRulesError(
-          f'Logical axis rule {rule!r}: a tuple target must hold mesh-axis '
-          'names (str) only.'
+        f'Logical axis rule {rule!r}: a tuple target must hold mesh-axis '
+        'names (str) only.'
       )
     if isinstance(target, tuple) and len(set(target)) != len(target):
       raise InvalidRulesError(
-          f'Logical axis rule {rule!r}: a tuple target names a mesh axis more '
-          'than once; list each mesh axis once.'
+        f'Logical axis rule {rule!r}: a tuple target names a mesh axis more '
+        'than once; list each mesh axis once.'
       )
     if not (
-        target is None
-        or target is UNCONSTRAINED
-        or isinstance(target, (str, tuple))
+      target is None or target is UNCONSTRAINED or isinstance(target, (str, tuple))
     ):
       raise InvalidRulesError(
-          f'Logical axis rule {rule!r}: unsupported target {target!r}; use a '
-          'mesh-axis name, a tuple of them, None or PartitionSpec.UNCONSTRAINED.'
+        f'Logical axis rule {rule!r}: unsupported target {target!r}; use a '
+        'mesh-axis name, a tuple of them, None or PartitionSpec.UNCONSTRAINED.'
       )
     out.append((name, target))
   return tuple(out)
 
 
 def composite_rules(
-    global_rules: LogicalRules | None, local_rules: LogicalRules | None
+  global_rules: LogicalRules | None, local_rules: LogicalRules | None
 ) -> tuple[tuple[str, Any], ...]:
   """Combines context (global) rules with per-variable (local) rules.
 
@@ -188,10 +186,10 @@ def _composite(g, loc):
   for name, target in first_local.items():
     if name in first_global and first_global[name] != target:
       raise RuleConflictError(
-          f"Logical axis '{name}' has conflicting first choices: global rule "
-          f'{(name, first_global[name])!r} vs per-variable rule '
-          f'{(name, target)!r}. Make the per-variable rules agree with the '
-          'global ones, or drop one of them.'
+        f"Logical axis '{name}' has conflicting first choices: global rule "
+        f'{(name, first_global[name])!r} vs per-variable rule '
+        f'{(name, target)!r}. Make the per-variable rules agree with the '
+        'global ones, or drop one of them.'
       )
   seen = set(g)
   return g + tuple(r for r in loc if r not in seen)
@@ -237,17 +235,17 @@ def _check_names(names: tuple[Any, ...]) -> None:
     if isinstance(n, str):
       if n in seen:
         raise InvalidNamesError(
-            f"Logical name '{n}' appears more than once in "
-            f'{format_spec(names)}; each logical name may name one dimension '
-            'only. Rename one of them.'
+          f"Logical name '{n}' appears more than once in "
+          f'{format_spec(names)}; each logical name may name one dimension '
+          'only. Rename one of them.'
         )
       seen.add(n)
 
 
 def _assign(
-    names: tuple[Any, ...],
-    rules: tuple[tuple[str, Any], ...],
-    steps: list[list[RuleStep]] | None,
+  names: tuple[Any, ...],
+  rules: tuple[tuple[str, Any], ...],
+  steps: list[list[RuleStep]] | None,
 ) -> tuple[Any, ...]:
   """The resolution loop; records each rule's effect in ``steps`` when given.
 
@@ -269,18 +267,28 @@ def _assign(
       continue
     if result[pos] is not UNASSIGNED:
       if steps is not None:
-        steps[pos].append(RuleStep(
-            k, (name, target), False,
-            f'dimension already assigned by rule #{assigned_by[pos]}'))
+        steps[pos].append(
+          RuleStep(
+            k,
+            (name, target),
+            False,
+            f'dimension already assigned by rule #{assigned_by[pos]}',
+          )
+        )
       continue
     axes = mesh_axes_of(target)
     clash = next((a for a in axes if a in owner), None)
     if clash is not None:
       if steps is not None:
         j = owner[clash]
-        steps[pos].append(RuleStep(
-            k, (name, target), False,
-            f"mesh axis '{clash}' already used by dimension {j} ({names[j]!r})"))
+        steps[pos].append(
+          RuleStep(
+            k,
+            (name, target),
+            False,
+            f"mesh axis '{clash}' already used by dimension {j} ({names[j]!r})",
+          )
+        )
       continue
     result[pos] = target
     assigned_by[pos] = k
@@ -293,14 +301,12 @@ def _assign(
 
 @functools.lru_cache(maxsize=65536)
 def _resolve_cached(
-    names: tuple[Any, ...], rules: tuple[tuple[str, Any], ...]
+  names: tuple[Any, ...], rules: tuple[tuple[str, Any], ...]
 ) -> tuple[Any, ...]:
   return _assign(names, rules, None)
 
 
-def resolve(
-    names: LogicalNames, rules: LogicalRules | None
-) -> tuple[Any, ...]:
+def resolve(names: LogicalNames, rules: LogicalRules | None) -> tuple[Any, ...]:
   """Resolves logical names to per-dimension mesh axes (cached).
 
   Dimensions no rule could assign come back as :data:`UNASSIGNED` so callers
@@ -310,7 +316,7 @@ def resolve(
 
 
 def explain(
-    names: LogicalNames, rules: LogicalRules | None
+  names: LogicalNames, rules: LogicalRules | None
 ) -> tuple[DimExplanation, ...]:
   """Per-dimension account of which rule gave the mesh axes and which were skipped.
 
@@ -322,31 +328,32 @@ def explain(
     >>> for d in fsm.explain_resolution(('bar', 'foo'),
     ...                                 [('foo', 'model'), ('bar', 'model')]):
     ...   print(d)
-    'bar': rule #1 ('bar', 'model') skipped: mesh axis 'model' already used by dimension 1 ('foo')
+    'bar': rule #1 ('bar', 'model') skipped: mesh axis 'model' already used by
+           dimension 1 ('foo')
     'foo': rule #0 ('foo', 'model') gave: 'model'
   """
   names = tuple(names)
   steps: list[list[RuleStep]] = [[] for _ in names]
   result = _assign(names, normalize_rules(rules), steps)
   return tuple(
-      DimExplanation(n, m, tuple(st))
-      for n, m, st in zip(names, unassigned_to_none(result), steps)
+    DimExplanation(n, m, tuple(st))
+    for n, m, st in zip(names, unassigned_to_none(result), steps)
   )
 
 
 @overload
 def logical_to_mesh_axes(
-    names: None, rules: LogicalRules | None = None, *, strict: bool = False
+  names: None, rules: LogicalRules | None = None, *, strict: bool = False
 ) -> None: ...
 @overload
 def logical_to_mesh_axes(
-    names: LogicalNames, rules: LogicalRules | None = None, *, strict: bool = False
+  names: LogicalNames, rules: LogicalRules | None = None, *, strict: bool = False
 ) -> PartitionSpec: ...
 def logical_to_mesh_axes(
-    names: LogicalNames | None,
-    rules: LogicalRules | None = None,
-    *,
-    strict: bool = False,
+  names: LogicalNames | None,
+  rules: LogicalRules | None = None,
+  *,
+  strict: bool = False,
 ) -> PartitionSpec | None:
   """Resolves logical dimension names to a PartitionSpec of mesh axes.
 
@@ -379,8 +386,7 @@ def logical_to_mesh_axes(
   missing = unmapped_lib.unmapped_names(names, resolved, UNASSIGNED)
   if missing:
     record = unmapped_lib.Unmapped('<names>', None, names, spec, missing)
-    problems = unmapped_lib.report(
-        [record], _context_mesh_axes(), strict, stacklevel=3)
+    problems = unmapped_lib.report([record], _context_mesh_axes(), strict, stacklevel=3)
     if problems:
       raise ShardingError(problems)
   return spec
@@ -395,19 +401,19 @@ def _context_mesh_axes() -> tuple[str, ...]:
 # ------------------------------------------------------------------------------
 
 _T5X_REPLICATED = (
-    ('relpos_buckets', None),
-    ('abspos_buckets', None),
-    ('length', None),
-    ('layers', None),
-    ('stack', None),
-    ('mlp_activations', None),
+  ('relpos_buckets', None),
+  ('abspos_buckets', None),
+  ('length', None),
+  ('layers', None),
+  ('stack', None),
+  ('mlp_activations', None),
 )
 
 
 def standard_logical_axis_rules(
-    activation_partitioning_dims: int = 1,
-    parameter_partitioning_dims: int = 1,
-    additional_rules: LogicalRules | None = None,
+  activation_partitioning_dims: int = 1,
+  parameter_partitioning_dims: int = 1,
+  additional_rules: LogicalRules | None = None,
 ) -> tuple[tuple[str, MeshAxes], ...]:
   """The T5X default rules over a ``('data', 'model')`` mesh.
 
@@ -428,12 +434,12 @@ def standard_logical_axis_rules(
     P('data', 'model')
   """
   base = (
-      ('batch', 'data'),
-      ('vocab', 'model'),
-      ('mlp', 'model'),
-      ('heads', 'model'),
-      ('kv', None),
-      ('joined_kv', 'model'),
+    ('batch', 'data'),
+    ('vocab', 'model'),
+    ('mlp', 'model'),
+    ('heads', 'model'),
+    ('kv', None),
+    ('joined_kv', 'model'),
   )
   dims = (activation_partitioning_dims, parameter_partitioning_dims)
   if dims == (1, 1):
@@ -446,9 +452,9 @@ def standard_logical_axis_rules(
     embed = (('embed', 'model'), ('embed', 'data'))
   else:
     raise InvalidRulesError(
-        f'activation_partitioning_dims={activation_partitioning_dims}, '
-        f'parameter_partitioning_dims={parameter_partitioning_dims} is not '
-        'supported; each must be 1 or 2.'
+      f'activation_partitioning_dims={activation_partitioning_dims}, '
+      f'parameter_partitioning_dims={parameter_partitioning_dims} is not '
+      'supported; each must be 1 or 2.'
     )
   rules = base + embed + _T5X_REPLICATED
   return rules + normalize_rules(additional_rules)

@@ -40,18 +40,19 @@ class ShardedInit:
   """
 
   def __init__(
-      self,
-      init_fn: Callable[..., PyTree],
-      mesh: Mesh,
-      rules: LogicalRules | None = None,
-      chunk_bytes: int = CHUNK_BYTES,
+    self,
+    init_fn: Callable[..., PyTree],
+    mesh: Mesh,
+    rules: LogicalRules | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
   ):
     if not isinstance(mesh, Mesh):
       raise NoMeshError(
-          f'sharded_init needs a concrete jax.sharding.Mesh (devices to '
-          f'generate on), got {type(mesh).__name__} {dict(mesh.shape)}. Make '
-          'one with jax.make_mesh(...); to lay a model out on an AbstractMesh '
-          'without devices, use fsm.plan(...).')
+        f'sharded_init needs a concrete jax.sharding.Mesh (devices to '
+        f'generate on), got {type(mesh).__name__} {dict(mesh.shape)}. Make '
+        'one with jax.make_mesh(...); to lay a model out on an AbstractMesh '
+        'without devices, use fsm.plan(...).'
+      )
     self.init_fn = init_fn
     self.mesh = mesh
     self.rules = rules
@@ -83,15 +84,16 @@ class ShardedInit:
       get_sharding(init_out, self.mesh, self.rules)
     with self._context():
       closed, out_tree = jax.make_jaxpr(
-          lambda *a: jax.tree_util.tree_leaves(call(*a)), return_shape=True
+        lambda *a: jax.tree_util.tree_leaves(call(*a)), return_shape=True
       )(*arrays)
     out_treedef = jax.tree_util.tree_structure(init_out)
     shardings = _per_array_leaf(init_out, _all_auto(self.mesh), self.rules)
     graph = windowed._Graph(closed)
     plans: dict[int, windowed.WindowedOutput] = {}
     for i, (aval, sharding) in enumerate(zip(out_tree, shardings)):
-      local = math.prod(sharding.shard_shape(aval.shape)) * np.dtype(
-          aval.dtype).itemsize
+      local = (
+        math.prod(sharding.shard_shape(aval.shape)) * np.dtype(aval.dtype).itemsize
+      )
       if local > self.chunk_bytes:
         w = windowed.analyse(closed, graph, i)
         if w is not None:
@@ -103,7 +105,8 @@ class ShardedInit:
       for i, w in plans.items():
         # The plain result of output i goes unused, so XLA drops it.
         outs[i] = windowed.generate_sharded(
-            w, list(arrays), shardings[i], dtypes[i], self.chunk_bytes)
+          w, list(arrays), shardings[i], dtypes[i], self.chunk_bytes
+        )
       return outs
 
     jitted = jax.jit(program, out_shardings=shardings)
@@ -125,11 +128,11 @@ class ShardedInit:
 
 
 def sharded_init(
-    init_fn: Callable[..., PyTree],
-    mesh: Mesh,
-    rules: LogicalRules | None = None,
-    *,
-    chunk_bytes: int = CHUNK_BYTES,
+  init_fn: Callable[..., PyTree],
+  mesh: Mesh,
+  rules: LogicalRules | None = None,
+  *,
+  chunk_bytes: int = CHUNK_BYTES,
 ) -> ShardedInit:
   """Returns a function that runs ``init_fn`` and returns its output sharded.
 
@@ -166,7 +169,7 @@ def sharded_init(
 
 
 def _per_array_leaf(
-    abstract: PyTree, mesh: AnyMesh, rules: LogicalRules | None
+  abstract: PyTree, mesh: AnyMesh, rules: LogicalRules | None
 ) -> list[Any]:
   """The sharding of each array leaf of ``abstract``, in flatten order."""
   leaves, layouts, _ = layout_tree(abstract, mesh, rules)
@@ -182,7 +185,8 @@ def _all_auto(mesh: Mesh) -> Mesh:
   if all(t == AxisType.Auto for t in mesh.axis_types):
     return mesh
   return jax.sharding.Mesh(
-      mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
+  )
 
 
 def _to_auto(x: jax.Array) -> jax.Array:
@@ -199,4 +203,5 @@ def _retype(x: jax.Array, mesh: AnyMesh) -> jax.Array:
   """The same buffers, with the sharding expressed on ``mesh`` (no copy)."""
   sharding = NamedSharding(mesh, cast(NamedSharding, x.sharding).spec)
   return jax.make_array_from_single_device_arrays(
-      x.shape, sharding, [s.data for s in x.addressable_shards])
+    x.shape, sharding, [s.data for s in x.addressable_shards]
+  )

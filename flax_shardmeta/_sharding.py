@@ -17,24 +17,24 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta import _unmapped as unmapped_lib
 from flax_shardmeta._errors import (
-    FlaxShardmetaError,
-    ShardingError,
-    ShardingFitWarning,
-    ShardingProblem,
+  FlaxShardmetaError,
+  ShardingError,
+  ShardingFitWarning,
+  ShardingProblem,
 )
 from flax_shardmeta._rules import (
-    composite_rules,
-    get_logical_axis_rules,
-    normalize_rules,
-    resolve,
+  composite_rules,
+  get_logical_axis_rules,
+  normalize_rules,
+  resolve,
 )
 from flax_shardmeta._specs import UNASSIGNED, UNCONSTRAINED
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 from flax_shardmeta._validate import (
-    check_spec,
-    fit_spec,
-    rank_issue,
-    unconstrained_issue,
+  check_spec,
+  fit_spec,
+  rank_issue,
+  unconstrained_issue,
 )
 
 
@@ -71,13 +71,13 @@ def effective_rules(rules: LogicalRules | None) -> tuple[tuple[str, Any], ...]:
 
 
 def layout_of(
-    shape: tuple[int, ...] | None,
-    annotation: ann_lib.Annotation | None,
-    mesh: AnyMesh,
-    rules: tuple[tuple[str, Any], ...],
-    fit: bool = False,
-    *,
-    for_constraint: bool = False,
+  shape: tuple[int, ...] | None,
+  annotation: ann_lib.Annotation | None,
+  mesh: AnyMesh,
+  rules: tuple[tuple[str, Any], ...],
+  fit: bool = False,
+  *,
+  for_constraint: bool = False,
 ) -> LeafLayout:
   """Resolves and validates one leaf (cached on all arguments).
 
@@ -89,26 +89,28 @@ def layout_of(
 
 
 @functools.lru_cache(maxsize=65536)
-def _layout_cached(shape, annotation, mesh, rules, fit, for_constraint
-                   ) -> LeafLayout:
+def _layout_cached(shape, annotation, mesh, rules, fit, for_constraint) -> LeafLayout:
   if shape is None:
     return LeafLayout(None, None)
   if annotation is None:
-    return LeafLayout(shape, PartitionSpec(), sharding=named_sharding(
-        mesh, PartitionSpec()))
+    return LeafLayout(
+      shape, PartitionSpec(), sharding=named_sharding(mesh, PartitionSpec())
+    )
   names = annotation.names
   if len(names) != len(shape):
     if annotation.optimizer_state:
       # Documented rule: optimizer leaves whose rank differs from their
       # parameter (factored moments, counts) are replicated; they are small.
-      return LeafLayout(shape, PartitionSpec(), sharding=named_sharding(
-          mesh, PartitionSpec()))
+      return LeafLayout(
+        shape, PartitionSpec(), sharding=named_sharding(mesh, PartitionSpec())
+      )
     return LeafLayout(shape, None, (rank_issue(len(names), len(shape)),))
   try:
     entries = resolve_names(annotation, mesh, rules)
   except FlaxShardmetaError as e:
     return LeafLayout(
-        shape, None, ((str(e).rstrip('.'), 'fix the names or the rules', ()),))
+      shape, None, ((str(e).rstrip('.'), 'fix the names or the rules', ()),)
+    )
   issues = check_spec(shape, entries, mesh)
   if issues and annotation.optimizer_state:
     # Same rank but another shape (adafactor's v_row/v_col of a rank-1
@@ -129,22 +131,28 @@ def _layout_cached(shape, annotation, mesh, rules, fit, for_constraint
     if open_dims is not None and fit:
       entries = tuple(None if e is UNCONSTRAINED else e for e in entries)
       adjustments += tuple(
-          f'dimension {d}: UNCONSTRAINED -> None (a NamedSharding cannot leave '
-          'a dimension to the compiler)' for d in open_dims[2])
+        f'dimension {d}: UNCONSTRAINED -> None (a NamedSharding cannot leave '
+        'a dimension to the compiler)'
+        for d in open_dims[2]
+      )
     elif open_dims is not None:
       issues += (open_dims,)
   spec = PartitionSpec(*entries)
-  unmapped = () if annotation.optimizer_state else unmapped_of(
-      annotation, mesh, rules)
+  unmapped = () if annotation.optimizer_state else unmapped_of(annotation, mesh, rules)
   return LeafLayout(
-      shape, spec, issues, adjustments,
-      None if issues else named_sharding(mesh, spec), unmapped,
+    shape,
+    spec,
+    issues,
+    adjustments,
+    None if issues else named_sharding(mesh, spec),
+    unmapped,
   )
 
 
 def resolve_names(
-    annotation: ann_lib.Annotation, mesh: AnyMesh | None,
-    rules: tuple[tuple[str, Any], ...],
+  annotation: ann_lib.Annotation,
+  mesh: AnyMesh | None,
+  rules: tuple[tuple[str, Any], ...],
 ) -> tuple[Any, ...]:
   """Per-dimension mesh axes for an annotation (mesh names pass through)."""
   if not annotation.logical:
@@ -152,15 +160,17 @@ def resolve_names(
   resolved = resolve(annotation.names, composite_rules(rules, annotation.rules))
   mesh_axes = set(mesh.axis_names) if mesh is not None else set()
   return tuple(
-      (n if annotation.keep_mesh_names and n in mesh_axes else None)
-      if r is UNASSIGNED else r
-      for n, r in zip(annotation.names, resolved)
+    (n if annotation.keep_mesh_names and n in mesh_axes else None)
+    if r is UNASSIGNED
+    else r
+    for n, r in zip(annotation.names, resolved)
   )
 
 
 def unmapped_of(
-    annotation: ann_lib.Annotation, mesh: AnyMesh | None,
-    rules: tuple[tuple[str, Any], ...],
+  annotation: ann_lib.Annotation,
+  mesh: AnyMesh | None,
+  rules: tuple[tuple[str, Any], ...],
 ) -> tuple[str, ...]:
   """The annotation's logical names that no rule maps, so are replicated.
 
@@ -183,23 +193,23 @@ def named_sharding(mesh: AnyMesh, spec: PartitionSpec) -> NamedSharding:
 
 
 def problems_of(
-    path: str, leaf: ann_lib.Leaf, layout: LeafLayout
+  path: str, leaf: ann_lib.Leaf, layout: LeafLayout
 ) -> list[ShardingProblem]:
   """The layout's issues as path-named problems."""
   names = leaf.annotation.names if leaf.annotation is not None else None
   return [
-      ShardingProblem(path, layout.shape, names, layout.spec, r, h, d)
-      for r, h, d in layout.issues
+    ShardingProblem(path, layout.shape, names, layout.spec, r, h, d)
+    for r, h, d in layout.issues
   ]
 
 
 def layout_tree(
-    tree: PyTree,
-    mesh: AnyMesh,
-    rules: LogicalRules | None = None,
-    fit: bool = False,
-    *,
-    every_path: bool = False,
+  tree: PyTree,
+  mesh: AnyMesh,
+  rules: LogicalRules | None = None,
+  fit: bool = False,
+  *,
+  every_path: bool = False,
 ) -> tuple[list[ann_lib.Leaf], list[LeafLayout], Any]:
   """Walks ``tree`` and lays out every leaf; returns leaves, layouts, builder.
 
@@ -220,12 +230,12 @@ def layout_tree(
 
 
 def get_sharding(
-    tree: PyTree,
-    mesh: AnyMesh,
-    rules: LogicalRules | None = None,
-    *,
-    fit: bool = False,
-    strict: bool = False,
+  tree: PyTree,
+  mesh: AnyMesh,
+  rules: LogicalRules | None = None,
+  *,
+  fit: bool = False,
+  strict: bool = False,
 ) -> PyTree:
   """A ``NamedSharding`` for every array leaf of ``tree``, validated.
 
@@ -288,7 +298,8 @@ def unmapped_record(lf: ann_lib.Leaf, lay: LeafLayout) -> unmapped_lib.Unmapped:
   """The leaf's unmapped names, its path made only if reported."""
   names = lf.annotation.names if lf.annotation is not None else ()
   return unmapped_lib.Unmapped(
-      lambda: lf.path, lay.shape, names, lay.spec, lay.unmapped)
+    lambda: lf.path, lay.shape, names, lay.spec, lay.unmapped
+  )
 
 
 MAX_LISTED = 20
@@ -296,7 +307,7 @@ MAX_LISTED = 20
 
 
 def warn_adjustments(
-    adjusted: list[tuple[Any, tuple[str, ...]]], stacklevel: int = 3
+  adjusted: list[tuple[Any, tuple[str, ...]]], stacklevel: int = 3
 ) -> None:
   """One :class:`ShardingFitWarning` for every change fit mode made.
 
@@ -310,6 +321,7 @@ def warn_adjustments(
       leaf is an annotation walk's Leaf or a path string.
     stacklevel: passed to ``warnings.warn``.
   """
+
   def path(leaf: Any) -> str:
     return leaf if isinstance(leaf, str) else leaf.path
 
@@ -317,8 +329,9 @@ def warn_adjustments(
     return [f'{path(lf)}: {a}' for lf, changes in adjusted for a in changes]
 
   total = sum(len(changes) for _, changes in adjusted)
-  head = (f'fit=True replicated {total} dimension(s) that could not be sharded '
-          'as annotated')
+  head = (
+    f'fit=True replicated {total} dimension(s) that could not be sharded as annotated'
+  )
   if total <= MAX_LISTED:
     lines = [f'  - {line}' for line in every_change()]
   else:
@@ -333,11 +346,13 @@ def warn_adjustments(
       lines.append(f'  - {len(where)} x {change}: {examples}{more}')
     if len(by_change) > MAX_LISTED:
       lines.append(f'  - ... and {len(by_change) - MAX_LISTED} more kinds of change')
-    lines.append('  (the full list: the warning\'s `adjustments`, or '
-                 'fsm.plan(..., fit=True).adjustments)')
+    lines.append(
+      "  (the full list: the warning's `adjustments`, or "
+      'fsm.plan(..., fit=True).adjustments)'
+    )
   warnings.warn(
-      ShardingFitWarning(f'{head}:\n' + '\n'.join(lines), every_change),
-      stacklevel=stacklevel,
+    ShardingFitWarning(f'{head}:\n' + '\n'.join(lines), every_change),
+    stacklevel=stacklevel,
   )
 
 
@@ -377,7 +392,7 @@ def _is_spec(x: Any) -> bool:
 
 
 def logical_to_mesh(
-    tree: PyTree, rules: LogicalRules | None = None, *, strict: bool = False
+  tree: PyTree, rules: LogicalRules | None = None, *, strict: bool = False
 ) -> PyTree:
   """Resolves every logical PartitionSpec leaf of ``tree`` to mesh axes.
 
@@ -396,8 +411,10 @@ def logical_to_mesh(
 
 
 def _logical_to_mesh(
-    tree: PyTree, rules: LogicalRules | None, strict: bool,
-    mesh_axis_names: tuple[str, ...],
+  tree: PyTree,
+  rules: LogicalRules | None,
+  strict: bool,
+  mesh_axis_names: tuple[str, ...],
 ) -> PyTree:
   rules_t = effective_rules(rules)
   flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_spec)
@@ -412,8 +429,11 @@ def _logical_to_mesh(
     spec = PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
     missing = unmapped_lib.unmapped_names(names, resolved, UNASSIGNED)
     if missing:
-      unmapped.append(unmapped_lib.Unmapped(
-          functools.partial(_spec_path, tree, i), None, names, spec, missing))
+      unmapped.append(
+        unmapped_lib.Unmapped(
+          functools.partial(_spec_path, tree, i), None, names, spec, missing
+        )
+      )
     out.append(spec)
   problems = unmapped_lib.report(unmapped, mesh_axis_names, strict, stacklevel=4)
   if problems:
@@ -427,11 +447,11 @@ def _spec_path(tree: PyTree, index: int) -> str:
 
 
 def logical_to_mesh_sharding(
-    tree: PyTree,
-    mesh: AnyMesh,
-    rules: LogicalRules | None = None,
-    *,
-    strict: bool = False,
+  tree: PyTree,
+  mesh: AnyMesh,
+  rules: LogicalRules | None = None,
+  *,
+  strict: bool = False,
 ) -> PyTree:
   """Like :func:`logical_to_mesh`, then ``NamedSharding(mesh, spec)`` per leaf.
 
@@ -459,8 +479,8 @@ def logical_to_mesh_sharding(
     # A shape as large as needed makes only the mesh-axis checks bite.
     issues = check_spec((0,) * len(spec), tuple(spec), mesh)
     problems += [
-        ShardingProblem(ann_lib.path_str(path), None, None, spec, r, h, d)
-        for r, h, d in issues
+      ShardingProblem(ann_lib.path_str(path), None, None, spec, r, h, d)
+      for r, h, d in issues
     ]
     # jax rejects a bad spec on construction; collect every problem first.
     out.append(None if issues else named_sharding(mesh, spec))

@@ -53,8 +53,10 @@ def format_entry(entry: Any) -> str:
   """One spec entry as it reads in a PartitionSpec.
 
   Example:
-    >>> format_entry('model'), format_entry(('data', 'model')), format_entry(UNCONSTRAINED)
-    ("'model'", "('data', 'model')", 'UNCONSTRAINED')
+    >>> format_entry('model'), format_entry(('data', 'model'))
+    ("'model'", "('data', 'model')")
+    >>> format_entry(UNCONSTRAINED)
+    'UNCONSTRAINED'
   """
   if isinstance(entry, str):
     return repr(entry)

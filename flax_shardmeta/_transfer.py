@@ -21,8 +21,11 @@ from flax_shardmeta._validate import check_spec
 
 
 def _is_target(x: Any) -> bool:
-  return x is None or isinstance(x, Sharding) or (
-      hasattr(x, 'shape') and hasattr(x, 'sharding'))
+  return (
+    x is None
+    or isinstance(x, Sharding)
+    or (hasattr(x, 'shape') and hasattr(x, 'sharding'))
+  )
 
 
 def shard_tree(host_tree: PyTree, shardings: PyTree) -> PyTree:
@@ -57,8 +60,9 @@ def shard_tree(host_tree: PyTree, shardings: PyTree) -> PyTree:
   values = unbox(host_tree)
   targets = unbox(shardings)
   flat, treedef = jax.tree_util.tree_flatten_with_path(values)
-  flat_targets = treedef.flatten_up_to(targets) if not _is_target(targets) else [
-      targets] * len(flat)
+  flat_targets = (
+    treedef.flatten_up_to(targets) if not _is_target(targets) else [targets] * len(flat)
+  )
   problems: list[ShardingProblem] = []
   out = []
   for (path, value), target in zip(flat, flat_targets):
@@ -72,16 +76,23 @@ def shard_tree(host_tree: PyTree, shardings: PyTree) -> PyTree:
     spec = getattr(sharding, 'spec', None)
     mesh = getattr(sharding, 'mesh', None)
     if expected is not None and tuple(expected) != shape:
-      problems.append(ShardingProblem(
-          where, shape, None, spec,
+      problems.append(
+        ShardingProblem(
+          where,
+          shape,
+          None,
+          spec,
           f'expected shape {tuple(expected)}, got {shape}',
-          'load the value the target describes, or fix the target'))
+          'load the value the target describes, or fix the target',
+        )
+      )
       continue
     if spec is not None and mesh is not None:
       issues = check_spec(shape, tuple(spec), mesh)
       if issues:
-        problems += [ShardingProblem(where, shape, None, spec, r, h, d)
-                     for r, h, d in issues]
+        problems += [
+          ShardingProblem(where, shape, None, spec, r, h, d) for r, h, d in issues
+        ]
         continue
     out.append(_transfer(value, shape, sharding))
   if problems:
@@ -92,7 +103,8 @@ def shard_tree(host_tree: PyTree, shardings: PyTree) -> PyTree:
 def _transfer(value: Any, shape: tuple[int, ...], sharding: Sharding) -> jax.Array:
   # Called once per addressable device with that device's slice index.
   return jax.make_array_from_callback(
-      shape, sharding, lambda index: np.asarray(value[index]))
+    shape, sharding, lambda index: np.asarray(value[index])
+  )
 
 
 def gather_tree(tree: PyTree) -> PyTree:
@@ -109,6 +121,7 @@ def gather_tree(tree: PyTree) -> PyTree:
     >>> fsm.gather_tree({'x': x})['x']
     array([0., 1., 2., 3., 4., 5., 6., 7.], dtype=float32)
   """
+
   def one(x: Any) -> Any:
     if not isinstance(x, jax.Array):
       return x

@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from flax_shardmeta._errors import (
-    ShardingProblem,
-    UnmappedMeshAxisNameWarning,
-    unmapped_hint,
+  ShardingProblem,
+  UnmappedMeshAxisNameWarning,
+  unmapped_hint,
 )
 
 MAX_PATHS = 10
@@ -47,20 +47,22 @@ class Unmapped:
     return self.path() if callable(self.path) else self.path
 
 
-def unmapped_names(names: Sequence[Any], resolved: Sequence[Any], unassigned: Any
-                   ) -> tuple[str, ...]:
+def unmapped_names(
+  names: Sequence[Any], resolved: Sequence[Any], unassigned: Any
+) -> tuple[str, ...]:
   """The string names whose resolution is ``unassigned``."""
   return tuple(
-      n for n, r in zip(names, resolved) if r is unassigned and isinstance(n, str))
+    n for n, r in zip(names, resolved) if r is unassigned and isinstance(n, str)
+  )
 
 
 def report(
-    records: Iterable[Unmapped],
-    mesh_axis_names: Iterable[str],
-    strict: bool,
-    *,
-    stacklevel: int = 3,
-    also: str = '',
+  records: Iterable[Unmapped],
+  mesh_axis_names: Iterable[str],
+  strict: bool,
+  *,
+  stacklevel: int = 3,
+  also: str = '',
 ) -> list[ShardingProblem]:
   """Warns about mesh-axis names (non-strict) and returns the strict problems.
 
@@ -81,16 +83,21 @@ def report(
   axes = frozenset(mesh_axis_names)
   if strict:
     return [
-        ShardingProblem(
-            r.path_text(), r.shape, r.names, r.spec,
-            f"no usable rule maps logical name '{n}' (strict=True); "
-            'fsm.explain_resolution shows which rules were tried',
-            unmapped_hint(n) if n in axes else
-            f"add a rule such as ('{n}', 'model'), or ('{n}', None) to "
-            'replicate it on purpose',
-            tuple(i for i, m in enumerate(r.names) if m == n),
-        )
-        for r in records for n in r.unmapped
+      ShardingProblem(
+        r.path_text(),
+        r.shape,
+        r.names,
+        r.spec,
+        f"no usable rule maps logical name '{n}' (strict=True); "
+        'fsm.explain_resolution shows which rules were tried',
+        unmapped_hint(n)
+        if n in axes
+        else f"add a rule such as ('{n}', 'model'), or ('{n}', None) to "
+        'replicate it on purpose',
+        tuple(i for i, m in enumerate(r.names) if m == n),
+      )
+      for r in records
+      for n in r.unmapped
     ]
   by_name: dict[str, list[Unmapped]] = {}
   for r in records:
@@ -102,10 +109,10 @@ def report(
     more = len(where) - len(shown)
     listed = ', '.join(shown) + (f' and {more} more' if more else '')
     warnings.warn(
-        f"Logical name '{name}' is not mapped by any rule, so it was "
-        f"replicated, but it is also a mesh-axis name: {unmapped_hint(name)} "
-        f'{also}Concerned: {listed}.',
-        UnmappedMeshAxisNameWarning,
-        stacklevel=stacklevel,
+      f"Logical name '{name}' is not mapped by any rule, so it was "
+      f'replicated, but it is also a mesh-axis name: {unmapped_hint(name)} '
+      f'{also}Concerned: {listed}.',
+      UnmappedMeshAxisNameWarning,
+      stacklevel=stacklevel,
     )
   return []

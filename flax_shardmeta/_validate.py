@@ -11,13 +11,14 @@ import functools
 import math
 from typing import Any
 
-from flax_shardmeta._specs import UNCONSTRAINED, mesh_axes_of
+from flax_shardmeta._specs import UNCONSTRAINED, format_entry, mesh_axes_of
 
 Issue = tuple[str, str, tuple[int, ...]]
 """(reason, hint, dims concerned)."""
 
-FIT_CALLS = ('fit=True (fsm.get_sharding, fsm.plan, fsm.shard_value, '
-             'fsm.with_logical_constraint)')
+FIT_CALLS = (
+  'fit=True (fsm.get_sharding, fsm.plan, fsm.shard_value, fsm.with_logical_constraint)'
+)
 """Where hints send the reader for fit mode: every call that takes ``fit=``."""
 
 
@@ -27,7 +28,7 @@ def mesh_key(mesh: Any) -> tuple[tuple[str, int], ...]:
 
 
 def check_spec(
-    shape: tuple[int, ...], spec: tuple[Any, ...], mesh: Any
+  shape: tuple[int, ...], spec: tuple[Any, ...], mesh: Any
 ) -> tuple[Issue, ...]:
   """All problems of ``spec`` (entries per dimension) for ``shape`` on ``mesh``."""
   return _check(tuple(shape), tuple(spec), mesh_key(mesh))
@@ -35,19 +36,21 @@ def check_spec(
 
 @functools.lru_cache(maxsize=65536)
 def _check(
-    shape: tuple[int, ...],
-    spec: tuple[Any, ...],
-    axes: tuple[tuple[str, int], ...],
+  shape: tuple[int, ...],
+  spec: tuple[Any, ...],
+  axes: tuple[tuple[str, int], ...],
 ) -> tuple[Issue, ...]:
   issues: list[Issue] = []
   sizes = dict(axes)
   shown_mesh = ', '.join(f'{n}={s}' for n, s in axes) or 'no axes'
   if len(spec) > len(shape):
-    issues.append((
+    issues.append(
+      (
         f'{len(spec)} spec entries for a rank-{len(shape)} array',
         'give at most one entry per dimension',
         (),
-    ))
+      )
+    )
     spec = spec[: len(shape)]
   first_use: dict[str, int] = {}
   for dim, entry in enumerate(spec):
@@ -56,22 +59,29 @@ def _check(
     axis_names = mesh_axes_of(entry)
     missing = [a for a in axis_names if a not in sizes]
     for a in missing:
-      issues.append((
+      issues.append(
+        (
           f"mesh axis '{a}' (dimension {dim}) is not in the mesh ({shown_mesh})",
           'use an axis the mesh has, change the rule that produced it, or '
           f'replicate this dimension with {FIT_CALLS}',
           (dim,),
-      ))
+        )
+      )
     for a in axis_names:
       if a in first_use:
-        where = (f'dimension {dim} twice' if first_use[a] == dim else
-                 f'both dimension {first_use[a]} and dimension {dim}')
-        issues.append((
+        where = (
+          f'dimension {dim} twice'
+          if first_use[a] == dim
+          else f'both dimension {first_use[a]} and dimension {dim}'
+        )
+        issues.append(
+          (
             f"mesh axis '{a}' shards {where}",
             'a mesh axis may shard one dimension only; replicate one of them '
             '(None) or use another axis',
             (dim,),
-        ))
+          )
+        )
       else:
         first_use[a] = dim
     if missing:
@@ -79,30 +89,32 @@ def _check(
     factor = math.prod(sizes[a] for a in axis_names)
     if factor and shape[dim] % factor:
       over = ' x '.join(f"'{a}'={sizes[a]}" for a in axis_names)
-      issues.append((
+      issues.append(
+        (
           f'dimension {dim} of size {shape[dim]} is not divisible by {over} '
           f'(= {factor})',
           f'make the size a multiple of {factor}, shard it over other mesh '
           f'axes, or replicate this dimension with {FIT_CALLS}',
           (dim,),
-      ))
+        )
+      )
   return tuple(issues)
 
 
 def rank_issue(n_names: int, ndim: int) -> Issue:
   """The problem of an annotation whose length is not the value's rank."""
   return (
-      f'{n_names} names for a rank-{ndim} array',
-      'give exactly one name per dimension (None for a replicated one); if a '
-      'transform such as nn.scan/nnx.vmap added an axis, pass '
-      "metadata_params={fsm.PARTITION_NAME: 'layers'} (Linen) or "
-      "transform_metadata={nnx.PARTITION_NAME: 'layers'} (NNX)",
-      (),
+    f'{n_names} names for a rank-{ndim} array',
+    'give exactly one name per dimension (None for a replicated one); if a '
+    'transform such as nn.scan/nnx.vmap added an axis, pass '
+    "metadata_params={fsm.PARTITION_NAME: 'layers'} (Linen) or "
+    "transform_metadata={nnx.PARTITION_NAME: 'layers'} (NNX)",
+    (),
   )
 
 
 def fit_spec(
-    shape: tuple[int, ...], spec: tuple[Any, ...], mesh: Any
+  shape: tuple[int, ...], spec: tuple[Any, ...], mesh: Any
 ) -> tuple[tuple[Any, ...], tuple[Issue, ...], tuple[str, ...]]:
   """Replicates the dimensions whose mesh axes cannot shard them.
 
@@ -118,9 +130,9 @@ def fit_spec(
 
 @functools.lru_cache(maxsize=65536)
 def _fit(
-    shape: tuple[int, ...],
-    spec: tuple[Any, ...],
-    axes: tuple[tuple[str, int], ...],
+  shape: tuple[int, ...],
+  spec: tuple[Any, ...],
+  axes: tuple[tuple[str, int], ...],
 ) -> tuple[tuple[Any, ...], tuple[Issue, ...], tuple[str, ...]]:
   issues = _check(shape, spec, axes)
   if not any(dims for _, _, dims in issues):
@@ -130,8 +142,7 @@ def _fit(
   for reason, _, dims in issues:
     for d in dims:
       if entries[d] is not None:
-        changes.append(
-            f'dimension {d}: {format_entry(entries[d])} -> None ({reason})')
+        changes.append(f'dimension {d}: {format_entry(entries[d])} -> None ({reason})')
         entries[d] = None
   fitted = tuple(entries)
   return fitted, _check(shape, fitted, axes), tuple(changes)
@@ -149,14 +160,9 @@ def unconstrained_issue(spec: tuple[Any, ...]) -> Issue | None:
     return None
   shown = ', '.join(map(str, dims))
   return (
-      f'UNCONSTRAINED (dimension {shown}) is only valid in a sharding '
-      "constraint; jit's in/out_shardings and device_put need a definite layout",
-      'use None (replicated) or mesh axes in the annotation or rule, or pass '
-      'fit=True to replicate it',
-      dims,
+    f'UNCONSTRAINED (dimension {shown}) is only valid in a sharding '
+    "constraint; jit's in/out_shardings and device_put need a definite layout",
+    'use None (replicated) or mesh axes in the annotation or rule, or pass '
+    'fit=True to replicate it',
+    dims,
   )
-
-
-def format_entry(entry: Any) -> str:
-  """One spec entry as written in a PartitionSpec, e.g. ``'model'`` or ``('a', 'b')``."""
-  return 'UNCONSTRAINED' if entry is UNCONSTRAINED else repr(entry)

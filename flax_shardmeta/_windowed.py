@@ -34,19 +34,20 @@ from flax_shardmeta._specs import mesh_axes_of
 
 # Primitives computing each output element from the same element of their
 # inputs (inputs of size-1 dimensions broadcast).
-_ELEMENTWISE = frozenset("""
+_ELEMENTWISE = frozenset(
+  """
 abs add and atan2 bitcast_convert_type cbrt ceil clamp convert_element_type
 copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag
 integer_pow is_finite le log log1p logistic lt max min mul ne neg nextafter not
 or pow real reduce_precision rem round rsqrt select_n shift_left
 shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
 stop_gradient sub tan tanh xor
-""".split())
+""".split()
+)
 
 # Layout-only primitives: on a window they are the identity (the window
 # program places its result itself).
-_LAYOUT = frozenset({'sharding_constraint', 'reshard', 'mesh_cast', 'pvary',
-                     'pcast'})
+_LAYOUT = frozenset({'sharding_constraint', 'reshard', 'mesh_cast', 'pvary', 'pcast'})
 
 CHUNK_BYTES = 16 * 2**20
 """Per-device bytes of a parameter generated at once."""
@@ -95,11 +96,17 @@ class _Graph:
 
     for eqn in jaxpr.eqns:
       args = [read(x) for x in eqn.invars]
-      inner = next(
-          (eqn.params[k] for k in _INLINE_PARAMS if k in eqn.params), None)
+      inner = next((eqn.params[k] for k in _INLINE_PARAMS if k in eqn.params), None)
       if inner is not None and eqn.primitive.name in (
-          'jit', 'pjit', 'closed_call', 'core_call', 'custom_jvp_call',
-          'custom_vjp_call', 'remat', 'checkpoint'):
+        'jit',
+        'pjit',
+        'closed_call',
+        'core_call',
+        'custom_jvp_call',
+        'custom_vjp_call',
+        'remat',
+        'checkpoint',
+      ):
         if isinstance(inner, jex.ClosedJaxpr):
           outs = self._flatten(inner.jaxpr, inner.consts, args)
         else:
@@ -138,8 +145,9 @@ class WindowedOutput:
   used_inputs: list[int]
   _inner: dict[int, WindowedOutput] = dataclasses.field(default_factory=dict)
 
-  def evaluate(self, inputs: list[Any], offsets: list[Any],
-               wshape: tuple[int, ...]) -> Any:
+  def evaluate(
+    self, inputs: list[Any], offsets: list[Any], wshape: tuple[int, ...]
+  ) -> Any:
     """The output's values at ``[offsets : offsets + wshape]``."""
     env: dict[int, Any] = dict(zip(self.graph.inputs, inputs))
     spatial: set[int] = set()
@@ -163,18 +171,19 @@ class WindowedOutput:
     name = node.prim.name
     ins = [env[i] for i in node.inputs]
     if name == 'random_bits':
-      return _window_bits(ins[0], node.params['bit_width'], self.shape,
-                          offsets, wshape)
+      return _window_bits(ins[0], node.params['bit_width'], self.shape, offsets, wshape)
     if name == 'broadcast_in_dim':
       x = ins[0]
       if node.inputs[0] in spatial:
         return x
-      return _window_broadcast(x, node.params['broadcast_dimensions'],
-                               self.shape, offsets, wshape)
+      return _window_broadcast(
+        x, node.params['broadcast_dimensions'], self.shape, offsets, wshape
+      )
     if name == 'iota':
       d = node.params['dimension']
       return lax.broadcasted_iota(node.aval.dtype, wshape, d) + offsets[d].astype(
-          node.aval.dtype)
+        node.aval.dtype
+      )
     if name in _LAYOUT and node.inputs[0] in spatial:
       return ins[0]
     if name == 'scan':
@@ -182,11 +191,11 @@ class WindowedOutput:
     if name in _ELEMENTWISE:
       args = []
       for i, x in zip(node.inputs, ins):
-        args.append(x if i in spatial else _window_operand(
-            x, self.shape, offsets, wshape))
+        args.append(
+          x if i in spatial else _window_operand(x, self.shape, offsets, wshape)
+        )
       return _bind(node, args, drop_sharding=True)
     raise Unsupported(f'{name} is not elementwise')
-
 
   def _window_scan(self, node, ins, offsets, wshape):
     # A stacked output of a scan (e.g. nn.scan's per-layer parameters): each
@@ -202,15 +211,19 @@ class WindowedOutput:
     if inner is None:
       inner = analyse(p['jaxpr'], None, n_carry + y, check=False)
       if inner is None or any(
-          n_consts <= i < n_consts + n_carry for i in inner.used_inputs):
+        n_consts <= i < n_consts + n_carry for i in inner.used_inputs
+      ):
         raise Unsupported('scan output depends on the carry')
       self._inner[key] = inner
-    consts, xs = ins[:n_consts], ins[n_consts + n_carry:]
+    consts, xs = ins[:n_consts], ins[n_consts + n_carry :]
     pieces = []
     for i in range(wshape[0]):
       step = offsets[0] + np.uint32(i)
-      body_in = list(consts) + [None] * n_carry + [
-          lax.dynamic_index_in_dim(x, step, keepdims=False) for x in xs]
+      body_in = (
+        list(consts)
+        + [None] * n_carry
+        + [lax.dynamic_index_in_dim(x, step, keepdims=False) for x in xs]
+      )
       pieces.append(inner.evaluate(body_in, list(offsets[1:]), wshape[1:]))
     return jnp.stack(pieces)
 
@@ -260,7 +273,7 @@ def _window_bits(key: Any, bit_width: int, shape, offsets, wshape) -> Any:
   data = jax.random.key_data(key)
   flat = jnp.zeros(wshape, jnp.uint32)
   for d in range(len(shape)):
-    stride = math.prod(shape[d + 1:])
+    stride = math.prod(shape[d + 1 :])
     g = lax.broadcasted_iota(jnp.uint32, wshape, d) + offsets[d].astype(jnp.uint32)
     flat = flat + g * np.uint32(stride)
   # The high words are all zero; derive them from `flat` so that inside
@@ -274,8 +287,9 @@ def _window_bits(key: Any, bit_width: int, shape, offsets, wshape) -> Any:
   raise Unsupported(f'{bit_width}-bit random bits')
 
 
-def analyse(closed: jex.ClosedJaxpr, graph: _Graph | None, index: int,
-            check: bool = True) -> WindowedOutput | None:
+def analyse(
+  closed: jex.ClosedJaxpr, graph: _Graph | None, index: int, check: bool = True
+) -> WindowedOutput | None:
   """A window evaluator for output ``index``, or None when not possible."""
   graph = graph or _Graph(closed)
   out = graph.outputs[index]
@@ -298,35 +312,37 @@ def analyse(closed: jex.ClosedJaxpr, graph: _Graph | None, index: int,
     return w
   try:
     # Dry run on a one-element window validates every primitive on the path.
-    probe = [jax.ShapeDtypeStruct(graph.nodes[n].aval.shape,
-                                  graph.nodes[n].aval.dtype)
-             for n in graph.inputs]
+    probe = [
+      jax.ShapeDtypeStruct(graph.nodes[n].aval.shape, graph.nodes[n].aval.dtype)
+      for n in graph.inputs
+    ]
     jax.eval_shape(
-        lambda *a: w.evaluate(list(a), [jnp.uint32(0)] * len(shape),
-                              (1,) * len(shape)), *probe)
+      lambda *a: w.evaluate(list(a), [jnp.uint32(0)] * len(shape), (1,) * len(shape)),
+      *probe,
+    )
   except Exception:  # noqa: BLE001 - anything unexpected: generate as usual
     # Falling back is always correct; chunking is only an optimization.
     return None
   return w
 
 
-def chunk_plan(local: tuple[int, ...], itemsize: int, target_bytes: int
-               ) -> tuple[int, int]:
+def chunk_plan(
+  local: tuple[int, ...], itemsize: int, target_bytes: int
+) -> tuple[int, int]:
   """(dimension, chunk length) so a chunk is at most ``target_bytes``."""
   dim = max(range(len(local)), key=lambda d: local[d])
   row = math.prod(local) // local[dim] * itemsize
   want = max(1, target_bytes // max(row, 1))
-  chunk = max(c for c in range(1, local[dim] + 1)
-              if local[dim] % c == 0 and c <= want)
+  chunk = max(c for c in range(1, local[dim] + 1) if local[dim] % c == 0 and c <= want)
   return dim, chunk
 
 
 def generate_sharded(
-    w: WindowedOutput,
-    inputs: list[Any],
-    sharding: NamedSharding,
-    dtype: Any,
-    target_bytes: int = CHUNK_BYTES,
+  w: WindowedOutput,
+  inputs: list[Any],
+  sharding: NamedSharding,
+  dtype: Any,
+  target_bytes: int = CHUNK_BYTES,
 ) -> Any:
   """The output, laid out as ``sharding``, each device filling its own shard
   chunk by chunk. Call inside ``jit``."""
@@ -365,6 +381,8 @@ def generate_sharded(
     return lax.fori_loop(0, local[dim] // chunk, body, buf)
 
   return jax.shard_map(
-      fill, mesh=mesh, in_specs=tuple(PartitionSpec() for _ in used),
-      out_specs=PartitionSpec(*spec),
+    fill,
+    mesh=mesh,
+    in_specs=tuple(PartitionSpec() for _ in used),
+    out_specs=PartitionSpec(*spec),
   )(*used)

@@ -53,38 +53,63 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
   parser = _Parser(prog='flax-shardmeta', description=(__doc__ or '').split('\n')[0])
   sub = parser.add_subparsers(dest='command', required=True, parser_class=_Parser)
-  demo = sub.add_parser('demo', help='plan, init and train a small model on 8 '
-                        'simulated devices, checking every sharding')
+  demo = sub.add_parser(
+    'demo',
+    help='plan, init and train a small model on 8 '
+    'simulated devices, checking every sharding',
+  )
   demo.add_argument('--steps', type=int, default=5)
-  demo.add_argument('--processes', type=int, default=1, metavar='N',
-                    help='run across N local processes (8/N CPU devices each) '
-                    'under jax.distributed, then compare with 1 process')
+  demo.add_argument(
+    '--processes',
+    type=int,
+    default=1,
+    metavar='N',
+    help='run across N local processes (8/N CPU devices each) '
+    'under jax.distributed, then compare with 1 process',
+  )
   demo.add_argument('--out', type=Path, help=argparse.SUPPRESS)
   p = sub.add_parser(
-      'plan', help="show every array's layout, memory per device and problems",
-      description='Lay a model out on a mesh without devices.',
-      epilog=(__doc__ or '').split('\n\n', 2)[2],
-      formatter_class=argparse.RawDescriptionHelpFormatter)
+    'plan',
+    help="show every array's layout, memory per device and problems",
+    description='Lay a model out on a mesh without devices.',
+    epilog=(__doc__ or '').split('\n\n', 2)[2],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   which = p.add_mutually_exclusive_group(required=True)
   which.add_argument('--model', help=f'a built-in model: {", ".join(_BUILTIN_MODELS)}')
-  which.add_argument('--module', metavar='PKG.MOD:FACTORY',
-                     help='your own model (see below)')
-  p.add_argument('--mesh', required=True, metavar='AXIS=SIZE,...',
-                 help='mesh axes and sizes, e.g. data=32,model=8')
+  which.add_argument(
+    '--module', metavar='PKG.MOD:FACTORY', help='your own model (see below)'
+  )
+  p.add_argument(
+    '--mesh',
+    required=True,
+    metavar='AXIS=SIZE,...',
+    help='mesh axes and sizes, e.g. data=32,model=8',
+  )
   p.add_argument('--api', choices=('linen', 'nnx'), default='linen')
-  p.add_argument('--rules', metavar='t5x|t5x-2d|FILE.json|FILE.toml',
-                 help="logical axis rules (default: the built-in model's own, "
-                 'or t5x for --module)')
+  p.add_argument(
+    '--rules',
+    metavar='t5x|t5x-2d|FILE.json|FILE.toml',
+    help="logical axis rules (default: the built-in model's own, or t5x for --module)",
+  )
   p.add_argument('--optimizer', choices=('adam', 'adafactor', 'none'), default='adam')
   p.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32')
   p.add_argument('--format', choices=('table', 'json'), default='table')
-  p.add_argument('--allow-problems', action='store_true',
-                 help='exit 0 even when the plan has problems')
-  p.add_argument('--fit', action='store_true',
-                 help='replicate dimensions that cannot be sharded, and list them')
-  p.add_argument('--strict', action='store_true',
-                 help='a logical name no rule maps is a problem instead of '
-                 'being replicated')
+  p.add_argument(
+    '--allow-problems',
+    action='store_true',
+    help='exit 0 even when the plan has problems',
+  )
+  p.add_argument(
+    '--fit',
+    action='store_true',
+    help='replicate dimensions that cannot be sharded, and list them',
+  )
+  p.add_argument(
+    '--strict',
+    action='store_true',
+    help='a logical name no rule maps is a problem instead of being replicated',
+  )
   return parser
 
 
@@ -105,14 +130,16 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     name, size = name.strip(), size.strip()
     if not eq or not name or not name.isidentifier():
       raise UsageError(
-          f'malformed --mesh {text!r}: expected AXIS=SIZE pairs separated by '
-          "commas, e.g. 'data=32,model=8'")
+        f'malformed --mesh {text!r}: expected AXIS=SIZE pairs separated by '
+        "commas, e.g. 'data=32,model=8'"
+      )
     if name in names:
       raise UsageError(f'--mesh {text!r} names axis {name!r} twice')
     if not size.isdigit() or int(size) < 1:
       raise UsageError(
-          f'--mesh {text!r}: size of {name!r} is {size!r}; sizes must be '
-          'positive integers')
+        f'--mesh {text!r}: size of {name!r} is {size!r}; sizes must be '
+        'positive integers'
+      )
     names.append(name)
     sizes.append(int(size))
   return tuple(names), tuple(sizes)
@@ -149,13 +176,13 @@ def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
     raise UsageError(f'cannot parse rules file {spec!r}: {e}') from None
   if not isinstance(data, list):
     raise UsageError(
-        f'rules file {spec!r} must hold a list of [name, target] pairs '
-        '(TOML: rules = [[name, target], ...])')
+      f'rules file {spec!r} must hold a list of [name, target] pairs '
+      '(TOML: rules = [[name, target], ...])'
+    )
   # An empty list target means replicated, the only way to say None in TOML.
   pairs: Any = [
-      (r[0], None if r[1] == [] else r[1])
-      if isinstance(r, list) and len(r) == 2 else r
-      for r in data
+    (r[0], None if r[1] == [] else r[1]) if isinstance(r, list) and len(r) == 2 else r
+    for r in data
   ]
   try:
     return normalize_rules(pairs)
@@ -220,8 +247,9 @@ def abstract_train_state(params: Any, optimizer_name: str = 'adam') -> dict[str,
   return {'params': params, 'opt_state': jax.eval_shape(tx.init, params)}
 
 
-def abstract_nnx_state(name: str, optimizer_name: str = 'adam', dtype: Any = None
-                       ) -> dict[str, Any]:
+def abstract_nnx_state(
+  name: str, optimizer_name: str = 'adam', dtype: Any = None
+) -> dict[str, Any]:
   """``{'params': nnx.State, 'opt_state': nnx.State}`` of a built-in NNX model.
 
   The moments of ``nnx.Optimizer`` carry their parameter's annotation.
@@ -250,7 +278,10 @@ def abstract_nnx_state(name: str, optimizer_name: str = 'adam', dtype: Any = Non
 
 
 def abstract_state(
-    name: str, api: str = 'linen', optimizer_name: str = 'adam', dtype: Any = None,
+  name: str,
+  api: str = 'linen',
+  optimizer_name: str = 'adam',
+  dtype: Any = None,
 ) -> dict[str, Any]:
   """A built-in model's abstract parameters (and optimizer state) for planning.
 
@@ -308,9 +339,10 @@ def _user_state(target: str, api: str, optimizer_name: str) -> Any:
     params = variables['params'] if is_dict else variables
   else:
     raise UsageError(
-        f'--module {target!r}: the factory returned {type(made).__name__}; '
-        'expected (linen_module, *example_inputs) or a function with no '
-        'arguments building the variables')
+      f'--module {target!r}: the factory returned {type(made).__name__}; '
+      'expected (linen_module, *example_inputs) or a function with no '
+      'arguments building the variables'
+    )
   return abstract_train_state(params, optimizer_name)
 
 
@@ -318,8 +350,9 @@ def run_plan(args: argparse.Namespace) -> int:
   """The ``plan`` subcommand; returns the exit code."""
   if args.model is not None and args.model not in _BUILTIN_MODELS:
     raise UsageError(
-        f'unknown model {args.model!r}; choose from {", ".join(_BUILTIN_MODELS)} '
-        'or pass --module PKG.MOD:FACTORY')
+      f'unknown model {args.model!r}; choose from {", ".join(_BUILTIN_MODELS)} '
+      'or pass --module PKG.MOD:FACTORY'
+    )
   axis_names, axis_sizes = parse_mesh(args.mesh)
   rules = load_rules(args.rules) if args.rules else None
 
@@ -354,9 +387,11 @@ def run_plan(args: argparse.Namespace) -> int:
   else:
     print(result)
   if result.problems and not args.allow_problems:
-    print(f'flax-shardmeta plan: {len(result.problems)} problem(s); fix them, '
-          'pass --fit to replicate what cannot be sharded, or --allow-problems',
-          file=sys.stderr)
+    print(
+      f'flax-shardmeta plan: {len(result.problems)} problem(s); fix them, '
+      'pass --fit to replicate what cannot be sharded, or --allow-problems',
+      file=sys.stderr,
+    )
     return 1
   return 0
 
@@ -378,19 +413,33 @@ def run_demo(args: argparse.Namespace) -> int:
   import tempfile
 
   with tempfile.TemporaryDirectory(prefix='fsm-demo-') as tmp:
-    print(f'launching {n} processes x {8 // n} CPU devices on 127.0.0.1 (gloo)',
-          flush=True)
+    print(
+      f'launching {n} processes x {8 // n} CPU devices on 127.0.0.1 (gloo)', flush=True
+    )
     try:
       results = _launch.launch(
-          ['-m', 'flax_shardmeta', 'demo', '--steps', str(args.steps),
-           '--out', str(Path(tmp) / 'multi')],
-          num_processes=n, devices_per_process=8 // n, timeout=600)
+        [
+          '-m',
+          'flax_shardmeta',
+          'demo',
+          '--steps',
+          str(args.steps),
+          '--out',
+          str(Path(tmp) / 'multi'),
+        ],
+        num_processes=n,
+        devices_per_process=8 // n,
+        timeout=600,
+      )
     except Exception as e:  # LaunchError: the message holds each stderr
       print(f'FAILED: {e}', file=sys.stderr)
       return 1
     # gloo reports each connection on stdout; the demo's own output is the rest.
-    shown = [line for line in results[0].stdout.splitlines(keepends=True)
-             if not line.startswith('[Gloo]')]
+    shown = [
+      line
+      for line in results[0].stdout.splitlines(keepends=True)
+      if not line.startswith('[Gloo]')
+    ]
     print(''.join(shown), end='', flush=True)
     print('same run in 1 process x 8 devices, for comparison ...', flush=True)
     import contextlib
@@ -405,8 +454,10 @@ def run_demo(args: argparse.Namespace) -> int:
   if different:
     print(f'FAILED: the {n}-process run differs from 1 process: {different}')
     return 1
-  print(f'OK: same parameters as 1 process x 8 devices (rtol 1e-5), '
-        f'from {n} processes x {8 // n} devices')
+  print(
+    f'OK: same parameters as 1 process x 8 devices (rtol 1e-5), '
+    f'from {n} processes x {8 // n} devices'
+  )
   return 0
 
 

@@ -64,11 +64,11 @@ OPTIMIZER_NAMES = 'optimizer_sharding'
 
 
 def with_partitioning(
-    init: Callable[..., Any],
-    names: LogicalNames,
-    *,
-    mesh: AnyMesh | None = None,
-    optimizer_names: LogicalNames | None = None,
+  init: Callable[..., Any],
+  names: LogicalNames,
+  *,
+  mesh: AnyMesh | None = None,
+  optimizer_names: LogicalNames | None = None,
 ) -> Callable[..., nnx.VariableMetadata[Any]]:
   """Wraps an initializer so the Variable it fills is annotated with mesh axes.
 
@@ -99,12 +99,12 @@ def with_partitioning(
 
 
 def with_logical_partitioning(
-    init: Callable[..., Any],
-    names: LogicalNames,
-    *,
-    mesh: AnyMesh | None = None,
-    rules: LogicalRules | None = None,
-    optimizer_names: LogicalNames | None = None,
+  init: Callable[..., Any],
+  names: LogicalNames,
+  *,
+  mesh: AnyMesh | None = None,
+  rules: LogicalRules | None = None,
+  optimizer_names: LogicalNames | None = None,
 ) -> Callable[..., nnx.VariableMetadata[Any]]:
   """Wraps an initializer so the Variable it fills is annotated with logical names.
 
@@ -138,11 +138,11 @@ def _annotating(init, names, logical, rules, mesh, optimizer_names):
   names_t = as_names(names)
   rules_t = normalize_rules(rules) if rules is not None else None
   metadata: dict[str, Any] = {
-      'out_sharding': names_t,
-      FSM_LOGICAL: logical,
-      # flax's own eager sharding errors on unmapped logical names and with no
-      # mesh; the value is laid out below by flax_shardmeta's resolution.
-      'eager_sharding': False,
+    'out_sharding': names_t,
+    FSM_LOGICAL: logical,
+    # flax's own eager sharding errors on unmapped logical names and with no
+    # mesh; the value is laid out below by flax_shardmeta's resolution.
+    'eager_sharding': False,
   }
   # Only set keys flax reads when they carry something: flax's helpers
   # (nnx.as_abstract) take a present 'mesh' key at its word, even if None.
@@ -158,13 +158,12 @@ def _annotating(init, names, logical, rules, mesh, optimizer_names):
   def wrapper(*args: Any, **kwargs: Any) -> nnx.VariableMetadata[Any]:
     # Generated directly on its shards when a mesh is set (see
     # constraints.generate): never the whole parameter on one device.
-    value = generate(init, args, kwargs, names_t, mesh, logical=logical,
-                     rules=rules_t)
+    value = generate(init, args, kwargs, names_t, mesh, logical=logical, rules=rules_t)
     extra: dict[str, Any] = {}
     if isinstance(value, nnx.VariableMetadata):  # another metadata wrapper
       extra, value = dict(value.metadata), value.raw_value
     return nnx.VariableMetadata(
-        _place(value, annotation), metadata={**extra, **metadata}
+      _place(value, annotation), metadata={**extra, **metadata}
     )
 
   return wrapper
@@ -177,20 +176,24 @@ def _place(value: Any, annotation: ann_lib.Annotation) -> Any:
   if mesh is None or shape is None:
     return value
   layout = sharding_lib.layout_of(
-      shape, annotation, mesh, sharding_lib.effective_rules(None),
-      for_constraint=True,
+    shape,
+    annotation,
+    mesh,
+    sharding_lib.effective_rules(None),
+    for_constraint=True,
   )
   if layout.issues:
     raise ShardingError(
-        [
-            ShardingProblem('<initializer>', shape, annotation.names,
-                            layout.spec, reason, hint, dims)
-            for reason, hint, dims in layout.issues
-        ],
-        context=(
-            ' (the path is not known while a Variable is being created; '
-            'fsm.get_sharding(nnx.state(nnx.eval_shape(create)), mesh) names it)'
-        ),
+      [
+        ShardingProblem(
+          '<initializer>', shape, annotation.names, layout.spec, reason, hint, dims
+        )
+        for reason, hint, dims in layout.issues
+      ],
+      context=(
+        ' (the path is not known while a Variable is being created; '
+        'fsm.get_sharding(nnx.state(nnx.eval_shape(create)), mesh) names it)'
+      ),
     )
   spec = cast(PartitionSpec, layout.spec)  # a layout without issues has one
   return apply_spec(value, tuple(spec), mesh, names=annotation.names)
@@ -225,17 +228,26 @@ def variable_annotation(variable: nnx.Variable[Any]) -> ann_lib.Annotation | Non
   is_optimizer = isinstance(variable, nnx.OptState)
   if FSM_LOGICAL in metadata:
     return ann_lib.Annotation(
-        names, bool(metadata[FSM_LOGICAL]), rules, mesh,
-        optimizer_state=is_optimizer,
+      names,
+      bool(metadata[FSM_LOGICAL]),
+      rules,
+      mesh,
+      optimizer_state=is_optimizer,
     )
   # flax's own annotation: renamed through rules, unmapped mesh axes kept.
   return ann_lib.Annotation(
-      names, True, rules, mesh, keep_mesh_names=True,
-      optimizer_state=is_optimizer,
+    names,
+    True,
+    rules,
+    mesh,
+    keep_mesh_names=True,
+    optimizer_state=is_optimizer,
   )
 
 
-def _read_variable(variable: nnx.Variable[Any]) -> tuple[Any, ann_lib.Annotation | None]:
+def _read_variable(
+  variable: nnx.Variable[Any],
+) -> tuple[Any, ann_lib.Annotation | None]:
   return variable.get_value(), variable_annotation(variable)
 
 
@@ -253,7 +265,7 @@ ann_lib.register_annotation_type(nnx.Variable, _read_variable, _rebuild_variable
 
 
 def shard_module(
-    node: N, mesh: AnyMesh | None = None, rules: LogicalRules | None = None
+  node: N, mesh: AnyMesh | None = None, rules: LogicalRules | None = None
 ) -> N:
   """Lays every annotated Variable of ``node`` out as its annotation says.
 
@@ -299,8 +311,8 @@ def shard_module(
   mesh = mesh if mesh is not None else context_mesh()
   if mesh is None:
     raise NoMeshError(
-        'shard_module needs a mesh: pass mesh=... or call it inside '
-        '`with jax.set_mesh(mesh):`.'
+      'shard_module needs a mesh: pass mesh=... or call it inside '
+      '`with jax.set_mesh(mesh):`.'
     )
   is_graph = isinstance(node, nnx.Module)
   state = nnx.state(node) if is_graph else node
@@ -313,9 +325,7 @@ def shard_module(
       return apply_spec(value, tuple(sharding.spec), mesh)
     return jax.device_put(value, sharding)
 
-  placed = jax.tree.map(
-      lay_out, state, shardings, is_leaf=lambda x: x is None
-  )
+  placed = jax.tree.map(lay_out, state, shardings, is_leaf=lambda x: x is None)
   if is_graph:
     nnx.update(node, placed)
     return node
@@ -323,10 +333,10 @@ def shard_module(
 
 
 def eval_shape(
-    create: Callable[[], N],
-    *,
-    mesh: AnyMesh | None = None,
-    rules: LogicalRules | None = None,
+  create: Callable[[], N],
+  *,
+  mesh: AnyMesh | None = None,
+  rules: LogicalRules | None = None,
 ) -> N:
   """``nnx.eval_shape(create)`` whose abstract arrays carry fsm's shardings.
 
@@ -371,7 +381,7 @@ def eval_shape(
 
 
 def abstract_with_sharding(
-    state: PyTree, mesh: AnyMesh, rules: LogicalRules | None = None
+  state: PyTree, mesh: AnyMesh, rules: LogicalRules | None = None
 ) -> PyTree:
   """``state`` with every array leaf a ``ShapeDtypeStruct`` carrying its sharding.
 
@@ -400,13 +410,13 @@ def abstract_with_sharding(
 
 
 __all__ = [
-    'FSM_LOGICAL',
-    'NAME_KEYS',
-    'OPTIMIZER_NAMES',
-    'abstract_with_sharding',
-    'eval_shape',
-    'shard_module',
-    'variable_annotation',
-    'with_logical_partitioning',
-    'with_partitioning',
+  'FSM_LOGICAL',
+  'NAME_KEYS',
+  'OPTIMIZER_NAMES',
+  'abstract_with_sharding',
+  'eval_shape',
+  'shard_module',
+  'variable_annotation',
+  'with_logical_partitioning',
+  'with_partitioning',
 ]

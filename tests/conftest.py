@@ -4,7 +4,7 @@ import os
 
 # Must happen before jax is imported anywhere in the test session.
 os.environ['XLA_FLAGS'] = (
-    os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+  os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
 ).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
@@ -37,10 +37,14 @@ def mesh(axis_type):
 # End-to-end grids run whole in CI (`-m slow`); by default one Auto and one
 # Explicit case of each stays, so `make test` is quick and still covers both.
 _FAST_CASES = {
-    'test_sharded_init.py::test_values_and_layout_match_plain_jitted_init': {
-        'auto-lecun-scan', 'explicit-orthogonal-unrolled'},
-    'test_notebook_flow.py::test_notebook_flow': {
-        'auto-scan-logical', 'explicit-unrolled-mesh-axes'},
+  'test_sharded_init.py::test_values_and_layout_match_plain_jitted_init': {
+    'auto-lecun-scan',
+    'explicit-orthogonal-unrolled',
+  },
+  'test_notebook_flow.py::test_notebook_flow': {
+    'auto-scan-logical',
+    'explicit-unrolled-mesh-axes',
+  },
 }
 
 

@@ -49,7 +49,7 @@ def _batch() -> np.ndarray:
 def _local_rows(mesh: jax.sharding.Mesh) -> tuple[fsm.DataLayout, np.ndarray]:
   layout = fsm.data_layout(mesh, BATCH)
   start = layout.shard_id * layout.batch_size
-  return layout, _batch()[start:start + layout.batch_size]
+  return layout, _batch()[start : start + layout.batch_size]
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
@@ -94,7 +94,9 @@ def _round_trips(state, abstract, mesh, ckpt_dir: Path) -> float:
   with ocp.StandardCheckpointer() as checkpointer:
     restored = checkpointer.restore(ckpt_dir.resolve(), target)
   _same(state, restored, 'orbax restore')
-  for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)):
+  for a, b in zip(
+    jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)
+  ):
     if a.sharding != b.sharding:
       raise AssertionError(f'restored with {b.sharding}, saved with {a.sharding}')
   host = jax.tree_util.tree_map(_Recorder, fsm.gather_tree(state))
@@ -103,8 +105,9 @@ def _round_trips(state, abstract, mesh, ckpt_dir: Path) -> float:
   # Each process read exactly the slices its own devices hold (with the model
   # axis across processes, that is part of each parameter).
   elements = [0, 0]  # read, in all
-  for rec, arr in zip(jax.tree_util.tree_leaves(host),
-                      jax.tree_util.tree_leaves(again)):
+  for rec, arr in zip(
+    jax.tree_util.tree_leaves(host), jax.tree_util.tree_leaves(again)
+  ):
     held = {_key(shard.index, arr.shape) for shard in arr.addressable_shards}
     read = {_key(index, arr.shape) for index in rec.read}
     if read != held:
@@ -119,8 +122,9 @@ def _round_trips(state, abstract, mesh, ckpt_dir: Path) -> float:
 def linen(outdir: Path, dcn: str = 'data') -> dict:
   """The notebook MLP (nn.scan layers, logical names), 3 adamw steps."""
   n = jax.process_count()
-  mesh = fsm.make_mesh((2, 4), ('data', 'model'),
-                       dcn_axis_sizes=(n, 1) if dcn == 'data' else (1, n))
+  mesh = fsm.make_mesh(
+    (2, 4), ('data', 'model'), dcn_axis_sizes=(n, 1) if dcn == 'data' else (1, n)
+  )
   model = linen_models.MLP(num_layers=LAYERS, depth=DEPTH)
   tx = OPTIMIZER
 
@@ -131,6 +135,7 @@ def linen(outdir: Path, dcn: str = 'data') -> dict:
   def train_step(state, x):
     def loss_fn(params):
       return jnp.mean((state.apply_fn({'params': params}, x) - 1.0) ** 2)
+
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
 
@@ -143,9 +148,14 @@ def linen(outdir: Path, dcn: str = 'data') -> dict:
   if not np.array_equal(fsm.global_to_host_local(x), local):
     raise AssertionError('global_to_host_local did not give back the local rows')
   # The rules travel with the function: no context at the call site.
-  step = fsm.jit(train_step, mesh=mesh, rules=RULES,
-                 in_shardings=(abstract, ('batch', None)),
-                 out_shardings=(shardings, None), donate_argnums=0)
+  step = fsm.jit(
+    train_step,
+    mesh=mesh,
+    rules=RULES,
+    in_shardings=(abstract, ('batch', None)),
+    out_shardings=(shardings, None),
+    donate_argnums=0,
+  )
   losses = []
   for _ in range(STEPS):
     state, loss = step(state, x)
@@ -160,8 +170,9 @@ def linen(outdir: Path, dcn: str = 'data') -> dict:
 
 def nnx_eager(outdir: Path) -> dict:
   """The NNX MLP built eagerly on its shards, trained with nnx.Optimizer."""
-  mesh = fsm.make_mesh((2, 4), ('data', 'model'),
-                       dcn_axis_sizes=(jax.process_count(), 1))
+  mesh = fsm.make_mesh(
+    (2, 4), ('data', 'model'), dcn_axis_sizes=(jax.process_count(), 1)
+  )
 
   def create():
     return nnx_models.MLP(LAYERS, DEPTH, WIDTH, rngs=nnx.Rngs(0))
@@ -177,6 +188,7 @@ def nnx_eager(outdir: Path) -> dict:
 
     def loss_fn(m):
       return jnp.mean((m(x) - 1.0) ** 2)
+
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
@@ -198,17 +210,26 @@ def nnx_eager(outdir: Path) -> dict:
   return _report(outdir, params, layout, losses, mesh, read)
 
 
-def _report(outdir: Path, params, layout: fsm.DataLayout, losses: list[float],
-            mesh: jax.sharding.Mesh, read: float) -> dict:
+def _report(
+  outdir: Path,
+  params,
+  layout: fsm.DataLayout,
+  losses: list[float],
+  mesh: jax.sharding.Mesh,
+  read: float,
+) -> dict:
   flat = _flat(params)  # a collective: every process takes part
   report = {
-      'process_count': jax.process_count(),
-      'layout': {'batch_size': layout.batch_size, 'shard_id': layout.shard_id,
-                 'num_shards': layout.num_shards,
-                 'first': layout.is_first_host_in_replica_set},
-      'losses': losses,
-      'fraction_read_by_shard_tree': read,
-      'mesh_processes': [[d.process_index for d in row] for row in mesh.devices],
+    'process_count': jax.process_count(),
+    'layout': {
+      'batch_size': layout.batch_size,
+      'shard_id': layout.shard_id,
+      'num_shards': layout.num_shards,
+      'first': layout.is_first_host_in_replica_set,
+    },
+    'losses': losses,
+    'fraction_read_by_shard_tree': read,
+    'mesh_processes': [[d.process_index for d in row] for row in mesh.devices],
   }
   # Each process records its own layout; process 0 also writes the values.
   (outdir / f'layout-{jax.process_index()}.json').write_text(json.dumps(report))
@@ -219,9 +240,9 @@ def _report(outdir: Path, params, layout: fsm.DataLayout, losses: list[float],
 
 
 SCENARIOS = {
-    'linen': linen,
-    'linen-model-across-hosts': lambda out: linen(out, dcn='model'),
-    'nnx': nnx_eager,
+  'linen': linen,
+  'linen-model-across-hosts': lambda out: linen(out, dcn='model'),
+  'nnx': nnx_eager,
 }
 
 

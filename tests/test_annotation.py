@@ -32,7 +32,8 @@ class UserBox(meta.AxisMetadata):
 
 
 jax.tree_util.register_pytree_node(
-    UserBox, lambda b: ((b.value,), b.axes), lambda axes, c: UserBox(c[0], axes))
+  UserBox, lambda b: ((b.value,), b.axes), lambda axes, c: UserBox(c[0], axes)
+)
 
 
 def test_subclass_reader_wins_over_the_axis_metadata_catch_all():
@@ -40,7 +41,8 @@ def test_subclass_reader_wins_over_the_axis_metadata_catch_all():
   # Before registration, flax's AxisMetadata catch-all unwraps it: replicated.
   assert fsm.get_sharding({'w': box}, MESH)['w'].spec == P()
   fsm.register_annotation_type(
-      UserBox, lambda b: (b.value, fsm.Annotation(tuple(b.axes))))
+    UserBox, lambda b: (b.value, fsm.Annotation(tuple(b.axes)))
+  )
   try:
     assert fsm.get_sharding({'w': box}, MESH)['w'].spec == P('model', None)
   finally:

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 import flax_shardmeta as fsm
 
 BOXES = [
-    lambda v: fsm.Partitioned(v, (None, 'model')),
-    lambda v: fsm.LogicalPartitioned(v, ('embed', 'mlp'), rules=[('mlp', 'model')]),
+  lambda v: fsm.Partitioned(v, (None, 'model')),
+  lambda v: fsm.LogicalPartitioned(v, ('embed', 'mlp'), rules=[('mlp', 'model')]),
 ]
 
 
@@ -46,7 +46,8 @@ def test_static_metadata_is_part_of_the_treedef():
   a = jax.tree_util.tree_structure(fsm.Partitioned(v, (None, 'model')))
   b = jax.tree_util.tree_structure(fsm.Partitioned(v, ('model', None)))
   c = jax.tree_util.tree_structure(
-      fsm.LogicalPartitioned(v, (None, 'model'), rules=[('x', 'data')]))
+    fsm.LogicalPartitioned(v, (None, 'model'), rules=[('x', 'data')])
+  )
   assert a != b
   assert a != c
 
@@ -88,12 +89,14 @@ def test_unbox_with_mesh_applies_layout(mesh):
   box = fsm.Partitioned(jnp.zeros((2, 8)), (None, 'model'), mesh=mesh)
   out = box.unbox()
   assert out.sharding.is_equivalent_to(
-      jax.sharding.NamedSharding(mesh, P(None, 'model')), 2)
+    jax.sharding.NamedSharding(mesh, P(None, 'model')), 2
+  )
 
 
 def test_replace_boxed_keeps_metadata():
-  box = fsm.LogicalPartitioned(jnp.zeros((2, 4)), ('embed', 'mlp'),
-                               rules=[('mlp', 'model')])
+  box = fsm.LogicalPartitioned(
+    jnp.zeros((2, 4)), ('embed', 'mlp'), rules=[('mlp', 'model')]
+  )
   new = box.replace_boxed(jnp.ones((2, 4)))
   assert type(new) is fsm.LogicalPartitioned
   assert (new.names, new.rules, new.mesh) == (box.names, box.rules, box.mesh)
@@ -103,14 +106,17 @@ def test_replace_boxed_keeps_metadata():
 
 def test_tree_unbox_replace_boxed_round_trip():
   tree = {
-      'a': fsm.Partitioned(jnp.zeros((2, 4)), (None, 'model')),
-      'b': {'c': fsm.LogicalPartitioned(jnp.zeros(3), ('embed',)),
-            'd': jnp.zeros(5)},
-      'e': nn.Partitioned(jnp.zeros(2), ('data',)),
+    'a': fsm.Partitioned(jnp.zeros((2, 4)), (None, 'model')),
+    'b': {'c': fsm.LogicalPartitioned(jnp.zeros(3), ('embed',)), 'd': jnp.zeros(5)},
+    'e': nn.Partitioned(jnp.zeros(2), ('data',)),
   }
   raw = fsm.unbox(tree)
-  assert not any(isinstance(x, meta.AxisMetadata) for x in jax.tree_util.tree_leaves(
-      raw, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)))
+  assert not any(
+    isinstance(x, meta.AxisMetadata)
+    for x in jax.tree_util.tree_leaves(
+      raw, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)
+    )
+  )
   assert raw['a'].shape == (2, 4) and raw['b']['d'].shape == (5,)
   updated = jax.tree_util.tree_map(lambda x: x + 1, raw)
   back = fsm.replace_boxed(tree, updated)
@@ -125,12 +131,15 @@ def test_tree_unbox_replace_boxed_round_trip():
 # ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('params, inserted', [
+@pytest.mark.parametrize(
+  'params, inserted',
+  [
     ({fsm.PARTITION_NAME: 'layers'}, 'layers'),
     ({fsm.PARTITION_NAME: None}, None),
     ({}, None),
     (None, None),
-])
+  ],
+)
 @pytest.mark.parametrize('index', [0, 1, 2])
 def test_add_then_remove_axis(params, inserted, index):
   box = fsm.LogicalPartitioned(jnp.zeros((2, 4)), ('embed', 'mlp'), rules=[('a', 'b')])
@@ -161,10 +170,10 @@ NAME = st.one_of(st.none(), st.sampled_from(['data', 'model', 'embed', 'mlp']))
 
 @settings(max_examples=60, deadline=None)
 @given(
-    names=st.lists(NAME, max_size=4),
-    layer=NAME,
-    data=st.data(),
-    logical=st.booleans(),
+  names=st.lists(NAME, max_size=4),
+  layer=NAME,
+  data=st.data(),
+  logical=st.booleans(),
 )
 def test_add_axis_then_remove_axis_is_identity(names, layer, data, logical):
   index = data.draw(st.integers(0, len(names)))
@@ -187,22 +196,31 @@ class Layer(nn.Module):
   @nn.compact
   def __call__(self, x, _=None):
     if self.box == 'fsm':
-      init = fsm.with_logical_partitioning(nn.initializers.lecun_normal(),
-                                           ('embed', 'mlp'))
+      init = fsm.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ('embed', 'mlp')
+      )
     else:
-      init = nn.with_logical_partitioning(nn.initializers.lecun_normal(),
-                                          ('embed', 'mlp'))
+      init = nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ('embed', 'mlp')
+      )
     return nn.Dense(4, kernel_init=init, use_bias=False)(x), None
 
 
-@pytest.mark.parametrize('partition_name, expected', [
+@pytest.mark.parametrize(
+  'partition_name, expected',
+  [
     ('layers', ('layers', 'embed', 'mlp')),
     (None, (None, 'embed', 'mlp')),
-])
+  ],
+)
 def test_nn_scan_inserts_layer_axis(partition_name, expected):
   stack = nn.scan(
-      Layer, length=3, variable_axes={'params': 0}, split_rngs={'params': True},
-      metadata_params={fsm.PARTITION_NAME: partition_name})()
+    Layer,
+    length=3,
+    variable_axes={'params': 0},
+    split_rngs={'params': True},
+    metadata_params={fsm.PARTITION_NAME: partition_name},
+  )()
   x = jnp.ones((2, 4))
   variables = stack.init(jax.random.key(0), x)
   kernel = variables['params']['Dense_0']['kernel']
@@ -215,8 +233,12 @@ def test_nn_scan_inserts_layer_axis(partition_name, expected):
 
 def test_nn_scan_output_resolves_to_a_sharding(mesh):
   stack = nn.scan(
-      Layer, length=2, variable_axes={'params': 0}, split_rngs={'params': True},
-      metadata_params={fsm.PARTITION_NAME: 'layers'})()
+    Layer,
+    length=2,
+    variable_axes={'params': 0},
+    split_rngs={'params': True},
+    metadata_params={fsm.PARTITION_NAME: 'layers'},
+  )()
   abstract = jax.eval_shape(stack.init, jax.random.key(0), jnp.ones((2, 4)))
   sharding = fsm.get_sharding(abstract, mesh, [('mlp', 'model'), ('layers', None)])
   assert sharding['params']['Dense_0']['kernel'].spec == P(None, None, 'model')
@@ -241,7 +263,8 @@ def test_remat_scan_inserts_none_axes():
   x = jnp.ones((2, 4))
   variables = RematStack(box='fsm').init(jax.random.key(0), x)
   (kernel,) = jax.tree_util.tree_leaves(
-      variables, is_leaf=lambda v: isinstance(v, meta.AxisMetadata))
+    variables, is_leaf=lambda v: isinstance(v, meta.AxisMetadata)
+  )
   assert isinstance(kernel, fsm.LogicalPartitioned)
   assert kernel.value.shape == (2, 3, 4, 4)
   assert kernel.names == (None, None, 'embed', 'mlp')
@@ -250,6 +273,7 @@ def test_remat_scan_inserts_none_axes():
 
 def test_flax_own_boxes_fail_under_remat_scan():
   # The reason fsm boxes default to an unsharded axis: flax's cannot.
-  with pytest.raises(flax.errors.PartitioningUnspecifiedError,
-                     match='"partition_name" is not specified'):
+  with pytest.raises(
+    flax.errors.PartitioningUnspecifiedError, match='"partition_name" is not specified'
+  ):
     RematStack(box='flax').init(jax.random.key(0), jnp.ones((2, 4)))

@@ -27,7 +27,8 @@ def saved(tmp_path_factory):
     abstract = jax.eval_shape(init, jax.random.key(0))
     mesh = jax.make_mesh((2, 4), ('data', 'model'))
     variables = jax.jit(init, out_shardings=fsm.plan(abstract, mesh).shardings())(
-        jax.random.key(0))
+      jax.random.key(0)
+    )
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(path, variables)
   return path, abstract, variables
@@ -52,9 +53,13 @@ def test_restore_onto_another_mesh(saved, shape):
 
 def test_as_abstract_keeps_boxes_and_plain_leaves():
   mesh = AbstractMesh((2, 4), ('data', 'model'))
-  tree = {'w': fsm.LogicalPartitioned(jax.ShapeDtypeStruct((8, 16), jnp.bfloat16),
-                                      ('embed', 'mlp')),
-          'b': jax.ShapeDtypeStruct((16,), jnp.float32), 'name': None}
+  tree = {
+    'w': fsm.LogicalPartitioned(
+      jax.ShapeDtypeStruct((8, 16), jnp.bfloat16), ('embed', 'mlp')
+    ),
+    'b': jax.ShapeDtypeStruct((16,), jnp.float32),
+    'name': None,
+  }
   out = fsm.as_abstract(tree, mesh, [('mlp', 'model')])
   assert isinstance(out['w'], fsm.LogicalPartitioned)
   assert out['w'].value.sharding.spec == P(None, 'model')
@@ -65,5 +70,5 @@ def test_as_abstract_keeps_boxes_and_plain_leaves():
 
 def test_as_abstract_raises_for_a_mesh_that_cannot_hold_the_tree():
   tree = {'w': fsm.Partitioned(jax.ShapeDtypeStruct((6,), jnp.float32), ('model',))}
-  with pytest.raises(fsm.ShardingError, match=r"w: .*not divisible"):
+  with pytest.raises(fsm.ShardingError, match=r'w: .*not divisible'):
     fsm.as_abstract(tree, AbstractMesh((4,), ('model',)))

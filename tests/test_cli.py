@@ -39,10 +39,19 @@ def test_plan_json_schema(capsys):
   d = json.loads(out)
   assert {'entries', 'bytes_per_device', 'total_bytes', 'problems'} <= set(d)
   assert [e['path'] for e in d['entries']] == [
-      'params/ScanDotReluDot_0/Dense_0/kernel', 'params/ScanDotReluDot_0/W2']
+    'params/ScanDotReluDot_0/Dense_0/kernel',
+    'params/ScanDotReluDot_0/W2',
+  ]
   for e in d['entries']:
-    assert set(e) == {'path', 'shape', 'dtype', 'names', 'spec', 'shard_shape',
-                      'bytes_per_device'}
+    assert set(e) == {
+      'path',
+      'shape',
+      'dtype',
+      'names',
+      'spec',
+      'shard_shape',
+      'bytes_per_device',
+    }
     assert isinstance(e['bytes_per_device'], int)
   assert d['entries'][1]['spec'] == [None, 'model', None]
   assert d['total_bytes'] == 2 * 4 * 1024 * 1024 * 4
@@ -53,8 +62,9 @@ def test_dtype_and_optimizer_change_the_memory(capsys):
   sizes = {}
   for dtype in ('float32', 'bfloat16'):
     for opt in ('adam', 'adafactor', 'none'):
-      code, out, _ = run(capsys, *MLP, '--format', 'json', '--dtype', dtype,
-                         '--optimizer', opt)
+      code, out, _ = run(
+        capsys, *MLP, '--format', 'json', '--dtype', dtype, '--optimizer', opt
+      )
       assert code == 0
       sizes[dtype, opt] = json.loads(out)['total_bytes']
   assert sizes['float32', 'none'] == 2 * sizes['bfloat16', 'none']
@@ -80,12 +90,23 @@ def test_problems_exit_1_unless_allowed(capsys):
   assert code == 0
   problems = json.loads(out)['problems']
   assert {p['path'] for p in problems} == {
-      'params/ScanDotReluDot_0/Dense_0/kernel', 'params/ScanDotReluDot_0/W2'}
+    'params/ScanDotReluDot_0/Dense_0/kernel',
+    'params/ScanDotReluDot_0/W2',
+  }
 
 
 def test_fit_exits_0_and_lists_adjustments(capsys):
-  code, out, err = run(capsys, 'plan', '--model', 'mlp', '--mesh', 'data=3,model=5',
-                       '--fit', '--optimizer', 'none')
+  code, out, err = run(
+    capsys,
+    'plan',
+    '--model',
+    'mlp',
+    '--mesh',
+    'data=3,model=5',
+    '--fit',
+    '--optimizer',
+    'none',
+  )
   assert code == 0, err
   assert 'fit mode adjustments (2):' in out
 
@@ -105,13 +126,23 @@ def test_strict_turns_unmapped_names_into_problems(capsys, tmp_path):
 def test_mesh_axis_name_warning_goes_to_stderr(capsys, tmp_path):
   rules = tmp_path / 'rules.json'
   rules.write_text(json.dumps([['hidden', 'data'], ['layers', None]]))
-  code, out, err = run(capsys, *MLP, '--optimizer', 'none', '--rules', str(rules),
-                       '--mesh', 'data=2,embed=4')
+  code, out, err = run(
+    capsys,
+    *MLP,
+    '--optimizer',
+    'none',
+    '--rules',
+    str(rules),
+    '--mesh',
+    'data=2,embed=4',
+  )
   assert code == 0, err
   assert err.startswith("flax-shardmeta: warning: Logical name 'embed'")
 
 
-@pytest.mark.parametrize('argv, message', [
+@pytest.mark.parametrize(
+  'argv, message',
+  [
     (['--model', 'gpt5', '--mesh', 'data=2'], "unknown model 'gpt5'"),
     (['--model', 'mlp', '--mesh', 'data2'], 'malformed --mesh'),
     (['--model', 'mlp', '--mesh', 'data=2,,model=4'], 'malformed --mesh'),
@@ -119,13 +150,16 @@ def test_mesh_axis_name_warning_goes_to_stderr(capsys, tmp_path):
     (['--model', 'mlp', '--mesh', 'data=-2'], 'positive integers'),
     (['--model', 'mlp', '--mesh', 'data=1.5'], 'positive integers'),
     (['--model', 'mlp', '--mesh', 'data=2,data=4'], 'twice'),
-    (['--model', 'mlp', '--mesh', 'data=2', '--rules', 'missing.json'],
-     "cannot read rules file 'missing.json'"),
+    (
+      ['--model', 'mlp', '--mesh', 'data=2', '--rules', 'missing.json'],
+      "cannot read rules file 'missing.json'",
+    ),
     (['--model', 'mlp', '--mesh', 'data=2', '--format', 'xml'], 'invalid choice'),
     (['--mesh', 'data=2'], 'one of the arguments --model --module is required'),
     (['--module', 'nocolon', '--mesh', 'data=2'], 'PKG.MOD:FACTORY'),
     (['--module', 'no_such_pkg_xyz:f', '--mesh', 'data=2'], 'no_such_pkg_xyz'),
-])
+  ],
+)
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
   code, out, err = run(capsys, 'plan', *argv)
   assert code == 2
@@ -157,14 +191,26 @@ def test_rules_from_json_and_toml(capsys, tmp_path):
 
 @pytest.mark.parametrize('rules, embed', [('t5x', None), ('t5x-2d', 'data')])
 def test_standard_rules(capsys, rules, embed):
-  code, out, _ = run(capsys, 'plan', '--model', 'llama3-8b', '--mesh', 'data=4,model=2',
-                     '--rules', rules, '--format', 'json', '--optimizer', 'none')
+  code, out, _ = run(
+    capsys,
+    'plan',
+    '--model',
+    'llama3-8b',
+    '--mesh',
+    'data=4,model=2',
+    '--rules',
+    rules,
+    '--format',
+    'json',
+    '--optimizer',
+    'none',
+  )
   assert code == 0
   entries = {e['path']: e['spec'] for e in json.loads(out)['entries']}
   assert entries['params/layers/w1'] == [None, embed, 'model']
 
 
-FACTORIES = textwrap.dedent('''
+FACTORIES = textwrap.dedent("""
     import jax, jax.numpy as jnp
     from flax import linen as nn, nnx
     import flax_shardmeta as fsm
@@ -188,19 +234,32 @@ FACTORIES = textwrap.dedent('''
 
     def wrong():
       return 42
-''')
+""")
 
 
-@pytest.mark.parametrize('factory, api, path', [
+@pytest.mark.parametrize(
+  'factory, api, path',
+  [
     ('linen_tuple', 'linen', 'params/Dense_0/kernel'),
     ('linen_init', 'linen', 'params/Dense_0/kernel'),
     ('nnx_init', 'nnx', 'params/kernel'),
-])
+  ],
+)
 def test_user_module(capsys, tmp_path, monkeypatch, factory, api, path):
   (tmp_path / 'my_models.py').write_text(FACTORIES)
   monkeypatch.syspath_prepend(str(tmp_path))
-  code, out, err = run(capsys, 'plan', '--module', f'my_models:{factory}',
-                       '--api', api, '--mesh', 'data=2,model=4', '--format', 'json')
+  code, out, err = run(
+    capsys,
+    'plan',
+    '--module',
+    f'my_models:{factory}',
+    '--api',
+    api,
+    '--mesh',
+    'data=2,model=4',
+    '--format',
+    'json',
+  )
   assert code == 0, err
   entries = {e['path']: e['spec'] for e in json.loads(out)['entries']}
   # t5x rules by default: 'mlp' goes to 'model', 'embed' is replicated.
@@ -227,8 +286,21 @@ def test_demo_across_two_processes():
   env = {**os.environ, 'PYTHONPATH': str(Path(fsm.__file__).resolve().parents[1])}
   env.pop('XLA_FLAGS', None)
   done = subprocess.run(
-      [sys.executable, '-m', 'flax_shardmeta', 'demo', '--processes', '2',
-       '--steps', '3'], capture_output=True, text=True, env=env, timeout=600)
+    [
+      sys.executable,
+      '-m',
+      'flax_shardmeta',
+      'demo',
+      '--processes',
+      '2',
+      '--steps',
+      '3',
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   lines = done.stdout.strip().splitlines()
   assert lines[0].startswith('launching 2 processes x 4 CPU devices')
@@ -247,14 +319,36 @@ def test_demo_processes_must_divide_the_devices(capsys):
 def test_python_dash_m_in_a_subprocess():
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
   proc = subprocess.run(
-      [sys.executable, '-m', 'flax_shardmeta', 'plan', '--model', 'llama3-8b',
-       '--mesh', 'data=64,model=8', '--format', 'json', '--dtype', 'bfloat16'],
-      capture_output=True, text=True, env=env, timeout=120, check=False)
+    [
+      sys.executable,
+      '-m',
+      'flax_shardmeta',
+      'plan',
+      '--model',
+      'llama3-8b',
+      '--mesh',
+      'data=64,model=8',
+      '--format',
+      'json',
+      '--dtype',
+      'bfloat16',
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=120,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr
   d = json.loads(proc.stdout)
   assert len(d['entries']) == 3 * 12 + 1
   assert d['problems'] == []
   bad = subprocess.run(
-      [sys.executable, '-m', 'flax_shardmeta', 'plan', '--model', 'x', '--mesh', 'a=1'],
-      capture_output=True, text=True, env=env, timeout=120, check=False)
+    [sys.executable, '-m', 'flax_shardmeta', 'plan', '--model', 'x', '--mesh', 'a=1'],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=120,
+    check=False,
+  )
   assert bad.returncode == 2 and bad.stderr.count('\n') == 1

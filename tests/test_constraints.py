@@ -91,8 +91,9 @@ def test_shard_value_accepts_a_partition_spec(mesh):
 
 
 def test_shard_value_mixed_axis_types_raise():
-  mesh = jax.make_mesh((2, 4), ('data', 'model'),
-                       axis_types=(AxisType.Auto, AxisType.Explicit))
+  mesh = jax.make_mesh(
+    (2, 4), ('data', 'model'), axis_types=(AxisType.Auto, AxisType.Explicit)
+  )
   with pytest.raises(ValueError, match='mixes axis types') as info:
     fsm.shard_value(jnp.ones((8, 8)), ('data', None), mesh=mesh)
   message = str(info.value)
@@ -102,18 +103,24 @@ def test_shard_value_mixed_axis_types_raise():
 
 
 def test_shard_value_without_mesh_raises():
-  with pytest.raises(fsm.NoMeshError, match=r'pass mesh=\.\.\. or run inside'
-                     r' `with jax.set_mesh\(mesh\):`') as info:
+  with pytest.raises(
+    fsm.NoMeshError,
+    match=r'pass mesh=\.\.\. or run inside'
+    r' `with jax.set_mesh\(mesh\):`',
+  ) as info:
     fsm.shard_value(jnp.ones((8, 8)), ('data', None))
   assert isinstance(info.value, ValueError)
 
 
-@pytest.mark.parametrize('names, reason', [
+@pytest.mark.parametrize(
+  'names, reason',
+  [
     (('model', None, None), '3 spec entries for a rank-2 array'),
     (('data', 'data'), "mesh axis 'data' shards both dimension 0 and dimension 1"),
     (('expert', None), "mesh axis 'expert' .dimension 0. is not in the mesh"),
     ((None, 'model'), "dimension 1 of size 6 is not divisible by 'model'=4"),
-])
+  ],
+)
 def test_shard_value_bad_layout_raises(mesh, names, reason):
   with pytest.raises(fsm.ShardingError, match=reason) as info:
     fsm.shard_value(jnp.ones((8, 6)), names, mesh=mesh, path='acts/x')
@@ -147,8 +154,7 @@ def test_constraint_names_none_returns_x_itself(mesh):
 
 
 def test_constraint_eager(mesh):
-  out = fsm.with_logical_constraint(jnp.ones((8, 8)), ('batch', 'hidden'),
-                                    RULES, mesh)
+  out = fsm.with_logical_constraint(jnp.ones((8, 8)), ('batch', 'hidden'), RULES, mesh)
   assert_layout(out, mesh, P('data', 'model'))
 
 
@@ -158,17 +164,23 @@ def test_constraint_context_rules_and_mesh(mesh):
   assert_layout(out, mesh, P('model', None))
 
 
-@pytest.mark.parametrize('fallback, expected', [
+@pytest.mark.parametrize(
+  'fallback, expected',
+  [
     (fsm.RulesFallback.AXIS_IS_UNSHARDED, P('data', None)),
     (fsm.RulesFallback.NO_CONSTRAINT, None),
     (fsm.RulesFallback.RAISE_ERROR, None),
-])
+  ],
+)
 def test_constraint_fallbacks(mesh, fallback, expected):
   x = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P(None, 'model')))
   names = ('batch', 'unmapped')
   if fallback is fsm.RulesFallback.RAISE_ERROR:
-    with pytest.raises(fsm.ShardingError, match=r"no rule maps logical name\(s\) "
-                       r"\['unmapped'\]") as info:
+    with pytest.raises(
+      fsm.ShardingError,
+      match=r'no rule maps logical name\(s\) '
+      r"\['unmapped'\]",
+    ) as info:
       fsm.with_logical_constraint(x, names, RULES, mesh, fallback=fallback)
     assert 'AXIS_IS_UNSHARDED' in info.value.problems[0].hint
     return
@@ -182,8 +194,9 @@ def test_constraint_fallbacks(mesh, fallback, expected):
 def test_constraint_fallback_only_matters_for_unmapped_names(mesh):
   x = jnp.ones((8, 8))
   for fallback in fsm.RulesFallback:
-    out = fsm.with_logical_constraint(x, ('batch', None), RULES, mesh,
-                                      fallback=fallback)
+    out = fsm.with_logical_constraint(
+      x, ('batch', None), RULES, mesh, fallback=fallback
+    )
     assert_layout(out, mesh, P('data', None))
 
 
@@ -215,8 +228,9 @@ def test_constraint_bad_layout_raises(mesh):
 # ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('manual', [('data',), ('data', 'model')],
-                         ids=['data-manual', 'all-manual'])
+@pytest.mark.parametrize(
+  'manual', [('data',), ('data', 'model')], ids=['data-manual', 'all-manual']
+)
 def test_constraints_inside_shard_map_leave_manual_axes(mesh, manual):
   seen = []
 
@@ -227,8 +241,9 @@ def test_constraints_inside_shard_map_leave_manual_axes(mesh, manual):
     return y
 
   in_spec = P('data', 'model') if 'model' in manual else P('data')
-  f = jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=in_spec,
-                    axis_names=set(manual))
+  f = jax.shard_map(
+    body, mesh=mesh, in_specs=in_spec, out_specs=in_spec, axis_names=set(manual)
+  )
   # Explicit meshes require shard_map inputs to already have in_specs' layout.
   x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, in_spec))
   with fsm.logical_axis_rules(RULES), jax.set_mesh(mesh):
@@ -255,7 +270,9 @@ def test_unbox_rank_mismatch_raises(mesh):
 
 
 def test_shard_value_axis_twice_in_one_dimension(mesh):
-  with pytest.raises(fsm.ShardingError, match="mesh axis 'data' shards dimension 0 twice"):
+  with pytest.raises(
+    fsm.ShardingError, match="mesh axis 'data' shards dimension 0 twice"
+  ):
     fsm.shard_value(jnp.ones((8, 8)), (('data', 'data'), None), mesh=mesh)
 
 
@@ -273,8 +290,9 @@ def test_shard_value_fit_replicates_and_warns_once(mesh):
   (warning,) = record
   assert "acts: dimension 0: 'data' -> None" in str(warning.message)
   assert warning.message.adjustments == (
-      "acts: dimension 0: 'data' -> None (dimension 0 of size 3 is not "
-      "divisible by 'data'=2 (= 2))",)
+    "acts: dimension 0: 'data' -> None (dimension 0 of size 3 is not "
+    "divisible by 'data'=2 (= 2))",
+  )
 
 
 def test_constraint_fit_on_a_tree_one_warning(mesh):
@@ -294,8 +312,9 @@ def test_constraint_fit_on_a_tree_one_warning(mesh):
 def test_constraint_fit_inside_jit(mesh):
   @jax.jit
   def f(x):
-    return fsm.with_logical_constraint(x * 2, ('batch', 'hidden'), RULES,
-                                       mesh=mesh, fit=True)
+    return fsm.with_logical_constraint(
+      x * 2, ('batch', 'hidden'), RULES, mesh=mesh, fit=True
+    )
 
   with pytest.warns(fsm.ShardingFitWarning, match="dimension 1: 'model' -> None"):
     out = f(jax.device_put(jnp.ones((8, 6)), NamedSharding(mesh, P())))
@@ -303,38 +322,47 @@ def test_constraint_fit_inside_jit(mesh):
 
 
 def test_shard_value_strict_lists_every_unmapped_name(mesh):
-  with pytest.raises(fsm.ShardingError, match="no usable rule maps logical name 'embed'"
-                     ) as info:
-    fsm.shard_value(jnp.ones((8, 8)), ('embed', 'heads'), RULES, mesh=mesh,
-                    strict=True)
+  with pytest.raises(
+    fsm.ShardingError, match="no usable rule maps logical name 'embed'"
+  ) as info:
+    fsm.shard_value(jnp.ones((8, 8)), ('embed', 'heads'), RULES, mesh=mesh, strict=True)
   assert [p.names for p in info.value.problems] == [('embed', 'heads')] * 2
   assert "'heads'" in str(info.value.problems[1])
   # Mapped names pass in strict mode.
-  out = fsm.shard_value(jnp.ones((8, 8)), ('batch', 'hidden'), RULES, mesh=mesh,
-                        strict=True)
+  out = fsm.shard_value(
+    jnp.ones((8, 8)), ('batch', 'hidden'), RULES, mesh=mesh, strict=True
+  )
   assert_layout(out, mesh, P('data', 'model'))
 
 
 def test_constraint_strict_names_the_leaf(mesh):
   with pytest.raises(fsm.ShardingError, match=r"<constraint>/b: .*'embed'"):
     fsm.with_logical_constraint(
-        {'a': jnp.ones((8, 8)), 'b': jnp.ones((8, 8))},
-        {'a': ('batch', None), 'b': ('embed', None)}, RULES, mesh=mesh,
-        strict=True)
+      {'a': jnp.ones((8, 8)), 'b': jnp.ones((8, 8))},
+      {'a': ('batch', None), 'b': ('embed', None)},
+      RULES,
+      mesh=mesh,
+      strict=True,
+    )
 
 
 def test_shard_value_mesh_axis_name_inside_a_rule_context_warns(mesh):
   x = jnp.ones((8, 8))
   with fsm.logical_axis_rules(RULES):
-    with pytest.warns(fsm.UnmappedMeshAxisNameWarning,
-                      match=r"'data' is not mapped .* rule \('data', 'data'\)\? "
-                      'Pass logical=False') as record:
+    with pytest.warns(
+      fsm.UnmappedMeshAxisNameWarning,
+      match=r"'data' is not mapped .* rule \('data', 'data'\)\? "
+      'Pass logical=False',
+    ) as record:
       out = fsm.shard_value(x, ('data', None), mesh=mesh)
     assert len(record) == 1
     assert_layout(out, mesh, P(None, None))
     # Explicit: mesh axes, rules ignored, no warning.
-    assert_layout(fsm.shard_value(x, ('data', None), mesh=mesh, logical=False),
-                  mesh, P('data', None))
+    assert_layout(
+      fsm.shard_value(x, ('data', None), mesh=mesh, logical=False),
+      mesh,
+      P('data', None),
+    )
 
 
 def test_shard_value_logical_flag(mesh):
@@ -342,8 +370,9 @@ def test_shard_value_logical_flag(mesh):
   # Default outside a rule context: mesh axes.
   assert_layout(fsm.shard_value(x, ('data', None), mesh=mesh), mesh, P('data', None))
   # logical=True with no rules: every name is unmapped, so replicated.
-  assert_layout(fsm.shard_value(x, ('batch', None), mesh=mesh, logical=True),
-                mesh, P(None, None))
+  assert_layout(
+    fsm.shard_value(x, ('batch', None), mesh=mesh, logical=True), mesh, P(None, None)
+  )
   # logical=False ignores the rules given.
   out = fsm.shard_value(x, ('model', 'data'), RULES, mesh=mesh, logical=False)
   assert_layout(out, mesh, P('model', 'data'))
@@ -351,22 +380,26 @@ def test_shard_value_logical_flag(mesh):
 
 def test_shard_value_tree_with_one_names_tuple_says_so(mesh):
   tree = {'a': jnp.ones((8, 2)), 'b': jnp.ones((8, 2))}
-  with pytest.raises(fsm.ShardingError,
-                     match=r'a pytree \(dict with 2 leaves\) was given where one '
-                     r'array is expected.*get_sharding'):
+  with pytest.raises(
+    fsm.ShardingError,
+    match=r'a pytree \(dict with 2 leaves\) was given where one '
+    r'array is expected.*get_sharding',
+  ):
     fsm.shard_value(tree, ('data', None), mesh=mesh)
 
 
 def test_shard_value_tree_with_a_names_tree(mesh):
   tree = {'a': jnp.ones((8, 2)), 'b': jnp.ones((4,)), 'c': jnp.ones(3)}
-  out = fsm.shard_value(tree, {'a': ('data', None), 'b': ('model',), 'c': None},
-                        mesh=mesh)
+  out = fsm.shard_value(
+    tree, {'a': ('data', None), 'b': ('model',), 'c': None}, mesh=mesh
+  )
   assert_layout(out['a'], mesh, P('data', None))
   assert_layout(out['b'], mesh, P('model'))
   assert out['c'] is tree['c']
   with pytest.raises(fsm.ShardingError, match=r"<value>/c: shape \(3,\).*'model'"):
-    fsm.shard_value(tree, {'a': (None, None), 'b': None, 'c': ('model',)},
-                    mesh=mesh, logical=False)
+    fsm.shard_value(
+      tree, {'a': (None, None), 'b': None, 'c': ('model',)}, mesh=mesh, logical=False
+    )
 
 
 def test_constraint_honours_the_legacy_mesh_context():
@@ -376,6 +409,7 @@ def test_constraint_honours_the_legacy_mesh_context():
     with auto:
       eager = fsm.with_logical_constraint(x, ('batch', None), RULES)
       traced = jax.jit(
-          lambda v: fsm.with_logical_constraint(v, (None, 'hidden'), RULES))(x)
+        lambda v: fsm.with_logical_constraint(v, (None, 'hidden'), RULES)
+      )(x)
   assert_layout(eager, auto, P('data', None))
   assert_layout(traced, auto, P(None, 'model'))

@@ -11,9 +11,9 @@ import flax_shardmeta
 # Adapters other modules build on top of the core are collected too, so a new
 # module's examples are checked as soon as it exists.
 MODULES = sorted(
-    m.name for m in pkgutil.walk_packages(
-        flax_shardmeta.__path__, prefix='flax_shardmeta.')
-    if m.name != 'flax_shardmeta.__main__'
+  m.name
+  for m in pkgutil.walk_packages(flax_shardmeta.__path__, prefix='flax_shardmeta.')
+  if m.name != 'flax_shardmeta.__main__'
 )
 
 
@@ -26,9 +26,9 @@ def test_every_core_module_is_collected():
 def test_docstring_examples(module_name):
   module = importlib.import_module(module_name)
   result = doctest.testmod(
-      module,
-      optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
-      report=True,
-      verbose=False,
+    module,
+    optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
+    report=True,
+    verbose=False,
   )
   assert result.failed == 0, f'{result.failed} doctest failure(s) in {module_name}'

@@ -26,20 +26,24 @@ def test_make_mesh_fills_the_wildcard_and_defaults_like_jax():
 
 
 def test_make_mesh_with_dcn_sizes_on_one_host():
-  mesh = fsm.make_mesh((2, 4), ('data', 'model'), dcn_axis_sizes=(1, 1),
-                       axis_types=(AxisType.Auto,) * 2)
+  mesh = fsm.make_mesh(
+    (2, 4), ('data', 'model'), dcn_axis_sizes=(1, 1), axis_types=(AxisType.Auto,) * 2
+  )
   assert dict(mesh.shape) == {'data': 2, 'model': 4}
   assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
   assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
 
 
-@pytest.mark.parametrize('sizes,dcn,match', [
+@pytest.mark.parametrize(
+  'sizes,dcn,match',
+  [
     ((3, 4), None, r'does not fit 8 devices in 1 process\(es\).*axis_sizes=\(2, 4\)'),
     ((-1, 3), None, r'does not fit 8 devices.*axis_sizes='),
     ((-1, -1), None, 'at most one -1'),
     ((2, 4), (2, 1), r'product is 2, not the 1 hosts.*dcn_axis_sizes=\(1, 1\)'),
     ((2, 4), (1,), 'one positive entry per axis'),
-])
+  ],
+)
 def test_make_mesh_misfits_name_counts_and_a_fit(sizes, dcn, match):
   with pytest.raises(fsm.MeshShapeError, match=match):
     fsm.make_mesh(sizes, ('data', 'model'), dcn_axis_sizes=dcn)
@@ -65,7 +69,10 @@ def test_data_layout_in_one_process():
 def test_data_layout_batch_axes_from_rules_or_given():
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
   # 'batch' -> ('data', 'model') is 8 ways: 12 rows cannot split.
-  with pytest.raises(fsm.BatchLayoutError, match=r"12 rows does not divide.*\('data', 'model'\) \(8 ways\).*1.5 rows"):
+  with pytest.raises(
+    fsm.BatchLayoutError,
+    match=r"12 rows does not divide.*\('data', 'model'\) \(8 ways\).*1.5 rows",
+  ):
     fsm.data_layout(mesh, 12, rules=[('batch', ('data', 'model'))])
   with fsm.logical_axis_rules([('batch', 'model')]):
     with pytest.raises(fsm.BatchLayoutError, match=r"\('model',\) \(4 ways\)"):
@@ -77,10 +84,11 @@ def test_data_layout_batch_axes_from_rules_or_given():
 
 def test_host_local_to_global_and_back():
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
-  rows = np.arange(24.).reshape(8, 3)
+  rows = np.arange(24.0).reshape(8, 3)
   tree = {'x': rows, 'y': rows[:, 0]}
   out = fsm.host_local_to_global(
-      tree, mesh, {'x': ('batch', None), 'y': P('data')}, MLP_RULES)
+    tree, mesh, {'x': ('batch', None), 'y': P('data')}, MLP_RULES
+  )
   assert out['x'].sharding.spec == P('data', None)
   assert out['y'].sharding.spec == P('data')
   back = fsm.global_to_host_local(out)
@@ -90,7 +98,9 @@ def test_host_local_to_global_and_back():
 
 def test_host_local_to_global_names_the_leaf_that_cannot_split():
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
-  with pytest.raises(fsm.ShardingError, match=r"x: shape \(3, 2\).*not divisible by 'data'=2"):
+  with pytest.raises(
+    fsm.ShardingError, match=r"x: shape \(3, 2\).*not divisible by 'data'=2"
+  ):
     fsm.host_local_to_global({'x': np.ones((3, 2))}, mesh, P('data', None))
 
 
@@ -135,10 +145,14 @@ def test_jit_keeps_the_rules_in_force_when_it_was_made():
 def test_jit_sharding_forms(form):
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
   rules = [('batch', 'data'), ('embed', 'model')]
-  out = {'names': ('batch', 'embed'), 'spec': P('data', 'model'),
-         'named': NamedSharding(mesh, P('data', 'model'))}[form]
-  f = fsm.jit(lambda x: x + 1, mesh=mesh, rules=rules,
-              in_shardings=(out,), out_shardings=out)
+  out = {
+    'names': ('batch', 'embed'),
+    'spec': P('data', 'model'),
+    'named': NamedSharding(mesh, P('data', 'model')),
+  }[form]
+  f = fsm.jit(
+    lambda x: x + 1, mesh=mesh, rules=rules, in_shardings=(out,), out_shardings=out
+  )
   x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('data', 'model')))
   assert f(x).sharding.spec == P('data', 'model')
 
@@ -150,9 +164,14 @@ def test_jit_with_annotated_abstract_state_and_donation():
   with fsm.logical_axis_rules(MLP_RULES):
     abstract = jax.eval_shape(model.init, jax.random.key(0), x)
     variables = fsm.sharded_init(model.init, mesh)(jax.random.key(0), x)
-  f = fsm.jit(lambda v: jax.tree_util.tree_map(lambda a: a * 2, v), mesh=mesh,
-              rules=MLP_RULES, in_shardings=(abstract,), out_shardings=abstract,
-              donate_argnums=0)
+  f = fsm.jit(
+    lambda v: jax.tree_util.tree_map(lambda a: a * 2, v),
+    mesh=mesh,
+    rules=MLP_RULES,
+    in_shardings=(abstract,),
+    out_shardings=abstract,
+    donate_argnums=0,
+  )
   out = f(variables)
   assert not fsm.verify(out, fsm.plan(abstract, mesh, MLP_RULES))
 
@@ -174,8 +193,9 @@ def test_shard_tree_and_gather_tree_round_trip_a_state():
     abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((4, 8)))
     target = fsm.as_abstract(abstract, mesh)
   host = jax.tree_util.tree_map(
-      lambda s: np.random.default_rng(0).normal(size=s.shape).astype(s.dtype),
-      fsm.unbox(abstract))
+    lambda s: np.random.default_rng(0).normal(size=s.shape).astype(s.dtype),
+    fsm.unbox(abstract),
+  )
   state = fsm.shard_tree(host, target)
   # Each device holds only its slice.
   kernel = state['params']['ScanDotReluDot_0']['W2']
@@ -194,12 +214,15 @@ def test_shard_tree_and_gather_tree_round_trip_a_state():
 
 def test_shard_tree_names_every_mismatch():
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
-  target = {'a': jax.ShapeDtypeStruct((4, 8), jnp.float32,
-                                      sharding=NamedSharding(mesh, P(None, 'model'))),
-            'b': NamedSharding(mesh, P('model'))}
+  target = {
+    'a': jax.ShapeDtypeStruct(
+      (4, 8), jnp.float32, sharding=NamedSharding(mesh, P(None, 'model'))
+    ),
+    'b': NamedSharding(mesh, P('model')),
+  }
   with pytest.raises(fsm.ShardingError) as info:
     fsm.shard_tree({'a': np.ones((4, 4)), 'b': np.ones(6)}, target)
   message = str(info.value)
   assert 'a: shape (4, 4)' in message and 'expected shape (4, 8), got (4, 4)' in message
-  assert "b: shape (6,)" in message and "not divisible by 'model'=4" in message
+  assert 'b: shape (6,)' in message and "not divisible by 'model'=4" in message
   assert len(info.value.problems) == 2

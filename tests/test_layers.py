@@ -15,24 +15,24 @@ PACKAGE = pathlib.Path(flax_shardmeta.__file__).parent
 # Lowest first. A module may import any module of an earlier layer, or of its
 # own layer when listed before it.
 LAYERS = [
-    ['_typing', '_specs', '_caches'],
-    ['_errors'],
-    ['_unmapped'],
-    ['_rules'],
-    ['_validate'],
-    ['_placement'],
-    ['_windowed'],
-    ['_generate'],
-    ['_boxes'],
-    ['_annotation'],
-    ['_sharding'],
-    ['_constraints', '_regex_rules'],
-    ['_plan_explain', '_plan_format', '_plan'],
-    ['_checkpoint', '_sharded_init'],
-    ['_launch', '_mesh', '_data', '_transfer', '_jit'],
-    ['nnx'],
-    ['examples._common', 'examples.linen', 'examples.nnx', 'examples.demo'],
-    ['cli', '__main__'],
+  ['_typing', '_specs', '_caches'],
+  ['_errors'],
+  ['_unmapped'],
+  ['_rules'],
+  ['_validate'],
+  ['_placement'],
+  ['_windowed'],
+  ['_generate'],
+  ['_boxes'],
+  ['_annotation'],
+  ['_sharding'],
+  ['_constraints', '_regex_rules'],
+  ['_plan_explain', '_plan_format', '_plan'],
+  ['_checkpoint', '_sharded_init'],
+  ['_launch', '_mesh', '_data', '_transfer', '_jit'],
+  ['nnx'],
+  ['examples._common', 'examples.linen', 'examples.nnx', 'examples.demo'],
+  ['cli', '__main__'],
 ]
 ORDER = {m: i for i, m in enumerate(m for layer in LAYERS for m in layer)}
 
@@ -71,8 +71,11 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
           sub = f'{module}.{a.name}'
           found.append((node.lineno, sub if sub in ORDER else module))
     elif isinstance(node, ast.Import):
-      found += [(node.lineno, a.name.removeprefix('flax_shardmeta.'))
-                for a in node.names if a.name.startswith('flax_shardmeta.')]
+      found += [
+        (node.lineno, a.name.removeprefix('flax_shardmeta.'))
+        for a in node.names
+        if a.name.startswith('flax_shardmeta.')
+      ]
   return found
 
 

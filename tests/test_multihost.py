@@ -28,14 +28,20 @@ import multihost_scenarios as scenarios  # noqa: E402
 def run_processes(scenario, outdir, timeout=240):
   env = {**os.environ, 'PYTHONPATH': str(ROOT)}
   return _launch.launch(
-      [str(HERE / 'multihost_scenarios.py'), scenario, str(outdir)],
-      num_processes=2, devices_per_process=4, timeout=timeout, env=env)
+    [str(HERE / 'multihost_scenarios.py'), scenario, str(outdir)],
+    num_processes=2,
+    devices_per_process=4,
+    timeout=timeout,
+    env=env,
+  )
 
 
 def load(outdir):
   report = json.loads((outdir / 'report.json').read_text())
-  layouts = [json.loads((outdir / f'layout-{i}.json').read_text())['layout']
-             for i in range(report['process_count'])]
+  layouts = [
+    json.loads((outdir / f'layout-{i}.json').read_text())['layout']
+    for i in range(report['process_count'])
+  ]
   with np.load(outdir / 'params.npz') as f:
     params = dict(f)
   return report, layouts, params
@@ -105,21 +111,26 @@ def _port_is_free(address):
   return True
 
 
-FAILING = '''
+FAILING = """
 from flax_shardmeta import _launch
 pid, n = _launch.initialize()
 import time
 if pid == 1:
   raise RuntimeError('process 1 fails on purpose')
 time.sleep(600)  # would hang in a collective forever
-'''
+"""
 
 
 def test_a_failing_process_fails_the_launch_fast_and_leaves_nothing(tmp_path):
   start = time.monotonic()
   with pytest.raises(fsm.LaunchError, match='process 1 exited with code 1') as info:
-    _launch.launch(['-c', FAILING], num_processes=2, devices_per_process=1,
-                   timeout=120, env={**os.environ, 'PYTHONPATH': str(ROOT)})
+    _launch.launch(
+      ['-c', FAILING],
+      num_processes=2,
+      devices_per_process=1,
+      timeout=120,
+      env={**os.environ, 'PYTHONPATH': str(ROOT)},
+    )
   assert time.monotonic() - start < 60
   # The failing process's stderr is in the message.
   assert 'process 1 fails on purpose' in str(info.value)
@@ -130,15 +141,15 @@ def test_a_failing_process_fails_the_launch_fast_and_leaves_nothing(tmp_path):
 def test_the_deadline_kills_every_process_and_frees_the_port():
   sleeper = 'import time; time.sleep(600)'
   with pytest.raises(fsm.LaunchError, match=r'still running after 2 s') as info:
-    _launch.launch(['-c', sleeper], num_processes=2, devices_per_process=1,
-                   timeout=2)
+    _launch.launch(['-c', sleeper], num_processes=2, devices_per_process=1, timeout=2)
   assert len(info.value.results) == 2
 
 
 def test_results_name_processes_that_are_gone_and_a_free_port():
   ok = 'print("hello")'
-  results = _launch.launch(['-c', ok], num_processes=2, devices_per_process=1,
-                           timeout=60)
+  results = _launch.launch(
+    ['-c', ok], num_processes=2, devices_per_process=1, timeout=60
+  )
   assert [r.stdout.strip() for r in results] == ['hello', 'hello']
   assert not any(_alive(r.pid) for r in results)
   assert _port_is_free(results[0].coordinator)

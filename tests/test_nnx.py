@@ -26,11 +26,15 @@ class Mlp(nnx.Module):
 
   def __init__(self, embed: int, hidden: int, rngs: nnx.Rngs):
     self.up = nnx.Linear(
-        embed, hidden, kernel_init=logical(('embed', 'mlp')),
-        bias_init=logical(('mlp',), zeros), rngs=rngs)
+      embed,
+      hidden,
+      kernel_init=logical(('embed', 'mlp')),
+      bias_init=logical(('mlp',), zeros),
+      rngs=rngs,
+    )
     self.down = nnx.Linear(
-        hidden, embed, kernel_init=logical(('mlp', 'embed')),
-        use_bias=False, rngs=rngs)
+      hidden, embed, kernel_init=logical(('mlp', 'embed')), use_bias=False, rngs=rngs
+    )
 
 
 def spec_of(variable: nnx.Variable) -> P:
@@ -73,8 +77,8 @@ def test_eager_construction_uses_fsm_rules_and_replicates_unmapped_names(mesh):
 def test_explicit_mesh_argument_needs_no_context():
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
   init = fsm.nnx.with_logical_partitioning(
-      lambda: jnp.ones((8, 4)), ('embed', 'mlp'), rules=[('embed', 'data')],
-      mesh=mesh)
+    lambda: jnp.ones((8, 4)), ('embed', 'mlp'), rules=[('embed', 'data')], mesh=mesh
+  )
   assert spec_of(nnx.Param(init())) == P('data', None)
 
 
@@ -83,7 +87,8 @@ def test_without_mesh_values_stay_unsharded_and_keep_annotation():
   kernel = model.up.kernel
   assert len(kernel.get_value().sharding.device_set) == 1
   assert fsm.get_partition_spec(nnx.state(model))['up']['kernel'].get_value() == (
-      P('embed', 'mlp'))
+    P('embed', 'mlp')
+  )
 
 
 def test_eval_shape_gives_abstract_values_with_annotation():
@@ -93,8 +98,7 @@ def test_eval_shape_gives_abstract_values_with_annotation():
 
 
 def test_eval_shape_under_explicit_mesh_carries_fsm_layout():
-  mesh = jax.make_mesh((2, 4), ('data', 'model'),
-                       axis_types=(AxisType.Explicit,) * 2)
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)
   with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
     model = nnx.eval_shape(lambda: Mlp(16, 32, nnx.Rngs(0)))
   value = model.up.kernel.get_value()
@@ -153,9 +157,12 @@ def test_out_shardings_from_state_made_outside_any_context(mesh):
   shardings = fsm.get_sharding(abstract, mesh, RULES)
   with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
     state = jax.jit(
-        lambda: nnx.state(Mlp(16, 32, nnx.Rngs(0))), out_shardings=shardings)()
-  assert jax.tree.leaves(jax.tree.map(
-      lambda a, s: a.sharding == s, state, shardings)) == [True] * 3
+      lambda: nnx.state(Mlp(16, 32, nnx.Rngs(0))), out_shardings=shardings
+    )()
+  assert (
+    jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding == s, state, shardings))
+    == [True] * 3
+  )
 
 
 @pytest.mark.parametrize('key', ['out_sharding', 'sharding_names', 'sharding'])
@@ -164,9 +171,15 @@ def test_flax_own_annotations_under_every_key(key):
   # from_metadata stores the metadata as given, as older flax versions (or
   # states restored from them) hold it; the constructor would rename it.
   var = nnx.Param.from_metadata(
-      jax.ShapeDtypeStruct((8, 16, 4), jnp.float32),
-      {key: ('data', 'mlp', 'unknown'), 'hijax': False, 'ref': False,
-       'eager_sharding': False, 'sharding_rules': (('mlp', 'model'),)})
+    jax.ShapeDtypeStruct((8, 16, 4), jnp.float32),
+    {
+      key: ('data', 'mlp', 'unknown'),
+      'hijax': False,
+      'ref': False,
+      'eager_sharding': False,
+      'sharding_rules': (('mlp', 'model'),),
+    },
+  )
   # Flax semantics: 'data' is a mesh axis kept as is, 'mlp' renamed by the
   # variable's rules, 'unknown' has no rule and no axis so it is replicated.
   assert fsm.get_sharding(var, mesh).get_value().spec == P('data', 'model', None)
@@ -176,8 +189,11 @@ def test_flax_own_annotations_under_every_key(key):
 def test_flax_own_annotation_with_context_rules_and_mesh_metadata(mesh):
   with jax.set_mesh(mesh):
     linear = nnx.Linear(
-        16, 32, rngs=nnx.Rngs(0),
-        kernel_init=nnx.with_partitioning(lecun, ('data', 'model'), mesh=mesh))
+      16,
+      32,
+      rngs=nnx.Rngs(0),
+      kernel_init=nnx.with_partitioning(lecun, ('data', 'model'), mesh=mesh),
+    )
   assert spec_of(linear.kernel) == P('data', 'model')
   state = nnx.state(linear)
   # Context rules rename through fsm's engine, priority-ordered.
@@ -189,20 +205,23 @@ def test_flax_own_annotation_with_context_rules_and_mesh_metadata(mesh):
 def test_named_sharding_metadata_is_understood():
   mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
   var = nnx.Param.from_metadata(
-      jax.ShapeDtypeStruct((8, 4), jnp.float32),
-      {'out_sharding': NamedSharding(mesh, P('model', None)), 'hijax': False,
-       'ref': False, 'eager_sharding': False})
+    jax.ShapeDtypeStruct((8, 4), jnp.float32),
+    {
+      'out_sharding': NamedSharding(mesh, P('model', None)),
+      'hijax': False,
+      'ref': False,
+      'eager_sharding': False,
+    },
+  )
   assert fsm.get_sharding(var, mesh).get_value().spec == P('model', None)
 
 
 def test_errors_name_the_variable_path():
   class Block(nnx.Module):
-
     def __init__(self, rngs):
       self.mlp = Mlp(16, 12, rngs)
 
   class Model(nnx.Module):
-
     def __init__(self):
       self.blocks = nnx.List([Block(nnx.Rngs(i)) for i in range(4)])
 
@@ -218,8 +237,12 @@ def test_errors_name_the_variable_path():
 
 
 def test_rank_mismatch_is_reported_by_path():
-  var = nnx.Param(jnp.ones((2, 8, 4)), out_sharding=('mlp', None),
-                  fsm_logical=True, eager_sharding=False)
+  var = nnx.Param(
+    jnp.ones((2, 8, 4)),
+    out_sharding=('mlp', None),
+    fsm_logical=True,
+    eager_sharding=False,
+  )
   mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
   with pytest.raises(fsm.ShardingError, match=r'w: .*2 names for a rank-3'):
     fsm.get_sharding({'w': var}, mesh)
@@ -233,13 +256,20 @@ def test_bridge_to_nnx_keeps_fsm_box_annotations(mesh):
   import flax.linen as nn
 
   class Dense(nn.Module):
-
     @nn.compact
     def __call__(self, x):
-      x = nn.Dense(32, kernel_init=fsm.with_logical_partitioning(
-          nn.initializers.lecun_normal(), ('embed', 'mlp')))(x)
-      return nn.Dense(16, kernel_init=fsm.with_partitioning(
-          nn.initializers.lecun_normal(), ('model', None)))(x)
+      x = nn.Dense(
+        32,
+        kernel_init=fsm.with_logical_partitioning(
+          nn.initializers.lecun_normal(), ('embed', 'mlp')
+        ),
+      )(x)
+      return nn.Dense(
+        16,
+        kernel_init=fsm.with_partitioning(
+          nn.initializers.lecun_normal(), ('model', None)
+        ),
+      )(x)
 
   model = nnx.bridge.ToNNX(Dense(), rngs=nnx.Rngs(0)).lazy_init(jnp.ones((2, 16)))
   state = nnx.state(model, nnx.Param)
@@ -256,8 +286,8 @@ def test_bridge_to_nnx_keeps_fsm_box_annotations(mesh):
 
 
 def test_mixed_axis_types_raise_at_construction():
-  mesh = jax.make_mesh((2, 4), ('data', 'model'),
-                       axis_types=(AxisType.Auto, AxisType.Explicit))
+  mesh = jax.make_mesh(
+    (2, 4), ('data', 'model'), axis_types=(AxisType.Auto, AxisType.Explicit)
+  )
   with jax.set_mesh(mesh), pytest.raises(ValueError, match='mixes axis types'):
     nnx.Param(fsm.nnx.with_partitioning(lambda: jnp.ones((8, 4)), ('model', None))())
-

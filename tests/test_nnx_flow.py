@@ -31,10 +31,15 @@ class Block(nnx.Module):
 
   def __init__(self, rngs: nnx.Rngs, optimizer_names=None):
     self.up = nnx.Linear(
-        16, 32, rngs=rngs, bias_init=logical(('mlp',), nnx.initializers.zeros),
-        kernel_init=logical(('embed', 'mlp'), optimizer_names=optimizer_names))
+      16,
+      32,
+      rngs=rngs,
+      bias_init=logical(('mlp',), nnx.initializers.zeros),
+      kernel_init=logical(('embed', 'mlp'), optimizer_names=optimizer_names),
+    )
     self.down = nnx.Linear(
-        32, 16, kernel_init=logical(('mlp', 'embed')), use_bias=False, rngs=rngs)
+      32, 16, kernel_init=logical(('mlp', 'embed')), use_bias=False, rngs=rngs
+    )
 
   def __call__(self, x: jax.Array) -> jax.Array:
     h = fsm.with_logical_constraint(jax.nn.relu(self.up(x)), ('batch', 'mlp'))
@@ -55,8 +60,13 @@ class Trainer(nnx.Module):
 
 def carries(state, shardings) -> bool:
   # Equivalence, not equality: jit may drop trailing None entries of a spec.
-  return all(jax.tree.leaves(jax.tree.map(
-      lambda a, s: a.sharding.is_equivalent_to(s, a.ndim), state, shardings)))
+  return all(
+    jax.tree.leaves(
+      jax.tree.map(
+        lambda a, s: a.sharding.is_equivalent_to(s, a.ndim), state, shardings
+      )
+    )
+  )
 
 
 # The notebook flow
@@ -76,8 +86,7 @@ def test_notebook_flow(mesh):
   assert mu.spec == P(None, 'model')
 
   with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
-    state = jax.jit(
-        lambda: nnx.split(Trainer(tx))[1], out_shardings=shardings)()
+    state = jax.jit(lambda: nnx.split(Trainer(tx))[1], out_shardings=shardings)()
     assert carries(state, shardings)
     trainer = nnx.merge(graphdef, state)
 
@@ -90,8 +99,7 @@ def test_notebook_flow(mesh):
       trainer.optimizer.update(trainer.model, grads)
       return loss
 
-    x = jax.device_put(
-        jnp.ones((8, 16)), NamedSharding(mesh, P('data', None)))
+    x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P('data', None)))
     first = train_step(trainer, x)
     second = train_step(trainer, x)
   assert second < first
@@ -124,8 +132,7 @@ def test_stack_layout_inside_jit_and_from_out_shardings(mesh):
   shardings = fsm.get_sharding(abstract, mesh, RULES)
   assert shardings['up']['kernel'].get_value().spec == P('data', None, 'model')
   with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
-    state = jax.jit(
-        lambda: nnx.state(fsm.nnx.shard_module(make_stack(4))))()
+    state = jax.jit(lambda: nnx.state(fsm.nnx.shard_module(make_stack(4))))()
     assert carries(state, shardings)
     state = jax.jit(lambda: nnx.state(make_stack(4)), out_shardings=shardings)()
     assert carries(state, shardings)
@@ -137,8 +144,7 @@ def test_layers_mapped_to_none_and_scanned_forward(mesh):
     stack = fsm.nnx.shard_module(make_stack(3))
     assert stack.down.kernel.get_value().sharding.spec == P(None, 'model', None)
 
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
-              transform_metadata=LAYERS)
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=LAYERS)
     def forward(x: jax.Array, block: Block) -> jax.Array:
       return fsm.with_logical_constraint(block(x), ('batch', 'embed'))
 
@@ -149,8 +155,7 @@ def test_layers_mapped_to_none_and_scanned_forward(mesh):
 
 
 def test_scan_construction_inserts_layer_name():
-  @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
-            transform_metadata=LAYERS)
+  @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=LAYERS)
   def create(carry: int, key: jax.Array) -> tuple[int, Block]:
     return carry, Block(nnx.Rngs(key))
 
@@ -185,9 +190,11 @@ def test_shard_module_on_a_state_returns_a_new_state(mesh):
 # ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('tx', [
-    optax.adam(1e-3), optax.adamw(1e-3), optax.adafactor(1e-3)],
-    ids=['adam', 'adamw', 'adafactor'])
+@pytest.mark.parametrize(
+  'tx',
+  [optax.adam(1e-3), optax.adamw(1e-3), optax.adafactor(1e-3)],
+  ids=['adam', 'adamw', 'adafactor'],
+)
 def test_optimizer_state_gets_valid_shardings(tx, mesh):
   abstract = nnx.state(nnx.eval_shape(lambda: Trainer(tx)))
   shardings = fsm.get_sharding(abstract, mesh, RULES)
@@ -203,11 +210,13 @@ def test_adafactor_factored_moments_are_replicated(mesh):
   class Wide(nnx.Module):
     def __init__(self):
       self.w = nnx.Linear(
-          256, 256, kernel_init=logical(('embed', 'mlp')), rngs=nnx.Rngs(0))
+        256, 256, kernel_init=logical(('embed', 'mlp')), rngs=nnx.Rngs(0)
+      )
 
   model = nnx.eval_shape(Wide)
   optimizer = nnx.eval_shape(
-      lambda: nnx.Optimizer(Wide(), optax.adafactor(1e-3), wrt=nnx.Param))
+    lambda: nnx.Optimizer(Wide(), optax.adafactor(1e-3), wrt=nnx.Param)
+  )
   shardings = fsm.get_sharding(nnx.state(optimizer), mesh, RULES)
   state = shardings['opt_state'][0]
   assert state['v_row']['w']['kernel'].get_value().spec == P()
@@ -220,8 +229,8 @@ def test_optimizer_sharding_overrides_the_moments_layout(mesh):
 
   def create() -> nnx.Optimizer:
     return nnx.Optimizer(
-        Block(nnx.Rngs(0), optimizer_names=('embed', 'batch')), tx,
-        wrt=nnx.Param)
+      Block(nnx.Rngs(0), optimizer_names=('embed', 'batch')), tx, wrt=nnx.Param
+    )
 
   shardings = fsm.get_sharding(nnx.state(nnx.eval_shape(create)), mesh, RULES)
   mu = shardings['opt_state'][0]['mu']['up']['kernel'].get_value()
@@ -241,29 +250,38 @@ NAMES = ('data', 'model', 'embed', 'mlp', 'heads', 'layers', None)
 @st.composite
 def variable_cases(draw):
   rank = draw(st.integers(0, 3))
-  shape = tuple(draw(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8]),
-                              min_size=rank, max_size=rank)))
+  shape = tuple(
+    draw(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8]), min_size=rank, max_size=rank))
+  )
   n_names = draw(st.sampled_from([rank, rank, rank, max(rank - 1, 0), rank + 1]))
-  names = tuple(draw(st.lists(st.sampled_from(NAMES),
-                              min_size=n_names, max_size=n_names)))
-  rules = draw(st.lists(
-      st.tuples(st.sampled_from(NAMES[2:6]),
-                st.sampled_from([None, 'data', 'model', ('data', 'model'),
-                                 'absent'])),
-      max_size=4))
+  names = tuple(
+    draw(st.lists(st.sampled_from(NAMES), min_size=n_names, max_size=n_names))
+  )
+  rules = draw(
+    st.lists(
+      st.tuples(
+        st.sampled_from(NAMES[2:6]),
+        st.sampled_from([None, 'data', 'model', ('data', 'model'), 'absent']),
+      ),
+      max_size=4,
+    )
+  )
   flavour = draw(st.sampled_from(['fsm_logical', 'fsm_mesh', 'flax']))
   mesh_shape = draw(st.sampled_from([(2, 4), (4, 2), (1, 8), (8, 1)]))
   axis_type = draw(st.sampled_from([AxisType.Auto, AxisType.Explicit]))
   return shape, names, rules, flavour, mesh_shape, axis_type
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(variable_cases())
 def test_property_sharding_or_sharding_error(case):
   shape, names, rules, flavour, mesh_shape, axis_type = case
-  metadata = {'out_sharding': names, 'hijax': False, 'ref': False,
-              'eager_sharding': False}
+  metadata = {
+    'out_sharding': names,
+    'hijax': False,
+    'ref': False,
+    'eager_sharding': False,
+  }
   if flavour != 'flax':
     metadata['fsm_logical'] = flavour == 'fsm_logical'
   var = nnx.Param.from_metadata(jnp.zeros(shape), metadata)

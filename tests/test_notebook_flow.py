@@ -31,7 +31,8 @@ def model_of(num_layers, use_scan, logical):
 def init_fn(key, x, model, tx):
   variables = model.init(key, x)
   return train_state.TrainState.create(
-      apply_fn=model.apply, params=variables['params'], tx=tx)
+    apply_fn=model.apply, params=variables['params'], tx=tx
+  )
 
 
 def expected_specs(use_scan):
@@ -61,8 +62,11 @@ def test_notebook_flow(mesh, use_scan, logical):
     specs = fsm.get_partition_spec(abstract)
     layer = first_layer(specs.params, use_scan)
     lead = (('layers',) if logical else (None,)) if use_scan else ()
-    written = (('embed', 'hidden'), ('hidden', 'embed')) if logical else (
-        (None, 'model'), ('model', None))
+    written = (
+      (('embed', 'hidden'), ('hidden', 'embed'))
+      if logical
+      else ((None, 'model'), ('model', None))
+    )
     assert layer['Dense_0']['kernel'] == P(*lead, *written[0])
     assert layer['W2'] == P(*lead, *written[1])
 
@@ -95,6 +99,7 @@ def test_notebook_flow(mesh, use_scan, logical):
     def train_step(state, x):
       def loss(params):
         return state.apply_fn({'params': params}, x).sum()
+
       return state.apply_gradients(grads=jax.grad(loss)(state.params))
 
     new_state = train_step(state, x)
@@ -102,13 +107,17 @@ def test_notebook_flow(mesh, use_scan, logical):
     for s, a in zip(planned, jax.tree_util.tree_leaves(new_state)):
       assert a.sharding.is_equivalent_to(s, a.ndim), (a.sharding, s)
     moved = jax.tree_util.tree_map(
-        lambda a, b: float(jnp.abs(a - b).max()), fsm.unbox(state.params),
-        fsm.unbox(new_state.params))
+      lambda a, b: float(jnp.abs(a - b).max()),
+      fsm.unbox(state.params),
+      fsm.unbox(new_state.params),
+    )
     assert all(d > 0 for d in jax.tree_util.tree_leaves(moved))
 
   # unbox / replace_boxed keep the annotations, as in the notebook.
   raw = fsm.unbox(new_state.params)
-  zeros = fsm.replace_boxed(new_state.params, jax.tree_util.tree_map(jnp.zeros_like, raw))
+  zeros = fsm.replace_boxed(
+    new_state.params, jax.tree_util.tree_map(jnp.zeros_like, raw)
+  )
   zero_kernel = first_layer(zeros, use_scan)['Dense_0']['kernel']
   assert zero_kernel.names == kernel.names
   np.testing.assert_array_equal(zero_kernel.value, 0)

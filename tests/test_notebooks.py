@@ -28,13 +28,14 @@ def _run(name: str) -> list[str]:
   nb = nbformat.read(NOTEBOOKS / name, as_version=4)
   env = dict(os.environ)
   env['PYTHONPATH'] = os.pathsep.join(
-      p for p in (str(ROOT), env.get('PYTHONPATH')) if p)
+    p for p in (str(ROOT), env.get('PYTHONPATH')) if p
+  )
   # The kernel has no display. matplotlib's inline backend (ipykernel's default)
   # is headless like Agg but also emits figures, so the test can see them.
   env['MPLBACKEND'] = 'module://matplotlib_inline.backend_inline'
   client = nbclient.NotebookClient(
-      nb, timeout=300, kernel_name='python3',
-      resources={'metadata': {'path': str(ROOT)}})
+    nb, timeout=300, kernel_name='python3', resources={'metadata': {'path': str(ROOT)}}
+  )
   try:
     client.execute(env=env)
   except nbclient.exceptions.CellExecutionError as e:
@@ -68,7 +69,7 @@ def test_notebooks_are_committed_without_outputs():
     code = [c for c in nb.cells if c.cell_type == 'code']
     assert all(not c.outputs and c.execution_count is None for c in code), name
     # Devices are simulated before jax is imported.
-    assert "xla_force_host_platform_device_count=8" in code[0].source, name
+    assert 'xla_force_host_platform_device_count=8' in code[0].source, name
     assert 'import jax' not in code[0].source, name
 
 
@@ -91,15 +92,19 @@ def test_nnx():
   # shard_module laid the stacked 'layers' axis out over 'data'.
   assert "(4, 1024, 1024) P('data', None, 'model')" in out
   assert re.search(r'after training: all \d+ arrays match the plan', out)
-  assert re.search(r"opt_state/0/v_row/layers/W1 +\(4, 1024\) +P\(\)", out)
+  assert re.search(r'opt_state/0/v_row/layers/W1 +\(4, 1024\) +P\(\)', out)
   assert "['ScanDotReluDot_0']['W2'].value" in out  # the bridged Linen module
 
 
 def test_plan_a_pod():
   cells = _run('03_plan_a_pod.ipynb')
   out = '\n'.join(cells)
-  table = re.findall(r'^(T5X 1-D|T5X 2-D|FSDP) +([0-9.]+) GiB +([0-9.]+) GiB +'
-                     r'([0-9.]+) GiB +(\d+)$', out, re.MULTILINE)
+  table = re.findall(
+    r'^(T5X 1-D|T5X 2-D|FSDP) +([0-9.]+) GiB +([0-9.]+) GiB +'
+    r'([0-9.]+) GiB +(\d+)$',
+    out,
+    re.MULTILINE,
+  )
   assert [row[0] for row in table] == ['T5X 1-D', 'T5X 2-D', 'FSDP']
   totals = {name: float(total) for name, _, _, total, _ in table}
   assert totals['T5X 1-D'] > totals['T5X 2-D'] > totals['FSDP'] > 0

@@ -15,8 +15,15 @@ from flax_shardmeta.examples import linen as models
 from flax_shardmeta.examples import nnx as models_nnx
 from flax_shardmeta.examples.linen import LLAMA_RULES, MLP, MLP_RULES, LlamaConfig
 
-TINY_LLAMA = LlamaConfig(vocab_size=256, dim=64, num_layers=3, num_heads=4,
-                         num_kv_heads=2, head_dim=16, ffn_dim=128)
+TINY_LLAMA = LlamaConfig(
+  vocab_size=256,
+  dim=64,
+  num_layers=3,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=16,
+  ffn_dim=128,
+)
 
 
 def _sds(shape, dtype=jnp.float32):
@@ -25,7 +32,8 @@ def _sds(shape, dtype=jnp.float32):
 
 def _mlp_state(use_scan=True, num_layers=4, depth=1024, optimizer='adam'):
   params = cli.abstract_linen_params(
-      MLP(num_layers=num_layers, depth=depth, use_scan=use_scan), _sds((8, depth)))
+    MLP(num_layers=num_layers, depth=depth, use_scan=use_scan), _sds((8, depth))
+  )
   return cli.abstract_train_state(params, optimizer)
 
 
@@ -71,7 +79,8 @@ def test_nnx_and_linen_models_give_the_same_plan():
   def linen():
     module = models.Llama(TINY_LLAMA)
     return cli.abstract_train_state(
-        cli.abstract_linen_params(module, _sds((1, 4), jnp.int32)), 'adam')
+      cli.abstract_linen_params(module, _sds((1, 4), jnp.int32)), 'adam'
+    )
 
   def create():
     m = models_nnx.Llama(TINY_LLAMA, rngs=nnx.Rngs(0))
@@ -96,7 +105,10 @@ def test_problems_for_a_mesh_that_divides_nothing():
   rules = [('embed', 'data'), ('hidden', 'model'), ('layers', None)]
   p = fsm.plan(_mlp_state(optimizer='none'), mesh, rules)
   paths = sorted({pr.path for pr in p.problems})
-  assert paths == ['params/ScanDotReluDot_0/Dense_0/kernel', 'params/ScanDotReluDot_0/W2']
+  assert paths == [
+    'params/ScanDotReluDot_0/Dense_0/kernel',
+    'params/ScanDotReluDot_0/W2',
+  ]
   assert len(p.problems) == 4  # both sharded dimensions of both kernels
   assert all('not divisible' in pr.reason for pr in p.problems)
   # The plan is still there, with every entry.
@@ -120,7 +132,9 @@ def test_fit_mode_replicates_and_lists_adjustments():
     p = fsm.plan(_mlp_state(optimizer='none'), mesh, rules, fit=True)
   assert not p.problems
   assert len(p.adjustments) == 4
-  assert p.adjustments[0].startswith('params/ScanDotReluDot_0/Dense_0/kernel: dimension 1')
+  assert p.adjustments[0].startswith(
+    'params/ScanDotReluDot_0/Dense_0/kernel: dimension 1'
+  )
   kernel = p.entry('params/ScanDotReluDot_0/Dense_0/kernel')
   assert kernel.spec == P(None, None, None)
   assert kernel.adjustments
@@ -130,8 +144,10 @@ def test_fit_mode_replicates_and_lists_adjustments():
 
 def test_fit_mode_in_get_sharding_warns_once():
   mesh = AbstractMesh((3,), ('model',))
-  tree = {'a': fsm.Partitioned(_sds((4,)), ('model',)),
-          'b': fsm.Partitioned(_sds((8,)), ('model',))}
+  tree = {
+    'a': fsm.Partitioned(_sds((4,)), ('model',)),
+    'b': fsm.Partitioned(_sds((8,)), ('model',)),
+  }
   with pytest.warns(fsm.ShardingFitWarning) as record:
     out = fsm.get_sharding(tree, mesh, fit=True)
   assert len(record) == 1 and 'a: ' in str(record[0].message)
@@ -156,7 +172,9 @@ def test_explain_for_mesh_axes_and_plain_leaves():
   tree = {'m': fsm.Partitioned(_sds((8, 8)), (None, 'model')), 'x': _sds((3,))}
   p = fsm.plan(tree, mesh)
   assert [d.note for d in p.entry('m').explain] == [
-      'replicated as written', 'mesh axes as written']
+    'replicated as written',
+    'mesh axes as written',
+  ]
   assert p.entry('x').explain[0].note == 'not annotated, so replicated'
 
 
@@ -166,7 +184,9 @@ def test_explain_for_optimizer_moments_their_parameter_cannot_shard():
   # The problem is reported on the parameter; its moments replicate the
   # dimension at fault (here the only sharded one).
   assert {pr.path for pr in p.problems} == {
-      'params/ScanDotReluDot_0/Dense_0/kernel', 'params/ScanDotReluDot_0/W2'}
+    'params/ScanDotReluDot_0/Dense_0/kernel',
+    'params/ScanDotReluDot_0/W2',
+  }
   mu = p.entry('opt_state/0/mu/ScanDotReluDot_0/W2')
   assert mu.spec == P()
   assert "optimizer state that 'model' cannot shard" in str(mu.explain[1])
@@ -179,8 +199,7 @@ def test_moments_keep_the_dimensions_that_divide():
   mesh = AbstractMesh((4, 16), ('data', 'model'))
   params = cli.abstract_linen_params(models.Llama(TINY_LLAMA), _sds((1, 1), jnp.int32))
   wk = params['layers']['wk']
-  params['layers']['wk'] = fsm.LogicalPartitioned(
-      _sds((3, 64, 8, 16)), wk.names)
+  params['layers']['wk'] = fsm.LogicalPartitioned(_sds((3, 64, 8, 16)), wk.names)
   state = cli.abstract_train_state(params, 'adam')
   with pytest.warns(fsm.ShardingFitWarning, match='params/layers/wk'):
     p = fsm.plan(state, mesh, LLAMA_RULES, fit=True)
@@ -208,18 +227,24 @@ def test_to_dict_is_json_with_the_documented_schema():
   assert {'entries', 'bytes_per_device', 'total_bytes', 'problems'} <= set(d)
   entry = next(e for e in d['entries'] if e['path'] == 'params/ScanDotReluDot_0/W2')
   assert entry == {
-      'path': 'params/ScanDotReluDot_0/W2', 'shape': [4, 64, 64],
-      'dtype': 'float32', 'names': ['layers', 'hidden', 'embed'],
-      'spec': [None, 'model', None], 'shard_shape': [4, 16, 64],
-      'bytes_per_device': 4 * 16 * 64 * 4,
+    'path': 'params/ScanDotReluDot_0/W2',
+    'shape': [4, 64, 64],
+    'dtype': 'float32',
+    'names': ['layers', 'hidden', 'embed'],
+    'spec': [None, 'model', None],
+    'shard_shape': [4, 16, 64],
+    'bytes_per_device': 4 * 16 * 64 * 4,
   }
   assert d['bytes_per_device'] == p.bytes_per_device
 
 
 def test_table_groups_modules_and_summarizes_unrolled_stacks():
   mesh = AbstractMesh((2, 4), ('data', 'model'))
-  p = fsm.plan(_mlp_state(use_scan=False, num_layers=6, depth=64, optimizer='none'),
-               mesh, MLP_RULES)
+  p = fsm.plan(
+    _mlp_state(use_scan=False, num_layers=6, depth=64, optimizer='none'),
+    mesh,
+    MLP_RULES,
+  )
   text = str(p)
   assert 'params/DotReluDot_{0..5}/  [6 identical copies]' in text
   assert text.count('  W2 ') == 1
@@ -235,7 +260,7 @@ def test_rich_view():
   import treescope
 
   text = treescope.render_to_text(p._treescope_view())
-  assert "'W2': PlanEntry(" in text and "spec=\"P(None, 'model', None)\"" in text
+  assert "'W2': PlanEntry(" in text and 'spec="P(None, \'model\', None)"' in text
 
 
 def test_plan_of_train_state_and_verify(mesh):
@@ -248,7 +273,8 @@ def test_plan_of_train_state_and_verify(mesh):
   def init(key):
     params = model.init(key, x)['params']
     return train_state.TrainState.create(
-        apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+      apply_fn=model.apply, params=params, tx=optax.adam(1e-3)
+    )
 
   with fsm.logical_axis_rules(MLP_RULES):
     p = fsm.plan(jax.eval_shape(init, jax.random.key(0)), mesh)
@@ -260,12 +286,14 @@ def test_plan_of_train_state_and_verify(mesh):
 
 def test_verify_reports_differences_by_path():
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
-  tree = {'w': fsm.Partitioned(jnp.zeros((8, 8)), (None, 'model')),
-          'b': jnp.zeros(8)}
+  tree = {'w': fsm.Partitioned(jnp.zeros((8, 8)), (None, 'model')), 'b': jnp.zeros(8)}
   p = fsm.plan(tree, mesh)
-  arrays = {'w': fsm.Partitioned(
-      jax.device_put(jnp.zeros((8, 8)), NamedSharding(mesh, P('data'))), (None, 'model')),
-      'b': jax.device_put(jnp.zeros(8), NamedSharding(mesh, P()))}
+  arrays = {
+    'w': fsm.Partitioned(
+      jax.device_put(jnp.zeros((8, 8)), NamedSharding(mesh, P('data'))), (None, 'model')
+    ),
+    'b': jax.device_put(jnp.zeros(8), NamedSharding(mesh, P())),
+  }
   [m] = fsm.verify(arrays, p)
   assert m.path == 'w'
   assert m.expected.spec == P(None, 'model') and m.actual.spec == P('data')
@@ -280,8 +308,9 @@ def test_repr_and_show_outside_a_notebook(capsys):
   assert capsys.readouterr().out.startswith('Sharding plan: 2 arrays')
 
 
-@pytest.mark.parametrize('name', ['plan', 'ShardingPlan', 'PlanEntry', 'as_abstract',
-                                  'verify'])
+@pytest.mark.parametrize(
+  'name', ['plan', 'ShardingPlan', 'PlanEntry', 'as_abstract', 'verify']
+)
 def test_plan_names_are_public_and_documented(name):
   assert name in fsm.__all__
   assert getattr(fsm, name).__doc__
@@ -295,12 +324,14 @@ def test_plan_strict_records_unmapped_names_as_problems():
   mesh = AbstractMesh((2, 4), ('data', 'model'))
   rules = [('hidden', 'model')]  # no rule for 'embed' or 'layers'
   p = fsm.plan(_mlp_state(optimizer='none'), mesh, rules, strict=True)
-  unmapped = {(pr.path.rsplit('/', 1)[-1], pr.reason.split("'")[1])
-              for pr in p.problems}
+  unmapped = {
+    (pr.path.rsplit('/', 1)[-1], pr.reason.split("'")[1]) for pr in p.problems
+  }
   assert ('kernel', 'layers') in unmapped and ('W2', 'embed') in unmapped
   assert all('strict=True' in pr.reason for pr in p.problems)
-  assert not fsm.plan(_mlp_state(optimizer='none'), mesh, MLP_RULES,
-                      strict=True).problems
+  assert not fsm.plan(
+    _mlp_state(optimizer='none'), mesh, MLP_RULES, strict=True
+  ).problems
 
 
 def test_plan_warns_about_mesh_axis_names():
@@ -317,14 +348,19 @@ def test_actual_shardings_reads_layouts_back():
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
   model = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
   state = nnx.state(model)
-  placed = jax.device_put(state['kernel'].get_value(),
-                          NamedSharding(mesh, P(None, 'model')))
+  placed = jax.device_put(
+    state['kernel'].get_value(), NamedSharding(mesh, P(None, 'model'))
+  )
   state['kernel'].set_value(placed)
   got = fsm.actual_shardings(state)
   assert isinstance(got, nnx.State)
   assert got['kernel'].get_value().spec == P(None, 'model')
-  tree = {'box': fsm.Partitioned(placed, (None, 'model')), 'host': np.ones(3),
-          'step': 3, 'name': 'x'}
+  tree = {
+    'box': fsm.Partitioned(placed, (None, 'model')),
+    'host': np.ones(3),
+    'step': 3,
+    'name': 'x',
+  }
   got = fsm.actual_shardings(tree)
   assert got['box'].spec == P(None, 'model')
   assert got['host'] is None and got['step'] is None and got['name'] is None
@@ -332,8 +368,10 @@ def test_actual_shardings_reads_layouts_back():
 
 def test_verify_prints_a_diff_table():
   mesh = jax.make_mesh((8,), ('data',))
-  tree = {'a': jax.device_put(jnp.zeros((8, 2)), NamedSharding(mesh, P())),
-          'b': jax.device_put(jnp.zeros((8,)), NamedSharding(mesh, P('data')))}
+  tree = {
+    'a': jax.device_put(jnp.zeros((8, 2)), NamedSharding(mesh, P())),
+    'b': jax.device_put(jnp.zeros((8,)), NamedSharding(mesh, P('data'))),
+  }
   same = {'a': NamedSharding(mesh, P()), 'b': NamedSharding(mesh, P('data'))}
   ok = fsm.verify(tree, same)
   assert ok == [] and isinstance(ok, fsm.Mismatches)

@@ -21,32 +21,35 @@ AXIS_NAMES = ('a', 'b', 'c')
 LOGICAL = ('batch', 'embed', 'mlp', 'heads', 'kv')
 
 SETTINGS = settings(
-    max_examples=60, deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture,
-                           HealthCheck.too_slow],
+  max_examples=60,
+  deadline=None,
+  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 
 
 @functools.cache
 def make_mesh(shape, axis_type):
-  names = AXIS_NAMES[:len(shape)]
+  names = AXIS_NAMES[: len(shape)]
   return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
 
 
 meshes = st.builds(
-    make_mesh, st.sampled_from(MESH_SHAPES),
-    st.sampled_from([AxisType.Auto, AxisType.Explicit]))
+  make_mesh,
+  st.sampled_from(MESH_SHAPES),
+  st.sampled_from([AxisType.Auto, AxisType.Explicit]),
+)
 shapes = st.lists(st.sampled_from([1, 2, 3, 4, 6, 8, 16]), max_size=3).map(tuple)
 # Mesh-axis entries include an axis some meshes lack ('c') and one none has.
 mesh_entries = st.one_of(
-    st.none(), st.sampled_from(AXIS_NAMES + ('zz',)),
-    # Repeats included: validation must report them, not crash.
-    st.tuples(st.sampled_from(AXIS_NAMES), st.sampled_from(AXIS_NAMES)),
+  st.none(),
+  st.sampled_from(AXIS_NAMES + ('zz',)),
+  # Repeats included: validation must report them, not crash.
+  st.tuples(st.sampled_from(AXIS_NAMES), st.sampled_from(AXIS_NAMES)),
 )
 targets = st.one_of(
-    st.none(), st.sampled_from(AXIS_NAMES + ('zz',)),
-    st.lists(st.sampled_from(AXIS_NAMES), min_size=1, max_size=2,
-             unique=True).map(tuple),
+  st.none(),
+  st.sampled_from(AXIS_NAMES + ('zz',)),
+  st.lists(st.sampled_from(AXIS_NAMES), min_size=1, max_size=2, unique=True).map(tuple),
 )
 rules_st = st.lists(st.tuples(st.sampled_from(LOGICAL), targets), max_size=6)
 
@@ -58,8 +61,11 @@ def annotated(draw):
   rank = len(shape) if draw(st.integers(0, 9)) else draw(st.integers(0, 4))
   logical = draw(st.booleans())
   if logical:
-    names = draw(st.lists(st.one_of(st.none(), st.sampled_from(LOGICAL)),
-                          min_size=rank, max_size=rank))
+    names = draw(
+      st.lists(
+        st.one_of(st.none(), st.sampled_from(LOGICAL)), min_size=rank, max_size=rank
+      )
+    )
   else:
     names = draw(st.lists(mesh_entries, min_size=rank, max_size=rank))
   return shape, tuple(names), logical
@@ -99,15 +105,23 @@ def test_get_sharding_is_valid_or_a_sharding_error(leaf, rules, mesh, fit):
 
 @SETTINGS
 @given(
-    shape=shapes, rules=rules_st, mesh=meshes, data=st.data(),
-    logical=st.booleans(),
+  shape=shapes,
+  rules=rules_st,
+  mesh=meshes,
+  data=st.data(),
+  logical=st.booleans(),
 )
 def test_shard_value_is_valid_or_a_sharding_error(shape, rules, mesh, data, logical):
   rank = len(shape)
   if logical:
-    names = data.draw(st.lists(st.one_of(st.none(), st.sampled_from(LOGICAL)),
-                               min_size=rank, max_size=rank, unique_by=lambda n: n
-                               if n is not None else object()))
+    names = data.draw(
+      st.lists(
+        st.one_of(st.none(), st.sampled_from(LOGICAL)),
+        min_size=rank,
+        max_size=rank,
+        unique_by=lambda n: n if n is not None else object(),
+      )
+    )
   else:
     names = data.draw(st.lists(mesh_entries, min_size=rank, max_size=rank))
     rules = []
@@ -125,9 +139,14 @@ def test_shard_value_is_valid_or_a_sharding_error(shape, rules, mesh, data, logi
 
 
 @SETTINGS
-@given(names=st.lists(st.one_of(st.none(), st.sampled_from(LOGICAL)),
-                      max_size=4, unique_by=lambda n: n if n is not None else object()),
-       rules=rules_st)
+@given(
+  names=st.lists(
+    st.one_of(st.none(), st.sampled_from(LOGICAL)),
+    max_size=4,
+    unique_by=lambda n: n if n is not None else object(),
+  ),
+  rules=rules_st,
+)
 def test_resolution_never_reuses_a_mesh_axis(names, rules):
   spec = fsm.logical_to_mesh_axes(tuple(names), rules)
   used = [a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))]

@@ -13,63 +13,63 @@ import flax_shardmeta as fsm
 
 # The whole public surface: a name added or removed is a decision, made here.
 PUBLIC_API = {
-    'Annotation',
-    'BatchLayoutError',
-    'DataLayout',
-    'FlaxShardmetaError',
-    'InvalidNamesError',
-    'InvalidRulesError',
-    'JitWithContext',
-    'LaunchError',
-    'LogicalPartitioned',
-    'MeshShapeError',
-    'Mismatch',
-    'Mismatches',
-    'NoMeshError',
-    'PARTITION_NAME',
-    'Partitioned',
-    'PlanEntry',
-    'RuleConflictError',
-    'RulesFallback',
-    'ShardingError',
-    'ShardingFitWarning',
-    'ShardingPlan',
-    'ShardingProblem',
-    'UnmappedMeshAxisNameWarning',
-    '__version__',
-    'as_abstract',
-    'clear_caches',
-    'actual_shardings',
-    'composite_rules',
-    'data_layout',
-    'explain_resolution',
-    'gather_tree',
-    'get_logical_axis_rules',
-    'get_partition_spec',
-    'get_sharding',
-    'global_to_host_local',
-    'host_local_to_global',
-    'jit',
-    'logical_axis_rules',
-    'logical_to_mesh',
-    'logical_to_mesh_axes',
-    'logical_to_mesh_sharding',
-    'make_mesh',
-    'match_partition_rules',
-    'nnx',
-    'plan',
-    'register_annotation_type',
-    'replace_boxed',
-    'set_logical_axis_rules',
-    'shard_tree',
-    'shard_value',
-    'sharded_init',
-    'standard_logical_axis_rules',
-    'unbox',
-    'verify',
-    'with_logical_constraint',
-    'with_logical_partitioning',
-    'with_partitioning',
+  'Annotation',
+  'BatchLayoutError',
+  'DataLayout',
+  'FlaxShardmetaError',
+  'InvalidNamesError',
+  'InvalidRulesError',
+  'JitWithContext',
+  'LaunchError',
+  'LogicalPartitioned',
+  'MeshShapeError',
+  'Mismatch',
+  'Mismatches',
+  'NoMeshError',
+  'PARTITION_NAME',
+  'Partitioned',
+  'PlanEntry',
+  'RuleConflictError',
+  'RulesFallback',
+  'ShardingError',
+  'ShardingFitWarning',
+  'ShardingPlan',
+  'ShardingProblem',
+  'UnmappedMeshAxisNameWarning',
+  '__version__',
+  'as_abstract',
+  'clear_caches',
+  'actual_shardings',
+  'composite_rules',
+  'data_layout',
+  'explain_resolution',
+  'gather_tree',
+  'get_logical_axis_rules',
+  'get_partition_spec',
+  'get_sharding',
+  'global_to_host_local',
+  'host_local_to_global',
+  'jit',
+  'logical_axis_rules',
+  'logical_to_mesh',
+  'logical_to_mesh_axes',
+  'logical_to_mesh_sharding',
+  'make_mesh',
+  'match_partition_rules',
+  'nnx',
+  'plan',
+  'register_annotation_type',
+  'replace_boxed',
+  'set_logical_axis_rules',
+  'shard_tree',
+  'shard_value',
+  'sharded_init',
+  'standard_logical_axis_rules',
+  'unbox',
+  'verify',
+  'with_logical_constraint',
+  'with_logical_partitioning',
+  'with_partitioning',
 }
 
 
@@ -105,14 +105,17 @@ def test_every_public_name_has_a_docstring():
 
 def test_constant_is_documented_in_its_module():
   source = inspect.getsource(inspect.getmodule(fsm.Partitioned))
-  assert "PARTITION_NAME = 'partition_name'\n\"\"\"" in source
+  assert 'PARTITION_NAME = \'partition_name\'\n"""' in source
 
 
 def test_every_error_is_a_flax_shardmeta_error():
-  errors = [getattr(fsm, n) for n in fsm.__all__
-            if isinstance(getattr(fsm, n), type)
-            and issubclass(getattr(fsm, n), BaseException)
-            and not issubclass(getattr(fsm, n), Warning)]
+  errors = [
+    getattr(fsm, n)
+    for n in fsm.__all__
+    if isinstance(getattr(fsm, n), type)
+    and issubclass(getattr(fsm, n), BaseException)
+    and not issubclass(getattr(fsm, n), Warning)
+  ]
   assert fsm.ShardingError in errors and fsm.InvalidNamesError in errors
   for cls in errors:
     assert issubclass(cls, fsm.FlaxShardmetaError), cls
@@ -123,10 +126,11 @@ def test_library_code_raises_no_bare_value_error():
   """Every error the library raises belongs to the FlaxShardmetaError family."""
   package = pathlib.Path(fsm.__file__).parent
   offenders = [
-      f'{path.relative_to(package)}:{n}'
-      for path in package.rglob('*.py') if 'examples' not in path.parts
-      for n, line in enumerate(path.read_text().splitlines(), 1)
-      if re.search(r'raise (ValueError|TypeError|AssertionError)\b', line)
+    f'{path.relative_to(package)}:{n}'
+    for path in package.rglob('*.py')
+    if 'examples' not in path.parts
+    for n, line in enumerate(path.read_text().splitlines(), 1)
+    if re.search(r'raise (ValueError|TypeError|AssertionError)\b', line)
   ]
   assert not offenders, offenders
   assert issubclass(fsm.ShardingFitWarning, UserWarning)
@@ -138,8 +142,12 @@ def test_package_is_typed():
 
 
 def test_mesh_and_rules_are_keyword_only_in_both_front_ends():
-  for fn in (fsm.with_partitioning, fsm.with_logical_partitioning,
-             fsm.nnx.with_partitioning, fsm.nnx.with_logical_partitioning):
+  for fn in (
+    fsm.with_partitioning,
+    fsm.with_logical_partitioning,
+    fsm.nnx.with_partitioning,
+    fsm.nnx.with_logical_partitioning,
+  ):
     params = inspect.signature(fn).parameters
     for name in ('mesh', 'rules'):
       if name in params:
@@ -150,8 +158,11 @@ def test_clear_caches_empties_resolution_and_layout_caches():
   from flax_shardmeta import _rules, _sharding
 
   mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
-  tree = {'w': fsm.LogicalPartitioned(
-      jax.ShapeDtypeStruct((8, 16), jnp.float32), ('embed', 'mlp'))}
+  tree = {
+    'w': fsm.LogicalPartitioned(
+      jax.ShapeDtypeStruct((8, 16), jnp.float32), ('embed', 'mlp')
+    )
+  }
   before = fsm.get_sharding(tree, mesh, [('mlp', 'model')])
   assert _rules._resolve_cached.cache_info().currsize > 0
   assert _sharding._layout_cached.cache_info().currsize > 0
@@ -182,6 +193,9 @@ def test_public_callables_are_found():
 
 def test_every_public_callable_has_a_docstring_example():
   # Each example runs as a doctest (tests/test_doctests.py).
-  missing = [name for name, obj in _public_callables()
-             if '>>>' not in (inspect.getdoc(obj) or '')]
+  missing = [
+    name
+    for name, obj in _public_callables()
+    if '>>>' not in (inspect.getdoc(obj) or '')
+  ]
   assert not missing, f'public callables without a >>> example: {missing}'

@@ -9,21 +9,21 @@ from jax.sharding import PartitionSpec as P
 import flax_shardmeta as fsm
 
 PARAMS = {
-    'encoder': {
-        'attn': {'query': {'kernel': jnp.zeros((8, 16)), 'bias': jnp.zeros(16)}},
-        'mlp': {'wi': {'kernel': jnp.zeros((8, 32))}},
-    },
-    'embed': {'embedding': jnp.zeros((100, 8))},
-    'scale': jnp.float32(1.0),
+  'encoder': {
+    'attn': {'query': {'kernel': jnp.zeros((8, 16)), 'bias': jnp.zeros(16)}},
+    'mlp': {'wi': {'kernel': jnp.zeros((8, 32))}},
+  },
+  'embed': {'embedding': jnp.zeros((100, 8))},
+  'scale': jnp.float32(1.0),
 }
 
 
 def test_first_match_wins():
   rules = [
-      ('attn/.*/kernel', P(None, 'model')),
-      ('kernel', P('model', None)),
-      ('embedding', P('model', 'data')),
-      ('.*', P()),
+    ('attn/.*/kernel', P(None, 'model')),
+    ('kernel', P('model', None)),
+    ('embedding', P('model', 'data')),
+    ('.*', P()),
   ]
   specs = fsm.match_partition_rules(rules, PARAMS)
   assert specs['encoder']['attn']['query']['kernel'] == P(None, 'model')
@@ -76,15 +76,23 @@ def test_on_model_variables_and_get_sharding(mesh):
   model = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(8)])
   variables = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((4, 8)))
   specs = fsm.match_partition_rules(
-      [('layers_0/kernel', P(None, 'model')), ('layers_2/kernel', P('model')),
-       ('bias', P())], variables)
+    [
+      ('layers_0/kernel', P(None, 'model')),
+      ('layers_2/kernel', P('model')),
+      ('bias', P()),
+    ],
+    variables,
+  )
   assert specs['params']['layers_0']['kernel'] == P(None, 'model')
   assert specs['params']['layers_2']['kernel'] == P('model')
   shardings = jax.tree_util.tree_map(
-      lambda s: jax.sharding.NamedSharding(mesh, s), specs,
-      is_leaf=lambda x: isinstance(x, P))
+    lambda s: jax.sharding.NamedSharding(mesh, s),
+    specs,
+    is_leaf=lambda x: isinstance(x, P),
+  )
   params = jax.jit(model.init, out_shardings=shardings)(
-      jax.random.key(0), jnp.ones((4, 8)))
+    jax.random.key(0), jnp.ones((4, 8))
+  )
   kernel = params['params']['layers_0']['kernel']
   assert kernel.sharding.is_equivalent_to(shardings['params']['layers_0']['kernel'], 2)
 
@@ -107,11 +115,15 @@ def test_nnx_state_paths_stop_at_variables():
   assert specs['bias'].get_value() == P()
 
 
-@pytest.mark.parametrize('wrap', [
+@pytest.mark.parametrize(
+  'wrap',
+  [
     lambda init: nn.with_partitioning(init, (None, 'model')),
     lambda init: fsm.with_partitioning(init, (None, 'model')),
     lambda init: fsm.with_logical_partitioning(init, ('embed', 'mlp')),
-], ids=['flax-box', 'fsm-box', 'fsm-logical-box'])
+  ],
+  ids=['flax-box', 'fsm-box', 'fsm-logical-box'],
+)
 def test_boxed_linen_paths_stop_at_boxes(wrap):
   model = nn.Dense(32, kernel_init=wrap(nn.initializers.lecun_normal()))
   variables = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((2, 16)))

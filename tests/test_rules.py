@@ -10,31 +10,36 @@ import flax_shardmeta as fsm
 U = P.UNCONSTRAINED
 
 RESOLUTION_TABLE = [
-    # Priority follows the rules, not the dimensions.
-    ((('foo', 'model'), ('bar', 'model')), ('bar', 'foo'), P(None, 'model')),
-    ((('bar', 'model'), ('foo', 'model')), ('bar', 'foo'), P('model', None)),
-    # One name, several candidates: the first usable one wins.
-    ((('embed', 'model'), ('embed', 'data')), ('embed',), P('model')),
-    ((('mlp', 'model'), ('embed', 'model'), ('embed', 'data')),
-     ('embed', 'mlp'), P('data', 'model')),
-    # A name with no rule is replicated.
-    ((('batch', 'data'),), ('batch', 'length'), P('data', None)),
-    ((), ('batch', 'embed'), P(None, None)),
-    # None and UNCONSTRAINED pass through untouched.
-    ((('batch', 'data'),), (None, 'batch'), P(None, 'data')),
-    ((('batch', 'data'),), (U, 'batch'), P(U, 'data')),
-    # A pass-through mesh-axis tuple blocks its axes for later rules.
-    ((('embed', 'data'),), (('data', 'model'), 'embed'),
-     P(('data', 'model'), None)),
-    # Rule targets: tuples, None, UNCONSTRAINED.
-    ((('batch', ('data', 'model')),), ('batch', None), P(('data', 'model'), None)),
-    ((('kv', None), ('kv', 'model')), ('kv',), P(None)),
-    ((('length', U),), ('length', 'embed'), P(U, None)),
-    # A tuple target clashing on any of its axes is skipped.
-    ((('mlp', 'model'), ('batch', ('data', 'model')), ('batch', 'data')),
-     ('batch', 'mlp'), P('data', 'model')),
-    # Empty names.
-    ((('batch', 'data'),), (), P()),
+  # Priority follows the rules, not the dimensions.
+  ((('foo', 'model'), ('bar', 'model')), ('bar', 'foo'), P(None, 'model')),
+  ((('bar', 'model'), ('foo', 'model')), ('bar', 'foo'), P('model', None)),
+  # One name, several candidates: the first usable one wins.
+  ((('embed', 'model'), ('embed', 'data')), ('embed',), P('model')),
+  (
+    (('mlp', 'model'), ('embed', 'model'), ('embed', 'data')),
+    ('embed', 'mlp'),
+    P('data', 'model'),
+  ),
+  # A name with no rule is replicated.
+  ((('batch', 'data'),), ('batch', 'length'), P('data', None)),
+  ((), ('batch', 'embed'), P(None, None)),
+  # None and UNCONSTRAINED pass through untouched.
+  ((('batch', 'data'),), (None, 'batch'), P(None, 'data')),
+  ((('batch', 'data'),), (U, 'batch'), P(U, 'data')),
+  # A pass-through mesh-axis tuple blocks its axes for later rules.
+  ((('embed', 'data'),), (('data', 'model'), 'embed'), P(('data', 'model'), None)),
+  # Rule targets: tuples, None, UNCONSTRAINED.
+  ((('batch', ('data', 'model')),), ('batch', None), P(('data', 'model'), None)),
+  ((('kv', None), ('kv', 'model')), ('kv',), P(None)),
+  ((('length', U),), ('length', 'embed'), P(U, None)),
+  # A tuple target clashing on any of its axes is skipped.
+  (
+    (('mlp', 'model'), ('batch', ('data', 'model')), ('batch', 'data')),
+    ('batch', 'mlp'),
+    P('data', 'model'),
+  ),
+  # Empty names.
+  ((('batch', 'data'),), (), P()),
 ]
 
 
@@ -70,14 +75,17 @@ def test_duplicate_none_is_fine():
   assert fsm.logical_to_mesh_axes((None, None), ()) == P(None, None)
 
 
-@pytest.mark.parametrize('rules, match', [
+@pytest.mark.parametrize(
+  'rules, match',
+  [
     ('batch', 'sequence of'),
     ([('batch',)], 'rule #0'),
     ([(1, 'data')], 'rule #0'),
     ([('batch', P('data'))], 'not a PartitionSpec'),
     ([('batch', ('data', 1))], 'mesh-axis names'),
     ([('batch', 3)], 'unsupported target'),
-])
+  ],
+)
 def test_malformed_rules_raise(rules, match):
   with pytest.raises(ValueError, match=match):
     fsm.logical_to_mesh_axes(('batch',), rules)
@@ -91,8 +99,7 @@ def test_list_targets_become_tuples():
 # composite_rules
 # ------------------------------------------------------------------------------
 
-T5X_2D = (('batch', 'data'), ('mlp', 'model'), ('embed', 'model'),
-          ('embed', 'data'))
+T5X_2D = (('batch', 'data'), ('mlp', 'model'), ('embed', 'model'), ('embed', 'data'))
 
 
 def test_composite_keeps_the_2d_fallback():
@@ -115,17 +122,21 @@ def test_composite_conflicting_first_choice_names_both():
 def test_composite_later_candidates_may_differ():
   # Only first choices must agree; a per-variable fallback is appended.
   merged = fsm.composite_rules(
-      [('embed', 'model')], [('embed', 'model'), ('embed', 'data')])
+    [('embed', 'model')], [('embed', 'model'), ('embed', 'data')]
+  )
   assert merged == (('embed', 'model'), ('embed', 'data'))
 
 
-@pytest.mark.parametrize('g, loc, expected', [
+@pytest.mark.parametrize(
+  'g, loc, expected',
+  [
     (None, None, ()),
     ([('a', 'x')], None, (('a', 'x'),)),
     (None, [('a', 'x')], (('a', 'x'),)),
     ([('a', 'x')], [], (('a', 'x'),)),
     ([('a', 'x')], [('b', 'y'), ('a', 'x')], (('a', 'x'), ('b', 'y'))),
-])
+  ],
+)
 def test_composite_edge_cases(g, loc, expected):
   assert fsm.composite_rules(g, loc) == expected
 
@@ -170,19 +181,23 @@ def test_set_and_get():
 # ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('act, param, embed_spec, activation_spec', [
+@pytest.mark.parametrize(
+  'act, param, embed_spec, activation_spec',
+  [
     (1, 1, P(None, 'model'), P('data', None)),
     (1, 2, P('data', 'model'), P('data', None)),
     # 'mlp' outranks 'embed' for 'model', so embed stays replicated here.
     (2, 1, P(None, 'model'), P('data', 'model')),
     (2, 2, P('data', 'model'), P('data', 'model')),
-])
+  ],
+)
 def test_standard_rules(act, param, embed_spec, activation_spec):
   rules = fsm.standard_logical_axis_rules(act, param)
   assert fsm.logical_to_mesh_axes(('embed', 'mlp'), rules) == embed_spec
   assert fsm.logical_to_mesh_axes(('batch', 'embed'), rules) == activation_spec
   assert fsm.logical_to_mesh_axes(('vocab', 'kv', 'layers'), rules) == P(
-      'model', None, None)
+    'model', None, None
+  )
 
 
 def test_standard_rules_2d_keeps_both_embed_candidates():
@@ -193,7 +208,8 @@ def test_standard_rules_2d_keeps_both_embed_candidates():
 
 def test_standard_rules_additional_rules_come_last():
   rules = fsm.standard_logical_axis_rules(
-      additional_rules=[('expert', 'data'), ('batch', 'model')])
+    additional_rules=[('expert', 'data'), ('batch', 'model')]
+  )
   assert rules[-2:] == (('expert', 'data'), ('batch', 'model'))
   assert fsm.logical_to_mesh_axes(('batch',), rules) == P('data')
 
@@ -210,7 +226,8 @@ def test_standard_rules_unsupported(act, param):
 
 def test_explain_priority_example():
   explained = fsm.explain_resolution(
-      ('bar', 'foo'), [('foo', 'model'), ('bar', 'model')])
+    ('bar', 'foo'), [('foo', 'model'), ('bar', 'model')]
+  )
   bar, foo = explained
   assert bar.mesh_axes is None
   assert foo.mesh_axes == 'model'
@@ -223,8 +240,7 @@ def test_explain_matches_resolution():
   rules = fsm.standard_logical_axis_rules(2, 2)
   names = ('batch', 'embed', 'mlp', None, 'unknown')
   explained = fsm.explain_resolution(names, rules)
-  assert P(*(d.mesh_axes for d in explained)) == fsm.logical_to_mesh_axes(
-      names, rules)
+  assert P(*(d.mesh_axes for d in explained)) == fsm.logical_to_mesh_axes(names, rules)
   assert 'passed through' in str(explained[3])
   assert 'no rule names it' in str(explained[4])
   embed = explained[1]
@@ -249,18 +265,22 @@ def test_rule_target_repeating_a_mesh_axis_raises():
 _LOGICAL = ('batch', 'embed', 'mlp', 'heads', 'kv')
 _AXES = ('data', 'model', 'fsdp')
 _targets = st.one_of(
-    st.none(), st.sampled_from(_AXES),
-    st.lists(st.sampled_from(_AXES), min_size=1, max_size=2, unique=True).map(tuple),
+  st.none(),
+  st.sampled_from(_AXES),
+  st.lists(st.sampled_from(_AXES), min_size=1, max_size=2, unique=True).map(tuple),
 )
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    names=st.lists(
-        st.one_of(st.sampled_from(_LOGICAL), st.none(), st.sampled_from(_AXES)
-                  .map(lambda a: (a,))),
-        max_size=4, unique_by=lambda n: n if isinstance(n, str) else object()),
-    rules=st.lists(st.tuples(st.sampled_from(_LOGICAL), _targets), max_size=8),
+  names=st.lists(
+    st.one_of(
+      st.sampled_from(_LOGICAL), st.none(), st.sampled_from(_AXES).map(lambda a: (a,))
+    ),
+    max_size=4,
+    unique_by=lambda n: n if isinstance(n, str) else object(),
+  ),
+  rules=st.lists(st.tuples(st.sampled_from(_LOGICAL), _targets), max_size=8),
 )
 def test_explain_is_resolve(names, rules):
   """explain walks the same loop as resolve: same axes, and each step's verdict
@@ -276,14 +296,18 @@ def test_explain_is_resolve(names, rules):
 
 
 def test_logical_to_mesh_axes_strict_names_the_unmapped_name():
-  assert fsm.logical_to_mesh_axes(('batch', None), [('batch', 'data')],
-                                  strict=True) == P('data', None)
-  with pytest.raises(fsm.ShardingError, match="no usable rule maps logical name 'length'"):
+  assert fsm.logical_to_mesh_axes(
+    ('batch', None), [('batch', 'data')], strict=True
+  ) == P('data', None)
+  with pytest.raises(
+    fsm.ShardingError, match="no usable rule maps logical name 'length'"
+  ):
     fsm.logical_to_mesh_axes(('batch', 'length'), [('batch', 'data')], strict=True)
   # Every rule of 'bar' skipped (its axis is taken) counts as unmapped too.
   with pytest.raises(fsm.ShardingError, match="'bar'"):
-    fsm.logical_to_mesh_axes(('bar', 'foo'), [('foo', 'model'), ('bar', 'model')],
-                             strict=True)
+    fsm.logical_to_mesh_axes(
+      ('bar', 'foo'), [('foo', 'model'), ('bar', 'model')], strict=True
+    )
 
 
 def test_logical_to_mesh_axes_warns_for_a_context_mesh_axis_name():
@@ -291,5 +315,7 @@ def test_logical_to_mesh_axes_warns_for_a_context_mesh_axis_name():
 
   mesh = jax.make_mesh((2,), ('data',))
   with jax.set_mesh(mesh):
-    with pytest.warns(fsm.UnmappedMeshAxisNameWarning, match=r"rule \('data', 'data'\)"):
+    with pytest.warns(
+      fsm.UnmappedMeshAxisNameWarning, match=r"rule \('data', 'data'\)"
+    ):
       assert fsm.logical_to_mesh_axes(('data', None), []) == P(None, None)

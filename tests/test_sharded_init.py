@@ -28,12 +28,17 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x, _):
-    h = nn.Dense(64, kernel_init=fsm.with_logical_partitioning(
-        self.kernel_init, ('embed', 'mlp')),
-        bias_init=fsm.with_logical_partitioning(nn.initializers.zeros, ('mlp',)))(x)
+    h = nn.Dense(
+      64,
+      kernel_init=fsm.with_logical_partitioning(self.kernel_init, ('embed', 'mlp')),
+      bias_init=fsm.with_logical_partitioning(nn.initializers.zeros, ('mlp',)),
+    )(x)
     h = nn.relu(h)
-    w = self.param('w_out', fsm.with_logical_partitioning(
-        nn.initializers.normal(0.02), ('mlp', 'embed')), (64, x.shape[-1]))
+    w = self.param(
+      'w_out',
+      fsm.with_logical_partitioning(nn.initializers.normal(0.02), ('mlp', 'embed')),
+      (64, x.shape[-1]),
+    )
     return _dot(h, w), None
 
 
@@ -44,21 +49,30 @@ class Stack(nn.Module):
   @nn.compact
   def __call__(self, x):
     if self.scan:
-      x, _ = nn.scan(Block, length=3, variable_axes={'params': 0},
-                     split_rngs={'params': True},
-                     metadata_params={fsm.PARTITION_NAME: 'layers'})(self.kernel_init)(x, None)
+      x, _ = nn.scan(
+        Block,
+        length=3,
+        variable_axes={'params': 0},
+        split_rngs={'params': True},
+        metadata_params={fsm.PARTITION_NAME: 'layers'},
+      )(self.kernel_init)(x, None)
     else:
       for _ in range(3):
         x, _ = Block(self.kernel_init)(x, None)
-    emb = self.param('embedding', fsm.with_logical_partitioning(
-        nn.initializers.variance_scaling(1.0, 'fan_in', 'uniform'),
-        ('embed', 'mlp')), (x.shape[-1], 256))
+    emb = self.param(
+      'embedding',
+      fsm.with_logical_partitioning(
+        nn.initializers.variance_scaling(1.0, 'fan_in', 'uniform'), ('embed', 'mlp')
+      ),
+      (x.shape[-1], 256),
+    )
     return _dot(x, emb)
 
 
 def _check_same(got, want, shardings):
-  for g, w, s in zip(jax.tree.leaves(got), jax.tree.leaves(want),
-                     jax.tree.leaves(shardings)):
+  for g, w, s in zip(
+    jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(shardings)
+  ):
     assert g.shape == w.shape and g.dtype == w.dtype
     # A few initializers may round their last bit differently once fused.
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=1e-9)
@@ -66,9 +80,11 @@ def _check_same(got, want, shardings):
 
 
 @pytest.mark.parametrize('scan', [False, True], ids=['unrolled', 'scan'])
-@pytest.mark.parametrize('init', [nn.initializers.lecun_normal(),
-                                  nn.initializers.orthogonal()],
-                         ids=['lecun', 'orthogonal'])
+@pytest.mark.parametrize(
+  'init',
+  [nn.initializers.lecun_normal(), nn.initializers.orthogonal()],
+  ids=['lecun', 'orthogonal'],
+)
 def test_values_and_layout_match_plain_jitted_init(mesh, scan, init):
   model = Stack(scan, init)
   x = jnp.ones((4, 32))
@@ -103,8 +119,13 @@ def test_train_state_with_optimizer(mesh):
 def test_chunked_program_keeps_temporaries_small(mesh):
   # Structure, not speed: the chunked program's temporaries are a few chunks,
   # the plain one's are three times the largest shard.
-  model = nn.Dense(1024, use_bias=False, kernel_init=fsm.with_logical_partitioning(
-      nn.initializers.lecun_normal(), ('embed', 'mlp')))
+  model = nn.Dense(
+    1024,
+    use_bias=False,
+    kernel_init=fsm.with_logical_partitioning(
+      nn.initializers.lecun_normal(), ('embed', 'mlp')
+    ),
+  )
   x = jnp.ones((2, 1024))
   key = jax.random.key(0)
   with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
@@ -121,15 +142,20 @@ def test_chunked_program_keeps_temporaries_small(mesh):
 
 
 def test_problems_raise_before_anything_runs(mesh):
-  model = nn.Dense(6, kernel_init=fsm.with_logical_partitioning(
-      nn.initializers.lecun_normal(), ('embed', 'mlp')))
+  model = nn.Dense(
+    6,
+    kernel_init=fsm.with_logical_partitioning(
+      nn.initializers.lecun_normal(), ('embed', 'mlp')
+    ),
+  )
   with pytest.raises(fsm.ShardingError, match='params/kernel'):
     fsm.sharded_init(model.init, mesh, RULES)(jax.random.key(0), jnp.ones((1, 6)))
 
 
-@pytest.mark.parametrize('offsets,window', [((0, 0, 0), (6, 10, 4)),
-                                            ((2, 3, 1), (3, 5, 2)),
-                                            ((5, 9, 3), (1, 1, 1))])
+@pytest.mark.parametrize(
+  'offsets,window',
+  [((0, 0, 0), (6, 10, 4)), ((2, 3, 1), (3, 5, 2)), ((5, 9, 3), (1, 1, 1))],
+)
 def test_window_bits_are_jax_bits(offsets, window):
   key = jax.random.key(3)
   shape = (6, 10, 4)
@@ -152,10 +178,15 @@ def test_unsupported_initializers_are_detected():
 
 def test_output_on_explicit_mesh_keeps_explicit_axes():
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
-  model = nn.Dense(64, kernel_init=fsm.with_partitioning(
-      nn.initializers.lecun_normal(), ('data', 'model')))
+  model = nn.Dense(
+    64,
+    kernel_init=fsm.with_partitioning(
+      nn.initializers.lecun_normal(), ('data', 'model')
+    ),
+  )
   out = fsm.sharded_init(model.init, mesh, chunk_bytes=512)(
-      jax.random.key(0), jnp.ones((2, 32)))
+    jax.random.key(0), jnp.ones((2, 32))
+  )
   kernel = out['params']['kernel'].value
   assert kernel.sharding == NamedSharding(mesh, P('data', 'model'))
   # Explicit-axis arrays compute as usual afterwards.
@@ -170,8 +201,9 @@ def test_eager_nnx_construction_fills_large_parameters_by_chunks(mesh, monkeypat
   monkeypatch.setattr(windowed, 'CHUNK_BYTES', 256)
   calls = []
   real = windowed.generate_sharded
-  monkeypatch.setattr(windowed, 'generate_sharded',
-                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  monkeypatch.setattr(
+    windowed, 'generate_sharded', lambda *a, **k: calls.append(1) or real(*a, **k)
+  )
   base = nnx.initializers.truncated_normal(0.5)
   init = fsm.nnx.with_logical_partitioning(base, ('embed', 'mlp'))
   with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
@@ -180,11 +212,14 @@ def test_eager_nnx_construction_fills_large_parameters_by_chunks(mesh, monkeypat
   assert calls, 'the chunked generator was not used'
   assert kernel.sharding.is_equivalent_to(NamedSharding(mesh, P('data', 'model')), 2)
   want = nnx.Linear(72, 136, use_bias=False, kernel_init=base, rngs=nnx.Rngs(3))
-  np.testing.assert_allclose(np.asarray(kernel), np.asarray(want.kernel.get_value()),
-                             rtol=2e-6, atol=1e-9)
+  np.testing.assert_allclose(
+    np.asarray(kernel), np.asarray(want.kernel.get_value()), rtol=2e-6, atol=1e-9
+  )
 
 
 def test_an_abstract_mesh_is_refused_with_a_named_error():
   mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
-  with pytest.raises(fsm.NoMeshError, match=r'needs a concrete jax.sharding.Mesh.*fsm.plan'):
+  with pytest.raises(
+    fsm.NoMeshError, match=r'needs a concrete jax.sharding.Mesh.*fsm.plan'
+  ):
     fsm.sharded_init(lambda key: {}, mesh)

@@ -28,8 +28,7 @@ class DotReluDot(nn.Module):
   def __call__(self, x):
     wrap = fsm.with_logical_partitioning if self.logical else fsm.with_partitioning
     init = nn.initializers.xavier_normal()
-    y = nn.Dense(self.depth, use_bias=False,
-                 kernel_init=wrap(init, self.names1))(x)
+    y = nn.Dense(self.depth, use_bias=False, kernel_init=wrap(init, self.names1))(x)
     w2 = self.param('W2', wrap(init, self.names2), (self.depth, x.shape[-1]))
     return jax.nn.relu(y) @ w2
 
@@ -54,12 +53,15 @@ def make_state(model, tx, width=8):
   def init(key, x):
     params = model.init(key, x)['params']
     return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
   return init, (KEY, jnp.ones((8, width)))
 
 
 def spec_leaves(tree):
-  return [s.spec if s is not None else None for s in jax.tree_util.tree_leaves(
-      tree, is_leaf=lambda x: x is None)]
+  return [
+    s.spec if s is not None else None
+    for s in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None)
+  ]
 
 
 # get_partition_spec
@@ -68,14 +70,14 @@ def spec_leaves(tree):
 
 def test_get_partition_spec_is_as_written():
   tree = {
-      'mesh': fsm.Partitioned(jnp.zeros((2, 4)), (None, 'model')),
-      'logical': fsm.LogicalPartitioned(jnp.zeros((2, 4)), ('embed', 'mlp')),
-      'flax': nn.LogicallyPartitioned(jnp.zeros((2, 4)), ('embed', 'mlp')),
-      'plain': jnp.zeros(3),
-      'abstract': jax.ShapeDtypeStruct((4,), jnp.float32),
-      'scalar': jnp.float32(1.0),
-      'other': 'a string',
-      'count': 3,
+    'mesh': fsm.Partitioned(jnp.zeros((2, 4)), (None, 'model')),
+    'logical': fsm.LogicalPartitioned(jnp.zeros((2, 4)), ('embed', 'mlp')),
+    'flax': nn.LogicallyPartitioned(jnp.zeros((2, 4)), ('embed', 'mlp')),
+    'plain': jnp.zeros(3),
+    'abstract': jax.ShapeDtypeStruct((4,), jnp.float32),
+    'scalar': jnp.float32(1.0),
+    'other': 'a string',
+    'count': 3,
   }
   specs = fsm.get_partition_spec(tree)
   assert specs['mesh'] == P(None, 'model')
@@ -89,8 +91,9 @@ def test_get_partition_spec_is_as_written():
 
 
 def test_get_partition_spec_of_model_variables():
-  variables = abstract_vars(Net(logical=True, names1=('embed', 'hidden'),
-                                names2=('hidden', 'embed')))
+  variables = abstract_vars(
+    Net(logical=True, names1=('embed', 'hidden'), names2=('hidden', 'embed'))
+  )
   specs = fsm.get_partition_spec(variables)
   assert specs['params']['DotReluDot_0']['Dense_0']['kernel'] == P('embed', 'hidden')
   assert specs['params']['DotReluDot_0']['W2'] == P('hidden', 'embed')
@@ -103,26 +106,33 @@ def test_get_partition_spec_of_model_variables():
 
 @pytest.mark.parametrize('logical', [False, True])
 def test_get_sharding_on_eval_shape(mesh, logical):
-  names = (('embed', 'hidden'), ('hidden', 'embed')) if logical else (
-      (None, 'model'), ('model', None))
+  names = (
+    (('embed', 'hidden'), ('hidden', 'embed'))
+    if logical
+    else ((None, 'model'), ('model', None))
+  )
   variables = abstract_vars(Net(16, *names, logical=logical))
   shardings = fsm.get_sharding(variables, mesh, RULES)
   params = shardings['params']
   assert params['DotReluDot_0']['Dense_0']['kernel'] == NamedSharding(
-      mesh, P(None, 'model'))
+    mesh, P(None, 'model')
+  )
   assert params['DotReluDot_0']['W2'] == NamedSharding(mesh, P('model', None))
   assert params['Dense_0']['kernel'] == NamedSharding(mesh, P())
   assert params['Dense_0']['bias'] == NamedSharding(mesh, P())
   # The output has the input's structure, boxes included.
   assert isinstance(params['DotReluDot_0']['W2'], NamedSharding)
   assert jax.tree_util.tree_structure(
-      jax.tree_util.tree_map(lambda _: 0, shardings)) == jax.tree_util.tree_structure(
-          jax.tree_util.tree_map(lambda _: 0, fsm.unbox(variables)))
+    jax.tree_util.tree_map(lambda _: 0, shardings)
+  ) == jax.tree_util.tree_structure(
+    jax.tree_util.tree_map(lambda _: 0, fsm.unbox(variables))
+  )
 
 
 def test_get_sharding_uses_context_rules(mesh):
-  variables = abstract_vars(Net(16, ('embed', 'hidden'), ('hidden', 'embed'),
-                                logical=True))
+  variables = abstract_vars(
+    Net(16, ('embed', 'hidden'), ('hidden', 'embed'), logical=True)
+  )
   with fsm.logical_axis_rules([('hidden', 'data')]):
     ctx = fsm.get_sharding(variables, mesh)
   assert ctx['params']['DotReluDot_0']['W2'].spec == P('data', None)
@@ -137,17 +147,24 @@ def test_get_sharding_uses_context_rules(mesh):
 
 def test_get_sharding_composes_per_variable_rules(mesh):
   tree = {
-      'w': fsm.LogicalPartitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32),
-                                  ('embed', 'mlp'), rules=[('mlp', 'model')]),
-      'v': fsm.LogicalPartitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32),
-                                  ('embed', 'mlp'), rules=[('embed', 'data')]),
+    'w': fsm.LogicalPartitioned(
+      jax.ShapeDtypeStruct((8, 8), jnp.float32),
+      ('embed', 'mlp'),
+      rules=[('mlp', 'model')],
+    ),
+    'v': fsm.LogicalPartitioned(
+      jax.ShapeDtypeStruct((8, 8), jnp.float32),
+      ('embed', 'mlp'),
+      rules=[('embed', 'data')],
+    ),
   }
-  out = fsm.get_sharding({'w': tree['w']}, mesh,
-                         [('embed', 'model'), ('embed', 'data')])
+  out = fsm.get_sharding(
+    {'w': tree['w']}, mesh, [('embed', 'model'), ('embed', 'data')]
+  )
   # Global 'embed' takes 'model', so the local 'mlp' rule finds it used.
   assert out['w'].spec == P('model', None)
   # A conflict between global and per-variable rules is reported by path.
-  with pytest.raises(fsm.ShardingError, match="conflicting first choices") as info:
+  with pytest.raises(fsm.ShardingError, match='conflicting first choices') as info:
     fsm.get_sharding(tree, mesh, [('embed', 'model')])
   (problem,) = info.value.problems
   assert problem.path == 'v'
@@ -157,8 +174,13 @@ def test_get_sharding_composes_per_variable_rules(mesh):
 
 
 def test_duplicate_logical_name_is_reported_by_path(mesh):
-  tree = {'layer': {'w': fsm.LogicalPartitioned(
-      jax.ShapeDtypeStruct((8, 8), jnp.float32), ('embed', 'embed'))}}
+  tree = {
+    'layer': {
+      'w': fsm.LogicalPartitioned(
+        jax.ShapeDtypeStruct((8, 8), jnp.float32), ('embed', 'embed')
+      )
+    }
+  }
   with pytest.raises(fsm.ShardingError, match="'embed' appears more than once"):
     fsm.get_sharding(tree, mesh, RULES)
 
@@ -179,11 +201,14 @@ def test_get_sharding_non_array_leaves_are_none(mesh):
 
 def test_get_sharding_flax_own_boxes(mesh):
   tree = {
-      'mesh': nn.Partitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32),
-                             ('data', 'model')),
-      'logical': nn.LogicallyPartitioned(
-          jax.ShapeDtypeStruct((8, 8), jnp.float32), ('embed', 'hidden'),
-          rules=(('embed', 'data'),)),
+    'mesh': nn.Partitioned(
+      jax.ShapeDtypeStruct((8, 8), jnp.float32), ('data', 'model')
+    ),
+    'logical': nn.LogicallyPartitioned(
+      jax.ShapeDtypeStruct((8, 8), jnp.float32),
+      ('embed', 'hidden'),
+      rules=(('embed', 'data'),),
+    ),
   }
   out = fsm.get_sharding(tree, mesh, [('hidden', 'model')])
   assert out['mesh'].spec == P('data', 'model')
@@ -193,8 +218,9 @@ def test_get_sharding_flax_own_boxes(mesh):
     fsm.get_sharding(tree, mesh, [('embed', None)])
 
 
-@pytest.mark.parametrize('tx', [optax.adam(1e-3), optax.sgd(1e-2, momentum=0.9)],
-                         ids=['adam', 'sgd-momentum'])
+@pytest.mark.parametrize(
+  'tx', [optax.adam(1e-3), optax.sgd(1e-2, momentum=0.9)], ids=['adam', 'sgd-momentum']
+)
 def test_get_sharding_train_state(mesh, tx):
   model = Net(16)
   init, args = make_state(model, tx)
@@ -205,14 +231,16 @@ def test_get_sharding_train_state(mesh, tx):
   assert shardings.params['DotReluDot_0']['Dense_0']['kernel'] == kernel
   # Every full-rank moment mirrors its parameter.
   moments = [
-      leaf for path, leaf in jax.tree_util.tree_flatten_with_path(
-          shardings.opt_state)[0]
-      if 'DotReluDot_0' in jax.tree_util.keystr(path)
-      and 'Dense_0' in jax.tree_util.keystr(path)
+    leaf
+    for path, leaf in jax.tree_util.tree_flatten_with_path(shardings.opt_state)[0]
+    if 'DotReluDot_0' in jax.tree_util.keystr(path)
+    and 'Dense_0' in jax.tree_util.keystr(path)
   ]
   assert moments and all(m == kernel for m in moments)
   real = jax.jit(init, out_shardings=shardings)(*args)
-  for s, a in zip(jax.tree_util.tree_leaves(shardings), jax.tree_util.tree_leaves(real)):
+  for s, a in zip(
+    jax.tree_util.tree_leaves(shardings), jax.tree_util.tree_leaves(real)
+  ):
     assert a.sharding.is_equivalent_to(s, a.ndim)
 
 
@@ -222,16 +250,18 @@ class BiasedNet(nn.Module):
   @nn.compact
   def __call__(self, x):
     dense = nn.Dense(
-        256,
-        kernel_init=fsm.with_partitioning(nn.initializers.lecun_normal(),
-                                          ('data', 'model')),
-        bias_init=fsm.with_partitioning(nn.initializers.zeros, ('model',)),
+      256,
+      kernel_init=fsm.with_partitioning(
+        nn.initializers.lecun_normal(), ('data', 'model')
+      ),
+      bias_init=fsm.with_partitioning(nn.initializers.zeros, ('model',)),
     )
     return dense(x)
 
 
-@pytest.mark.parametrize('min_dim_size_to_factor', [128, 100_000],
-                         ids=['factored', 'unfactored'])
+@pytest.mark.parametrize(
+  'min_dim_size_to_factor', [128, 100_000], ids=['factored', 'unfactored']
+)
 def test_adafactor_state_gets_valid_shardings(mesh, min_dim_size_to_factor):
   tx = optax.adafactor(1e-3, min_dim_size_to_factor=min_dim_size_to_factor)
   init, args = make_state(BiasedNet(), tx, width=128)
@@ -255,7 +285,9 @@ def test_adafactor_state_gets_valid_shardings(mesh, min_dim_size_to_factor):
   assert factored.v['Dense_0']['bias'].spec == P('model')
   assert factored.v_row['Dense_0']['bias'].spec == P()  # shape (1,)
   real = jax.jit(init, out_shardings=shardings)(*args)
-  for s, a in zip(jax.tree_util.tree_leaves(shardings), jax.tree_util.tree_leaves(real)):
+  for s, a in zip(
+    jax.tree_util.tree_leaves(shardings), jax.tree_util.tree_leaves(real)
+  ):
     assert a.sharding.is_equivalent_to(s, a.ndim)
 
 
@@ -265,16 +297,29 @@ def test_adafactor_state_gets_valid_shardings(mesh, min_dim_size_to_factor):
 KERNEL = 'params/DotReluDot_0/Dense_0/kernel'
 
 
-@pytest.mark.parametrize('names1, depth, reason', [
+@pytest.mark.parametrize(
+  'names1, depth, reason',
+  [
     (('data', None, 'model'), 16, '3 names for a rank-2 array'),
-    ((None, 'expert'), 16, r"mesh axis 'expert' \(dimension 1\) is not in the "
-     r'mesh \(data=2, model=4\)'),
-    (('model', 'model'), 16, "mesh axis 'model' shards both dimension 0 and "
-     'dimension 1'),
+    (
+      (None, 'expert'),
+      16,
+      r"mesh axis 'expert' \(dimension 1\) is not in the "
+      r'mesh \(data=2, model=4\)',
+    ),
+    (
+      ('model', 'model'),
+      16,
+      "mesh axis 'model' shards both dimension 0 and dimension 1",
+    ),
     ((None, 'model'), 6, "dimension 1 of size 6 is not divisible by 'model'=4"),
-    ((None, ('data', 'model')), 12,
-     r"dimension 1 of size 12 is not divisible by 'data'=2 x 'model'=4 \(= 8\)"),
-])
+    (
+      (None, ('data', 'model')),
+      12,
+      r"dimension 1 of size 12 is not divisible by 'data'=2 x 'model'=4 \(= 8\)",
+    ),
+  ],
+)
 def test_sharding_error_names_the_parameter(mesh, names1, depth, reason):
   variables = abstract_vars(Net(depth, names1, (None, None)))
   with pytest.raises(fsm.ShardingError, match=reason) as info:
@@ -297,8 +342,9 @@ def test_sharding_error_names_the_parameter(mesh, names1, depth, reason):
 
 
 def test_sharding_error_logical_names_show_the_resolved_spec(mesh):
-  variables = abstract_vars(Net(6, ('embed', 'hidden'), ('hidden', 'embed'),
-                                logical=True))
+  variables = abstract_vars(
+    Net(6, ('embed', 'hidden'), ('hidden', 'embed'), logical=True)
+  )
   with pytest.raises(fsm.ShardingError, match='2 leaves cannot be sharded') as info:
     fsm.get_sharding(variables, mesh, RULES)
   problems = {p.path: p for p in info.value.problems}
@@ -315,9 +361,9 @@ def test_several_bad_leaves_reported_together(mesh):
     fsm.get_sharding(variables, mesh)
   problems = info.value.problems
   assert sorted(p.path for p in problems) == [
-      'params/DotReluDot_0/Dense_0/kernel',
-      'params/DotReluDot_0/W2',
-      'params/DotReluDot_0/W2',
+    'params/DotReluDot_0/Dense_0/kernel',
+    'params/DotReluDot_0/W2',
+    'params/DotReluDot_0/W2',
   ]
   reasons = ' | '.join(p.reason for p in problems)
   assert '3 names for a rank-2 array' in reasons
@@ -339,8 +385,9 @@ def test_box_that_lost_its_rank_after_a_transform_is_reported(mesh):
   # jax.vmap knows nothing of boxes: it stacks the values, the names stay.
   model = Net(16)
   keys = jax.random.split(KEY, 2)
-  variables = jax.eval_shape(jax.vmap(model.init, in_axes=(0, None)),
-                             keys, jnp.ones((8, 8)))
+  variables = jax.eval_shape(
+    jax.vmap(model.init, in_axes=(0, None)), keys, jnp.ones((8, 8))
+  )
   box = variables['params']['DotReluDot_0']['W2']
   assert box.value.shape == (2, 16, 8) and box.names == ('model', None)
   with pytest.raises(fsm.ShardingError, match='2 names for a rank-3 array') as info:
@@ -352,8 +399,13 @@ def test_box_that_lost_its_rank_after_a_transform_is_reported(mesh):
 
 def test_flax_lifted_vmap_keeps_names_in_step(mesh):
   layer = nn.vmap(
-      DotReluDot, in_axes=0, out_axes=0, variable_axes={'params': 0},
-      split_rngs={'params': True}, metadata_params={fsm.PARTITION_NAME: 'data'})
+    DotReluDot,
+    in_axes=0,
+    out_axes=0,
+    variable_axes={'params': 0},
+    split_rngs={'params': True},
+    metadata_params={fsm.PARTITION_NAME: 'data'},
+  )
   model = layer(16, (None, 'model'), ('model', None))
   variables = jax.eval_shape(model.init, KEY, jnp.ones((2, 4, 8)))
   out = fsm.get_sharding(variables, mesh)
@@ -373,8 +425,9 @@ def test_logical_to_mesh():
 
 
 def test_logical_to_mesh_of_partition_specs_from_boxes():
-  variables = abstract_vars(Net(16, ('embed', 'hidden'), ('hidden', 'embed'),
-                                logical=True))
+  variables = abstract_vars(
+    Net(16, ('embed', 'hidden'), ('hidden', 'embed'), logical=True)
+  )
   specs = fsm.logical_to_mesh(fsm.get_partition_spec(variables), RULES)
   assert specs['params']['DotReluDot_0']['W2'] == P('model', None)
   assert specs['params']['Dense_0']['kernel'] == P()
@@ -382,15 +435,19 @@ def test_logical_to_mesh_of_partition_specs_from_boxes():
 
 def test_logical_to_mesh_sharding(mesh):
   out = fsm.logical_to_mesh_sharding(
-      {'x': P('batch', 'embed'), 'w': P('embed', 'hidden')}, mesh, RULES)
+    {'x': P('batch', 'embed'), 'w': P('embed', 'hidden')}, mesh, RULES
+  )
   assert out['x'] == NamedSharding(mesh, P('data', None))
   assert out['w'] == NamedSharding(mesh, P(None, 'model'))
 
 
 def test_logical_to_mesh_sharding_reports_missing_axes(mesh):
   with pytest.raises(fsm.ShardingError, match="mesh axis 'expert'") as info:
-    fsm.logical_to_mesh_sharding({'moe': P('experts', 'hidden')}, mesh,
-                                 [('experts', 'expert'), ('hidden', 'model')])
+    fsm.logical_to_mesh_sharding(
+      {'moe': P('experts', 'hidden')},
+      mesh,
+      [('experts', 'expert'), ('hidden', 'model')],
+    )
   assert info.value.problems[0].path == 'moe'
   assert info.value.problems[0].spec == P('expert', 'model')
 
@@ -434,8 +491,7 @@ def test_shardings_place_real_arrays(mesh):
   placed = jax.device_put(fsm.unbox(variables), fsm.unbox(shardings))
   w2 = placed['params']['DotReluDot_0']['W2']
   assert w2.sharding == NamedSharding(mesh, P('model', None))
-  np.testing.assert_array_equal(
-      w2, variables['params']['DotReluDot_0']['W2'].value)
+  np.testing.assert_array_equal(w2, variables['params']['DotReluDot_0']['W2'].value)
 
 
 # strict=, the mesh-axis-name warning, UNCONSTRAINED, large fits
@@ -443,8 +499,12 @@ def test_shardings_place_real_arrays(mesh):
 
 
 def _logical_tree(n, names=('embed', 'data')):
-  return {f'layer_{i}': {'w': fsm.LogicalPartitioned(
-      jax.ShapeDtypeStruct((8, 8), jnp.float32), names)} for i in range(n)}
+  return {
+    f'layer_{i}': {
+      'w': fsm.LogicalPartitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32), names)
+    }
+    for i in range(n)
+  }
 
 
 def test_mesh_axis_name_as_logical_name_warns_once_per_name(mesh):
@@ -455,8 +515,10 @@ def test_mesh_axis_name_as_logical_name_warns_once_per_name(mesh):
   assert len(record) == 2  # 'model' and 'data', not one per leaf
   first = str(record[0].message)
   assert "Logical name 'model'" in first
-  assert "did you mean mesh-axis annotations (`with_partitioning`) or a rule " \
-      "('model', 'model')?" in first
+  assert (
+    'did you mean mesh-axis annotations (`with_partitioning`) or a rule '
+    "('model', 'model')?" in first
+  )
   assert 'layer_0/w, layer_1/w, layer_10/w' in first and 'and 2 more' in first
   # A name that is no mesh axis is replicated silently, as documented.
   with warnings.catch_warnings():
@@ -471,10 +533,14 @@ def test_issue_example_logical_to_mesh_sharding_warns(mesh):
 
 
 def test_strict_get_sharding_lists_every_unmapped_name(mesh):
-  tree = {'a': fsm.LogicalPartitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32),
-                                      ('batch', 'length')),
-          'b': fsm.LogicalPartitioned(jax.ShapeDtypeStruct((8, 8), jnp.float32),
-                                      ('data', None))}
+  tree = {
+    'a': fsm.LogicalPartitioned(
+      jax.ShapeDtypeStruct((8, 8), jnp.float32), ('batch', 'length')
+    ),
+    'b': fsm.LogicalPartitioned(
+      jax.ShapeDtypeStruct((8, 8), jnp.float32), ('data', None)
+    ),
+  }
   with pytest.raises(fsm.ShardingError) as info:
     fsm.get_sharding(tree, mesh, RULES, strict=True)
   problems = {(p.path, p.reason.split("'")[1]) for p in info.value.problems}
@@ -495,10 +561,14 @@ def test_strict_leaves_mesh_axis_annotations_alone(mesh):
 
 
 def test_unconstrained_is_a_problem_for_named_shardings(mesh):
-  tree = {'w': fsm.Partitioned(jax.ShapeDtypeStruct((8, 6), jnp.float32),
-                               ('data', P.UNCONSTRAINED))}
-  with pytest.raises(fsm.ShardingError, match='UNCONSTRAINED .*only valid in a '
-                     'sharding constraint'):
+  tree = {
+    'w': fsm.Partitioned(
+      jax.ShapeDtypeStruct((8, 6), jnp.float32), ('data', P.UNCONSTRAINED)
+    )
+  }
+  with pytest.raises(
+    fsm.ShardingError, match='UNCONSTRAINED .*only valid in a sharding constraint'
+  ):
     fsm.get_sharding(tree, mesh)
   with pytest.warns(fsm.ShardingFitWarning, match='UNCONSTRAINED -> None'):
     out = fsm.get_sharding(tree, mesh, fit=True)
@@ -509,11 +579,14 @@ def test_unconstrained_is_a_problem_for_named_shardings(mesh):
 
 
 def test_large_fit_warning_summarises_and_lists_lazily(mesh):
-  tree = {f'layer_{i}': {
+  tree = {
+    f'layer_{i}': {
       'w': fsm.Partitioned(jax.ShapeDtypeStruct((6,), jnp.float32), ('model',)),
       'v': fsm.Partitioned(jax.ShapeDtypeStruct((3, 8), jnp.float32), ('data', None)),
       'ok': fsm.Partitioned(jax.ShapeDtypeStruct((8,), jnp.float32), ('model',)),
-  } for i in range(30)}
+    }
+    for i in range(30)
+  }
   with pytest.warns(fsm.ShardingFitWarning) as record:
     fsm.get_sharding(tree, mesh, fit=True)
   (warning,) = record
@@ -531,11 +604,16 @@ def test_large_fit_warning_summarises_and_lists_lazily(mesh):
 def test_few_paths_are_found_without_flattening_the_tree():
   from flax_shardmeta import _annotation
 
-  tree = {'a': [jnp.ones(2), None, (jnp.ones(1), {'b': jnp.ones(3)})],
-          'c': fsm.Partitioned(jnp.ones(3), ('x',)), 'd': {}, 'e': optax.adam(
-              1e-3).init({'w': jnp.ones(2)})}
-  expected = [_annotation.path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=_annotation._stop)[0]]
+  tree = {
+    'a': [jnp.ones(2), None, (jnp.ones(1), {'b': jnp.ones(3)})],
+    'c': fsm.Partitioned(jnp.ones(3), ('x',)),
+    'd': {},
+    'e': optax.adam(1e-3).init({'w': jnp.ones(2)}),
+  }
+  expected = [
+    _annotation.path_str(k)
+    for k, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_annotation._stop)[0]
+  ]
   leaves, _ = _annotation.walk(tree)
   # Read in reverse so each is found by descent before any full flattening.
   descended = [lf.path for lf in reversed(leaves)][::-1]

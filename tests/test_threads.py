@@ -28,8 +28,8 @@ def test_threads_do_not_see_each_others_rules():
       barrier.abort()
 
   threads = [
-      threading.Thread(target=work, args=('a', [('x', 'data')])),
-      threading.Thread(target=work, args=('b', [('x', 'model')])),
+    threading.Thread(target=work, args=('a', [('x', 'data')])),
+    threading.Thread(target=work, args=('b', [('x', 'model')])),
   ]
   for t in threads:
     t.start()

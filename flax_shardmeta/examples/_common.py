@@ -9,22 +9,21 @@ import jax.numpy as jnp
 
 from flax_shardmeta._placement import context_mesh
 
-MLP_RULES = (('batch', 'data'), ('hidden', 'model'), ('embed', None),
-             ('layers', None))
+MLP_RULES = (('batch', 'data'), ('hidden', 'model'), ('embed', None), ('layers', None))
 """Rules for the notebook MLP over a ('data', 'model') mesh."""
 
 
 LLAMA_RULES = (
-    ('batch', 'data'),
-    ('vocab', 'model'),
-    ('heads', 'model'),
-    ('kv_heads', 'model'),
-    ('mlp', 'model'),
-    ('embed', 'data'),
-    ('head_dim', None),
-    ('length', None),
-    ('layers', None),
-    ('norm', None),
+  ('batch', 'data'),
+  ('vocab', 'model'),
+  ('heads', 'model'),
+  ('kv_heads', 'model'),
+  ('mlp', 'model'),
+  ('embed', 'data'),
+  ('head_dim', None),
+  ('length', None),
+  ('layers', None),
+  ('norm', None),
 )
 """Rules for the Llama models over a ('data', 'model') mesh: tensor parallelism
 over 'model' for heads and MLP, parameters' embed dimension sharded over
@@ -59,9 +58,9 @@ class LlamaConfig:
 
 
 LLAMA_CONFIGS = {
-    'llama3-8b': LlamaConfig(128256, 4096, 32, 32, 8, 128, 14336),
-    'llama3-70b': LlamaConfig(128256, 8192, 80, 64, 8, 128, 28672),
-    'llama3-405b': LlamaConfig(128256, 16384, 126, 128, 8, 128, 53248),
+  'llama3-8b': LlamaConfig(128256, 4096, 32, 32, 8, 128, 14336),
+  'llama3-70b': LlamaConfig(128256, 8192, 80, 64, 8, 128, 28672),
+  'llama3-405b': LlamaConfig(128256, 16384, 126, 128, 8, 128, 53248),
 }
 """The published Llama-3 / 3.1 shapes."""
 
@@ -77,7 +76,8 @@ def out_sharding(spec: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec
   """
   mesh = context_mesh()
   if mesh is not None and all(
-      t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    t == jax.sharding.AxisType.Explicit for t in mesh.axis_types
+  ):
     return spec
   return None
 

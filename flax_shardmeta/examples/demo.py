@@ -39,19 +39,22 @@ def run(steps: int = 5, out: Path | None = None) -> int:
     print(f'demo needs 8 devices, found {jax.device_count()}', file=sys.stderr)
     return 1
   say = print if jax.process_index() == 0 else (lambda *a, **k: None)
-  mesh = fsm.make_mesh((2, 4), ('data', 'model'),
-                       dcn_axis_sizes=(jax.process_count(), 1))
+  mesh = fsm.make_mesh(
+    (2, 4), ('data', 'model'), dcn_axis_sizes=(jax.process_count(), 1)
+  )
   model = MLP(num_layers=4, depth=WIDTH, use_scan=True)
 
   def init_fn(key: jax.Array) -> train_state.TrainState:
     params = model.init(key, jnp.ones((2, WIDTH)))['params']
     return train_state.TrainState.create(
-        apply_fn=model.apply, params=params, tx=OPTIMIZER)
+      apply_fn=model.apply, params=params, tx=OPTIMIZER
+    )
 
   def train_step(state: Any, x: jax.Array) -> tuple[Any, jax.Array]:
     def loss_fn(params: Any) -> jax.Array:
       y = state.apply_fn({'params': params}, x)
       return jnp.mean((y - jnp.tanh(x)) ** 2)
+
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
 
@@ -64,14 +67,21 @@ def run(steps: int = 5, out: Path | None = None) -> int:
   # Each process loads only the batch rows its devices hold.
   data = fsm.data_layout(mesh, BATCH, rules=MLP_RULES)
   rows = np.random.default_rng(0).normal(size=(BATCH, WIDTH)).astype(np.float32)
-  mine = rows[data.shard_id * data.batch_size:(data.shard_id + 1) * data.batch_size]
+  mine = rows[data.shard_id * data.batch_size : (data.shard_id + 1) * data.batch_size]
   x = fsm.host_local_to_global(mine, mesh, ('batch', None), MLP_RULES)
-  say(f'{jax.process_count()} process(es) x {jax.local_device_count()} devices; '
-      f'each loads {data.batch_size} of {BATCH} rows')
+  say(
+    f'{jax.process_count()} process(es) x {jax.local_device_count()} devices; '
+    f'each loads {data.batch_size} of {BATCH} rows'
+  )
 
-  step = fsm.jit(train_step, mesh=mesh, rules=MLP_RULES,
-                 in_shardings=(abstract, ('batch', None)),
-                 out_shardings=(layout.shardings(), None), donate_argnums=0)
+  step = fsm.jit(
+    train_step,
+    mesh=mesh,
+    rules=MLP_RULES,
+    in_shardings=(abstract, ('batch', None)),
+    out_shardings=(layout.shardings(), None),
+    donate_argnums=0,
+  )
   losses = []
   for i in range(steps):
     state, loss = step(state, x)
@@ -90,8 +100,10 @@ def run(steps: int = 5, out: Path | None = None) -> int:
   if steps > 1 and not losses[-1] < losses[0]:
     say(f'FAILED: the loss did not fall ({losses[0]:.6f} -> {losses[-1]:.6f})')
     return 1
-  say(f'OK: all {len(layout.entries)} arrays carry their planned sharding; '
-      f'loss {losses[0]:.6f} -> {losses[-1]:.6f}')
+  say(
+    f'OK: all {len(layout.entries)} arrays carry their planned sharding; '
+    f'loss {losses[0]:.6f} -> {losses[-1]:.6f}'
+  )
   return 0
 
 

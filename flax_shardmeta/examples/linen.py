@@ -10,9 +10,9 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from flax_shardmeta._boxes import (
-    PARTITION_NAME,
-    with_logical_partitioning,
-    with_partitioning,
+  PARTITION_NAME,
+  with_logical_partitioning,
+  with_partitioning,
 )
 from flax_shardmeta._constraints import shard_value, with_logical_constraint
 from flax_shardmeta._placement import context_mesh
@@ -43,8 +43,9 @@ class DotReluDot(nn.Module):
   param_dtype: Any = jnp.float32
   mesh_axes: bool = False
 
-  def _constrain(self, x: jax.Array, names: tuple[str, str],
-                 axes: tuple[str | None, ...]) -> jax.Array:
+  def _constrain(
+    self, x: jax.Array, names: tuple[str, str], axes: tuple[str | None, ...]
+  ) -> jax.Array:
     if self.mesh_axes:
       return shard_value(x, axes) if context_mesh() is not None else x
     return with_logical_constraint(x, names)
@@ -59,8 +60,9 @@ class DotReluDot(nn.Module):
       w1 = with_logical_partitioning(self.dense_init, ('embed', 'hidden'))
       w2_init = with_logical_partitioning(self.dense_init, ('hidden', 'embed'))
       z_sharding = logical_to_mesh_axes(('batch', 'embed'))
-    y = nn.Dense(self.depth, kernel_init=w1, use_bias=False,
-                 param_dtype=self.param_dtype)(x)
+    y = nn.Dense(
+      self.depth, kernel_init=w1, use_bias=False, param_dtype=self.param_dtype
+    )(x)
     y = jax.nn.relu(y)
     y = self._constrain(y, ('batch', 'hidden'), ('data', 'model'))
     w2 = self.param('W2', w2_init, (self.depth, x.shape[-1]), self.param_dtype)
@@ -94,16 +96,17 @@ class MLP(nn.Module):
   def __call__(self, x):
     if self.use_scan:
       x, _ = nn.scan(
-          DotReluDot,
-          length=self.num_layers,
-          variable_axes={'params': 0},
-          split_rngs={'params': True},
-          metadata_params={PARTITION_NAME: None if self.mesh_axes else 'layers'},
+        DotReluDot,
+        length=self.num_layers,
+        variable_axes={'params': 0},
+        split_rngs={'params': True},
+        metadata_params={PARTITION_NAME: None if self.mesh_axes else 'layers'},
       )(self.depth, param_dtype=self.param_dtype, mesh_axes=self.mesh_axes)(x)
     else:
       for _ in range(self.num_layers):
-        x, _ = DotReluDot(self.depth, param_dtype=self.param_dtype,
-                          mesh_axes=self.mesh_axes)(x)
+        x, _ = DotReluDot(
+          self.depth, param_dtype=self.param_dtype, mesh_axes=self.mesh_axes
+        )(x)
     return x
 
 
@@ -122,8 +125,11 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     scale = self.param(
-        'scale', with_logical_partitioning(nn.initializers.ones, ('norm',)),
-        (x.shape[-1],), self.param_dtype)
+      'scale',
+      with_logical_partitioning(nn.initializers.ones, ('norm',)),
+      (x.shape[-1],),
+      self.param_dtype,
+    )
     return rms_norm(x, scale, self.eps)
 
 
@@ -135,19 +141,24 @@ class LlamaBlock(nn.Module):
 
   def _param(self, name: str, shape: tuple[int, ...], names: tuple[str, ...]):
     return self.param(
-        name, with_logical_partitioning(_init, names), shape, self.param_dtype)
+      name, with_logical_partitioning(_init, names), shape, self.param_dtype
+    )
 
   @nn.compact
   def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
     c = self.config
-    wq = self._param('wq', (c.dim, c.num_heads, c.head_dim),
-                     ('embed', 'heads', 'head_dim'))
-    wk = self._param('wk', (c.dim, c.num_kv_heads, c.head_dim),
-                     ('embed', 'kv_heads', 'head_dim'))
-    wv = self._param('wv', (c.dim, c.num_kv_heads, c.head_dim),
-                     ('embed', 'kv_heads', 'head_dim'))
-    wo = self._param('wo', (c.num_heads, c.head_dim, c.dim),
-                     ('heads', 'head_dim', 'embed'))
+    wq = self._param(
+      'wq', (c.dim, c.num_heads, c.head_dim), ('embed', 'heads', 'head_dim')
+    )
+    wk = self._param(
+      'wk', (c.dim, c.num_kv_heads, c.head_dim), ('embed', 'kv_heads', 'head_dim')
+    )
+    wv = self._param(
+      'wv', (c.dim, c.num_kv_heads, c.head_dim), ('embed', 'kv_heads', 'head_dim')
+    )
+    wo = self._param(
+      'wo', (c.num_heads, c.head_dim, c.dim), ('heads', 'head_dim', 'embed')
+    )
     h = RMSNorm(c.norm_eps, self.param_dtype, name='attention_norm')(x)
     q = rope(jnp.einsum('bse,ehd->bshd', h, wq), c.rope_theta)
     k = rope(jnp.einsum('bse,ehd->bshd', h, wk), c.rope_theta)
@@ -172,20 +183,26 @@ class Llama(nn.Module):
   def __call__(self, tokens: jax.Array) -> jax.Array:
     c = self.config
     embedding = self.param(
-        'embedding', with_logical_partitioning(_init, ('vocab', 'embed')),
-        (c.vocab_size, c.dim), self.param_dtype)
+      'embedding',
+      with_logical_partitioning(_init, ('vocab', 'embed')),
+      (c.vocab_size, c.dim),
+      self.param_dtype,
+    )
     x = jnp.take(embedding, tokens, axis=0)
     x, _ = nn.scan(
-        LlamaBlock,
-        length=c.num_layers,
-        variable_axes={'params': 0},
-        split_rngs={'params': True},
-        metadata_params={PARTITION_NAME: 'layers'},
+      LlamaBlock,
+      length=c.num_layers,
+      variable_axes={'params': 0},
+      split_rngs={'params': True},
+      metadata_params={PARTITION_NAME: 'layers'},
     )(c, self.param_dtype, name='layers')(x, None)
     x = RMSNorm(c.norm_eps, self.param_dtype, name='norm')(x)
     lm_head = self.param(
-        'lm_head', with_logical_partitioning(_init, ('embed', 'vocab')),
-        (c.dim, c.vocab_size), self.param_dtype)
+      'lm_head',
+      with_logical_partitioning(_init, ('embed', 'vocab')),
+      (c.dim, c.vocab_size),
+      self.param_dtype,
+    )
     return x @ lm_head
 
 
@@ -199,12 +216,24 @@ def model(name: str, dtype: Any = jnp.float32) -> tuple[nn.Module, Any]:
   """
   if name == 'mlp':
     # The notebook's sizes: 4 layers of depth 1024 on a batch of 8.
-    return MLP(num_layers=4, depth=1024, use_scan=True, param_dtype=dtype), \
-        jax.ShapeDtypeStruct((8, 1024), jnp.float32)
+    return MLP(
+      num_layers=4, depth=1024, use_scan=True, param_dtype=dtype
+    ), jax.ShapeDtypeStruct((8, 1024), jnp.float32)
   if name not in LLAMA_CONFIGS:
     raise ValueError(f'Unknown model {name!r}; choose from {", ".join(MODEL_NAMES)}.')
   return Llama(LLAMA_CONFIGS[name], dtype), jax.ShapeDtypeStruct((1, 1), jnp.int32)
 
 
-__all__ = ['LLAMA_CONFIGS', 'LLAMA_RULES', 'MLP', 'MLP_RULES', 'MODEL_NAMES',
-           'DotReluDot', 'Llama', 'LlamaBlock', 'LlamaConfig', 'RMSNorm', 'model']
+__all__ = [
+  'LLAMA_CONFIGS',
+  'LLAMA_RULES',
+  'MLP',
+  'MLP_RULES',
+  'MODEL_NAMES',
+  'DotReluDot',
+  'Llama',
+  'LlamaBlock',
+  'LlamaConfig',
+  'RMSNorm',
+  'model',
+]

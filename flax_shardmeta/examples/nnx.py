@@ -16,13 +16,13 @@ from flax import nnx
 from flax_shardmeta._constraints import with_logical_constraint
 from flax_shardmeta._rules import logical_to_mesh_axes
 from flax_shardmeta.examples._common import (
-    LLAMA_CONFIGS,
-    MODEL_NAMES,
-    LlamaConfig,
-    attend,
-    out_sharding,
-    rms_norm,
-    rope,
+  LLAMA_CONFIGS,
+  MODEL_NAMES,
+  LlamaConfig,
+  attend,
+  out_sharding,
+  rms_norm,
+  rope,
 )
 from flax_shardmeta.nnx import with_logical_partitioning
 
@@ -30,16 +30,22 @@ _init = nnx.initializers.normal(0.02)
 _STACK = {nnx.PARTITION_NAME: 'layers'}
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...],
-           dtype: Any, init: Any = _init) -> nnx.Param[jax.Array]:
+def _param(
+  rngs: nnx.Rngs,
+  shape: tuple[int, ...],
+  names: tuple[str, ...],
+  dtype: Any,
+  init: Any = _init,
+) -> nnx.Param[jax.Array]:
   return nnx.Param(with_logical_partitioning(init, names)(rngs.params(), shape, dtype))
 
 
 class DotReluDot(nnx.Module):
   """The notebook's layer in NNX: ``relu(x @ W1) @ W2``."""
 
-  def __init__(self, depth: int, width: int, dtype: Any = jnp.float32, *,
-               rngs: nnx.Rngs):
+  def __init__(
+    self, depth: int, width: int, dtype: Any = jnp.float32, *, rngs: nnx.Rngs
+  ):
     init = nnx.initializers.xavier_normal()
     self.W1 = _param(rngs, (width, depth), ('embed', 'hidden'), dtype, init)
     self.W2 = _param(rngs, (depth, width), ('hidden', 'embed'), dtype, init)
@@ -55,8 +61,15 @@ class DotReluDot(nnx.Module):
 class MLP(nnx.Module):
   """A stack of :class:`DotReluDot` layers on a 'layers' axis."""
 
-  def __init__(self, num_layers: int = 4, depth: int = 1024, width: int = 1024,
-               dtype: Any = jnp.float32, *, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    num_layers: int = 4,
+    depth: int = 1024,
+    width: int = 1024,
+    dtype: Any = jnp.float32,
+    *,
+    rngs: nnx.Rngs,
+  ):
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata=_STACK)
     def make(rngs: nnx.Rngs) -> DotReluDot:
@@ -89,14 +102,24 @@ class LlamaBlock(nnx.Module):
   def __init__(self, c: LlamaConfig, dtype: Any, *, rngs: nnx.Rngs):
     self.config = c
     self.attention_norm = RMSNorm(c.dim, c.norm_eps, dtype, rngs=rngs)
-    self.wq = _param(rngs, (c.dim, c.num_heads, c.head_dim),
-                     ('embed', 'heads', 'head_dim'), dtype)
-    self.wk = _param(rngs, (c.dim, c.num_kv_heads, c.head_dim),
-                     ('embed', 'kv_heads', 'head_dim'), dtype)
-    self.wv = _param(rngs, (c.dim, c.num_kv_heads, c.head_dim),
-                     ('embed', 'kv_heads', 'head_dim'), dtype)
-    self.wo = _param(rngs, (c.num_heads, c.head_dim, c.dim),
-                     ('heads', 'head_dim', 'embed'), dtype)
+    self.wq = _param(
+      rngs, (c.dim, c.num_heads, c.head_dim), ('embed', 'heads', 'head_dim'), dtype
+    )
+    self.wk = _param(
+      rngs,
+      (c.dim, c.num_kv_heads, c.head_dim),
+      ('embed', 'kv_heads', 'head_dim'),
+      dtype,
+    )
+    self.wv = _param(
+      rngs,
+      (c.dim, c.num_kv_heads, c.head_dim),
+      ('embed', 'kv_heads', 'head_dim'),
+      dtype,
+    )
+    self.wo = _param(
+      rngs, (c.num_heads, c.head_dim, c.dim), ('heads', 'head_dim', 'embed'), dtype
+    )
     self.ffn_norm = RMSNorm(c.dim, c.norm_eps, dtype, rngs=rngs)
     self.w1 = _param(rngs, (c.dim, c.ffn_dim), ('embed', 'mlp'), dtype)
     self.w3 = _param(rngs, (c.dim, c.ffn_dim), ('embed', 'mlp'), dtype)
