@@ -66,6 +66,11 @@ class JitWithContext:
     with self.context():
       return self._jitted.lower(*args, **kwargs)
 
+  def trace(self, *args: Any, **kwargs: Any) -> Any:
+    """``jax.stages.Traced`` for these arguments (traced in the context)."""
+    with self.context():
+      return self._jitted.trace(*args, **kwargs)
+
   def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
     """Output shapes, dtypes and shardings, without running anything."""
     with self.context():

@@ -40,7 +40,7 @@ def shard_tree(host_tree: PyTree, shardings: PyTree) -> PyTree:
     shardings: the same structure with ``Sharding`` leaves, or with leaves
       that carry a shape and a sharding (``fsm.as_abstract`` output,
       ``jax.ShapeDtypeStruct(..., sharding=...)``, arrays); the shape is then
-      checked too. ``None`` leaves are passed through as they are.
+      checked and its dtype applied. ``None`` leaves are passed through.
 
   Returns:
     ``host_tree`` with sharded ``jax.Array`` leaves.
@@ -94,16 +94,19 @@ def shard_tree(host_tree: PyTree, shardings: PyTree) -> PyTree:
           ShardingProblem(where, shape, None, spec, r, h, d) for r, h, d in issues
         ]
         continue
-    out.append(_transfer(value, shape, sharding))
+    out.append(_transfer(value, shape, sharding, getattr(target, 'dtype', None)))
   if problems:
     raise ShardingError(problems)
   return replace_boxed(host_tree, jax.tree_util.tree_unflatten(treedef, out))
 
 
-def _transfer(value: Any, shape: tuple[int, ...], sharding: Sharding) -> jax.Array:
-  # Called once per addressable device with that device's slice index.
+def _transfer(
+  value: Any, shape: tuple[int, ...], sharding: Sharding, dtype: Any
+) -> jax.Array:
+  # Called once per addressable device with that device's slice index; a
+  # target that names a dtype (an abstract array) gets the value in it.
   return jax.make_array_from_callback(
-    shape, sharding, lambda index: np.asarray(value[index])
+    shape, sharding, lambda index: np.asarray(value[index], dtype=dtype)
   )
 
 

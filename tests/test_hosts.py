@@ -122,6 +122,7 @@ def test_jit_applies_constraints_without_a_context_at_the_call(mesh):
   np.testing.assert_array_equal(y, 2.0)
   text = f.lower(jnp.ones((8, 4))).as_text()
   assert 'sharding' in text
+  assert f.trace(jnp.ones((8, 4))).jaxpr.out_avals[0].shape == (8, 4)
   shape = f.eval_shape(jnp.ones((8, 4)))
   assert shape.shape == (8, 4)
   if mesh.axis_types[0] == AxisType.Explicit:  # only Explicit types carry it
@@ -210,6 +211,15 @@ def test_shard_tree_and_gather_tree_round_trip_a_state():
   w2 = boxed['params']['ScanDotReluDot_0']['W2']
   assert isinstance(w2, fsm.LogicalPartitioned)
   assert w2.value.sharding.spec == P(None, 'model', None)
+
+
+def test_shard_tree_takes_the_dtype_of_an_abstract_target():
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  target = jax.ShapeDtypeStruct(
+    (4, 8), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, 'model'))
+  )
+  out = fsm.shard_tree(np.ones((4, 8), np.float32), target)
+  assert out.dtype == jnp.bfloat16 and out.sharding.spec == P(None, 'model')
 
 
 def test_shard_tree_names_every_mismatch():
