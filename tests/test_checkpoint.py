@@ -3,14 +3,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import flax_shardmeta as fsm
 from flax_shardmeta.examples.linen import MLP, MLP_RULES
-
-ocp = pytest.importorskip('orbax.checkpoint')
 
 
 @pytest.fixture(scope='module')
