@@ -101,7 +101,8 @@ class ShardingError(FlaxShardmetaError):
 
   def __init__(self, problems: Sequence[ShardingProblem], context: str = ''):
     self.problems = tuple(problems)
-    n = len(self.problems)
+    # A leaf may have several problems; the header counts leaves.
+    n = len({p.path for p in self.problems})
     head = f'{n} leaf cannot' if n == 1 else f'{n} leaves cannot'
     lines = [f'{head} be sharded as annotated{context}:']
     lines += [f'  - {p}' for p in self.problems]
