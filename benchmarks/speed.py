@@ -61,17 +61,22 @@ PATTERNS = (
 )
 
 
+def _leaf_tree(leaf, patterns) -> dict:
+  """20,000 leaves: ``leaf(struct, names)`` for each pattern, layer after layer."""
+  return {
+    f'layer_{i}': {
+      f'w{j}': leaf(jax.ShapeDtypeStruct(shape, jnp.float32), names)
+      for j, (shape, names) in enumerate(patterns)
+    }
+    for i in range(20_000 // len(patterns))
+  }
+
+
 def get_sharding_case(repeats: int) -> dict[str, float]:
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
 
   def tree(box):
-    return {
-      f'layer_{i}': {
-        f'w{j}': box(jax.ShapeDtypeStruct(shape, jnp.float32), names)
-        for j, (shape, names) in enumerate(PATTERNS)
-      }
-      for i in range(20_000 // len(PATTERNS))
-    }
+    return _leaf_tree(box, PATTERNS)
 
   ours, theirs = tree(fsm.LogicalPartitioned), tree(nn.LogicallyPartitioned)
   return alternate(
@@ -104,13 +109,7 @@ def fit_case(repeats: int) -> dict[str, float] | None:
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
 
   def tree(leaf):
-    return {
-      f'layer_{i}': {
-        f'w{j}': leaf(jax.ShapeDtypeStruct(shape, jnp.float32), names)
-        for j, (shape, names) in enumerate(FIT_PATTERNS)
-      }
-      for i in range(20_000 // len(FIT_PATTERNS))
-    }
+    return _leaf_tree(leaf, FIT_PATTERNS)
 
   ours = tree(fsm.Partitioned)
   shapes = tree(lambda x, names: x)
