@@ -17,17 +17,10 @@ from flax_shardmeta._boxes import (
   with_partitioning,
 )
 from flax_shardmeta._caches import clear_caches
-from flax_shardmeta._checkpoint import as_abstract
 from flax_shardmeta._constraints import (
   RulesFallback,
   shard_value,
   with_logical_constraint,
-)
-from flax_shardmeta._data import (
-  DataLayout,
-  data_layout,
-  global_to_host_local,
-  host_local_to_global,
 )
 from flax_shardmeta._errors import (
   BatchLayoutError,
@@ -43,9 +36,17 @@ from flax_shardmeta._errors import (
   ShardingProblem,
   UnmappedMeshAxisNameWarning,
 )
-from flax_shardmeta._jit import JitWithContext, jit
-from flax_shardmeta._mesh import make_mesh
-from flax_shardmeta._plan import (
+from flax_shardmeta._hosts.checkpoint import as_abstract
+from flax_shardmeta._hosts.data import (
+  DataLayout,
+  data_layout,
+  global_to_host_local,
+  host_local_to_global,
+)
+from flax_shardmeta._hosts.jit import JitWithContext, jit
+from flax_shardmeta._hosts.mesh import make_mesh
+from flax_shardmeta._hosts.transfer import gather_tree, shard_tree
+from flax_shardmeta._planning.plan import (
   Mismatch,
   Mismatches,
   PlanEntry,
@@ -71,7 +72,6 @@ from flax_shardmeta._sharding import (
   logical_to_mesh,
   logical_to_mesh_sharding,
 )
-from flax_shardmeta._transfer import gather_tree, shard_tree
 
 __version__ = '0.1.0'
 

@@ -360,7 +360,7 @@ def run_plan(args: argparse.Namespace) -> int:
   import jax
   import jax.numpy as jnp
 
-  from flax_shardmeta._plan import plan
+  from flax_shardmeta._planning.plan import plan
 
   dtype = jnp.bfloat16 if args.dtype == 'bfloat16' else jnp.float32
   if args.model is not None:
@@ -398,7 +398,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_demo(args: argparse.Namespace) -> int:
   """The ``demo`` subcommand: in this process, or across ``--processes``."""
-  from flax_shardmeta import _launch
+  from flax_shardmeta._hosts import launch as _launch
 
   n = args.processes
   if n < 1 or 8 % n:

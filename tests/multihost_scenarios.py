@@ -1,7 +1,7 @@
 """Training runs that behave the same in 1 process x 8 devices and N x 8/N.
 
 Run as ``python tests/multihost_scenarios.py SCENARIO OUTDIR`` by each process
-of a launch (``flax_shardmeta._launch``), or called in-process by the tests
+of a launch (``flax_shardmeta._hosts.launch``), or called in-process by the tests
 with 8 devices. Process 0 writes what the tests compare to ``OUTDIR``:
 ``params.npz`` (gathered, full values) and ``report.json``. Every process
 checks what it can itself (layouts, checkpoint round trip, shard/gather
@@ -17,7 +17,7 @@ from pathlib import Path
 if __name__ == '__main__':
   # Join the launch before jax starts its backends.
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-  from flax_shardmeta import _launch
+  from flax_shardmeta._hosts import launch as _launch
 
   _launch.initialize()
 

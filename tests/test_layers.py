@@ -27,14 +27,18 @@ LAYERS = [
   ['_annotation'],
   ['_sharding'],
   ['_constraints', '_regex_rules'],
-  ['_plan_explain', '_plan_format', '_plan'],
-  ['_checkpoint', '_sharded_init'],
-  ['_launch', '_mesh', '_data', '_transfer', '_jit'],
+  # _planning: whole-layout plans and what a step costs.
+  ['_planning.explain', '_planning.format', '_planning.plan'],
+  ['_sharded_init'],
+  # _hosts: devices, processes, data and transfers.
+  ['_hosts.checkpoint', '_hosts.launch', '_hosts.mesh', '_hosts.data'],
+  ['_hosts.transfer', '_hosts.jit'],
   ['nnx'],
   ['examples._common', 'examples.linen', 'examples.nnx', 'examples.demo'],
   ['cli', '__main__'],
 ]
 ORDER = {m: i for i, m in enumerate(m for layer in LAYERS for m in layer)}
+PACKAGES = {'', 'examples', '_planning', '_hosts'}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -84,15 +88,15 @@ def _modules() -> dict[str, pathlib.Path]:
 
 
 def test_every_module_has_a_layer():
-  missing = sorted(set(_modules()) - set(ORDER) - {'', 'examples'})
+  missing = sorted(set(_modules()) - set(ORDER) - PACKAGES)
   assert not missing, f'add these modules to LAYERS: {missing}'
 
 
 def test_imports_point_down_the_layers():
   wrong = []
   for name, path in _modules().items():
-    if name in ('', 'examples'):
-      continue  # package __init__ files only re-export
+    if name in PACKAGES:
+      continue  # package __init__ files only re-export or document
     for line, target in _imports(path):
       if target in ORDER and ORDER[target] >= ORDER[name]:
         wrong.append(f'{name}:{line} imports {target}')
@@ -102,5 +106,24 @@ def test_imports_point_down_the_layers():
 def test_the_check_sees_function_level_imports():
   # A lazy import inside a function would hide a cycle from Python itself.
   source = PACKAGE / 'cli.py'
-  assert any(target == '_plan' for _, target in _imports(source))
+  assert any(target == '_planning.plan' for _, target in _imports(source))
   assert any(target == 'examples.nnx' for _, target in _imports(source))
+
+
+def test_subpackages_say_what_they_may_import():
+  # The layer a subpackage forms is documented where its modules live.
+  for sub in ('_planning', '_hosts'):
+    doc = ast.get_docstring(ast.parse((PACKAGE / sub / '__init__.py').read_text()))
+    assert doc and 'may import' in doc, f'{sub}/__init__.py: say what it may import'
+
+
+def test_planning_never_imports_the_host_side():
+  # Planning runs on abstract meshes with no processes; the host side builds on it.
+  wrong = [
+    f'{name}:{line} imports {target}'
+    for name, path in _modules().items()
+    if name.startswith('_planning.')
+    for line, target in _imports(path)
+    if target.startswith(('_hosts', 'nnx', 'examples', 'cli'))
+  ]
+  assert not wrong, '\n'.join(wrong)

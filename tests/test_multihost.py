@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import flax_shardmeta as fsm
-from flax_shardmeta import _launch
+from flax_shardmeta._hosts import launch as _launch
 
 HERE = Path(__file__).resolve().parent
 ROOT = Path(fsm.__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def _port_is_free(address):
 
 
 FAILING = """
-from flax_shardmeta import _launch
+from flax_shardmeta._hosts import launch as _launch
 pid, n = _launch.initialize()
 import time
 if pid == 1:

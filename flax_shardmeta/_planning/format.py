@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from flax_shardmeta._specs import format_spec
 
 if TYPE_CHECKING:
-  from flax_shardmeta._plan import Mismatch, PlanEntry, ShardingPlan
+  from flax_shardmeta._planning.plan import Mismatch, PlanEntry, ShardingPlan
 
 _INDEX = re.compile(r'(?<=_)\d+$|^\d+$')
 _MIN_STACK = 3

@@ -18,9 +18,9 @@ from typing import Any
 from jax.sharding import PartitionSpec, Sharding
 
 from flax_shardmeta import _annotation as ann_lib
-from flax_shardmeta import _plan_format as plan_format
 from flax_shardmeta._errors import ShardingError, ShardingProblem
-from flax_shardmeta._plan_explain import ExplainedDim, explain_entry
+from flax_shardmeta._planning import format as plan_format
+from flax_shardmeta._planning.explain import ExplainedDim, explain_entry
 from flax_shardmeta._sharding import (
   LeafLayout,
   effective_rules,

@@ -13,7 +13,7 @@ import jax
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._errors import ShardingError
-from flax_shardmeta._plan import plan
+from flax_shardmeta._planning.plan import plan
 from flax_shardmeta._sharding import named_sharding
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 
