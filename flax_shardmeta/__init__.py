@@ -24,6 +24,7 @@ from flax_shardmeta._constraints import (
 )
 from flax_shardmeta._errors import (
   BatchLayoutError,
+  FitError,
   FlaxShardmetaError,
   InvalidNamesError,
   InvalidRulesError,
@@ -34,6 +35,7 @@ from flax_shardmeta._errors import (
   ShardingError,
   ShardingFitWarning,
   ShardingProblem,
+  TopologyError,
   UnmappedMeshAxisNameWarning,
 )
 from flax_shardmeta._hosts.checkpoint import as_abstract
@@ -46,6 +48,7 @@ from flax_shardmeta._hosts.data import (
 from flax_shardmeta._hosts.jit import JitWithContext, jit
 from flax_shardmeta._hosts.mesh import make_mesh
 from flax_shardmeta._hosts.transfer import gather_tree, shard_tree
+from flax_shardmeta._planning.fit import fit
 from flax_shardmeta._planning.plan import (
   Mismatch,
   Mismatches,
@@ -55,6 +58,7 @@ from flax_shardmeta._planning.plan import (
   plan,
   verify,
 )
+from flax_shardmeta._planning.report import FitReport
 from flax_shardmeta._regex_rules import match_partition_rules
 from flax_shardmeta._rules import (
   composite_rules,
@@ -79,6 +83,8 @@ __all__ = [
   'Annotation',
   'BatchLayoutError',
   'DataLayout',
+  'FitError',
+  'FitReport',
   'FlaxShardmetaError',
   'InvalidNamesError',
   'InvalidRulesError',
@@ -98,6 +104,7 @@ __all__ = [
   'ShardingFitWarning',
   'ShardingPlan',
   'ShardingProblem',
+  'TopologyError',
   'UnmappedMeshAxisNameWarning',
   '__version__',
   'actual_shardings',
@@ -106,6 +113,7 @@ __all__ = [
   'composite_rules',
   'data_layout',
   'explain_resolution',
+  'fit',
   'gather_tree',
   'get_logical_axis_rules',
   'get_partition_spec',

@@ -210,6 +210,36 @@ class LaunchError(FlaxShardmetaError):
     super().__init__(message)
 
 
+class TopologyError(FlaxShardmetaError):
+  """Raised when the devices of a TPU topology cannot be made on this machine.
+
+  Either ``libtpu`` is not installed (the message names the extra that brings
+  it) or the topology name is not one libtpu knows (the message lists the
+  accepted forms).
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.make_mesh((4,), ('data',), topology='v5p-8')
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.TopologyError: unknown TPU topology 'v5p-8': ...
+  """
+
+
+class FitError(FlaxShardmetaError):
+  """Raised when ``fit`` cannot analyse a step: a malformed HBM size, no mesh,
+  arguments that do not match the step, or a compiler error other than
+  running out of memory (which is a verdict, not an error).
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.fit(lambda x: x, hbm='lots')
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.FitError: hbm='lots': 'lots' is not a size; ...
+  """
+
+
 class ShardingFitWarning(UserWarning):
   """Issued when ``fit=True`` replicated dimensions that could not be sharded.
 

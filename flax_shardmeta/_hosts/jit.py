@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from flax_shardmeta._rules import (
   get_logical_axis_rules,
@@ -23,7 +23,7 @@ from flax_shardmeta._rules import (
   normalize_rules,
 )
 from flax_shardmeta._sharding import get_sharding
-from flax_shardmeta._typing import LogicalRules
+from flax_shardmeta._typing import AnyMesh, LogicalRules
 
 
 class JitWithContext:
@@ -44,17 +44,22 @@ class JitWithContext:
   def __init__(
     self,
     fn: Callable[..., Any],
-    mesh: Mesh,
+    mesh: AnyMesh,
     rules: tuple[tuple[str, Any], ...],
     jitted: Any,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
   ):
     self.mesh, self.rules, self._jitted = mesh, rules, jitted
+    # The resolved NamedSharding trees (None: left to the compiler), read by
+    # fsm.fit to know which arguments already have a layout.
+    self.in_shardings, self.out_shardings = in_shardings, out_shardings
     functools.update_wrapper(self, fn)
 
   @contextlib.contextmanager
   def context(self) -> Iterator[None]:
     """The mesh and rule context the function is traced and run in."""
-    with jax.set_mesh(self.mesh), logical_axis_rules(self.rules):
+    with _mesh_context(self.mesh), logical_axis_rules(self.rules):
       yield
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -80,7 +85,7 @@ class JitWithContext:
 def jit(
   fn: Callable[..., Any],
   *,
-  mesh: Mesh,
+  mesh: AnyMesh,
   rules: LogicalRules | None = None,
   in_shardings: Any = None,
   out_shardings: Any = None,
@@ -97,7 +102,9 @@ def jit(
 
   Args:
     fn: the function to compile.
-    mesh: the mesh it runs on.
+    mesh: the mesh it runs on; an ``AbstractMesh`` (e.g. a pod planned from
+      a laptop) gives a function that traces and lowers abstractly, for
+      :func:`flax_shardmeta.fit`, but cannot run.
     rules: logical axis rules; None takes the context rules at the time
       ``jit`` is called, and keeps them.
     in_shardings: shardings of the arguments (see above), as for ``jax.jit``.
@@ -119,7 +126,7 @@ def jit(
     P('data', 'model')
   """
   rules_t = normalize_rules(rules) if rules is not None else get_logical_axis_rules()
-  with jax.set_mesh(mesh), logical_axis_rules(rules_t):
+  with _mesh_context(mesh), logical_axis_rules(rules_t):
     ins = _resolve(in_shardings, mesh, rules_t)
     outs = _resolve(out_shardings, mesh, rules_t)
   kwargs: dict[str, Any] = {}
@@ -138,7 +145,22 @@ def jit(
   jitted = jax.jit(
     traced, static_argnums=static_argnums, donate_argnums=donate_argnums, **kwargs
   )
-  return JitWithContext(fn, mesh, rules_t, jitted)
+  return JitWithContext(
+    fn,
+    mesh,
+    rules_t,
+    jitted,
+    ins if in_shardings is not None else None,
+    outs if out_shardings is not None else None,
+  )
+
+
+def _mesh_context(mesh: AnyMesh) -> contextlib.AbstractContextManager[Any]:
+  # An AbstractMesh (a pod planned from a laptop) traces and lowers
+  # abstractly: the step can be analysed (fsm.fit), not run.
+  if isinstance(mesh, AbstractMesh):
+    return jax.sharding.use_abstract_mesh(mesh)
+  return jax.set_mesh(mesh)
 
 
 def _is_names(x: Any) -> bool:
@@ -152,7 +174,7 @@ def _is_spec_leaf(x: Any) -> bool:
   return isinstance(x, (NamedSharding, PartitionSpec)) or _is_names(x)
 
 
-def _resolve(shardings: Any, mesh: Mesh, rules: tuple[tuple[str, Any], ...]) -> Any:
+def _resolve(shardings: Any, mesh: AnyMesh, rules: tuple[tuple[str, Any], ...]) -> Any:
   """Every accepted form -> NamedSharding (None stays None)."""
   if shardings is None or isinstance(shardings, NamedSharding):
     return shardings
