@@ -10,7 +10,7 @@ PYTEST := $(BIN)/python -m pytest -n 2
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,notebooks]'
+	$(BIN)/pip install --quiet -e '.[test,notebooks,tpu]'
 	touch $(STAMP)
 
 demo: $(STAMP)

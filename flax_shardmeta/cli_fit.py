@@ -243,14 +243,14 @@ def _user(
   accepted = inspect.signature(factory).parameters
   kwargs = {k: v for k, v in given.items() if v is not None and k in accepted}
   rules = standard_logical_axis_rules() if rules is None else rules
-  context = (
-    jax.sharding.use_abstract_mesh(mesh)
-    if isinstance(mesh, jax.sharding.AbstractMesh)
-    else jax.set_mesh(mesh)
-  )
+  def context() -> Any:
+    # A fresh one each time: jax's mesh contexts cannot be entered twice.
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+      return jax.sharding.use_abstract_mesh(mesh)
+    return jax.set_mesh(mesh)
 
   def made(**extra: Any) -> tuple[Any, ...]:
-    with context, fsm.logical_axis_rules(rules):
+    with context(), fsm.logical_axis_rules(rules):
       out = factory(**kwargs, **extra)
     if not isinstance(out, (tuple, list)) or len(out) < 1 or not callable(out[0]):
       raise usage_error(
@@ -259,7 +259,7 @@ def _user(
       )
     return tuple(out)
 
-  with context, fsm.logical_axis_rules(rules):
+  with context(), fsm.logical_axis_rules(rules):
     if args.extrapolate:
       if 'num_layers' not in accepted:
         raise usage_error(

@@ -18,6 +18,7 @@ import nbformat
 import pytest
 
 import flax_shardmeta
+from flax_shardmeta._planning import topology
 
 ROOT = pathlib.Path(flax_shardmeta.__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / 'notebooks'
@@ -62,7 +63,12 @@ def _losses(text: str) -> list[float]:
 
 def test_notebooks_are_committed_without_outputs():
   names = sorted(p.name for p in NOTEBOOKS.glob('*.ipynb'))
-  assert names == ['01_linen_scale_up.ipynb', '02_nnx.ipynb', '03_plan_a_pod.ipynb']
+  assert names == [
+    '01_linen_scale_up.ipynb',
+    '02_nnx.ipynb',
+    '03_plan_a_pod.ipynb',
+    '04_will_it_fit.ipynb',
+  ]
   for name in names:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(nb)
@@ -118,3 +124,26 @@ def test_plan_a_pod():
   assert "wk: P(None, 'data', 'model', None) -> P(None, 'data', None, None)" in out
   assert "dim 3 'head_dim' -> None: no rule names it, so replicated" in out
   assert 'Sharding plan: 37 arrays on mesh data=32 x model=8 (256 devices)' in cells[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+  not topology.libtpu_available(),
+  reason="libtpu is not installed (pip install 'flax_shardmeta[tpu]'; CI has it)",
+)
+def test_will_it_fit():
+  cells = _run('04_will_it_fit.ipynb')
+  out = '\n'.join(cells)
+  assert "{'data': 32, 'model': 4} TPU v5 128 chips" in out
+  assert 'Will it fit: compiled for TPU v5, 128 devices in 32 hosts' in out
+  sweep = re.findall(r'batch +(\d+): +([0-9.]+) GiB per chip, fits=(\w+)', out)
+  assert [b for b, _, _ in sweep][:2] == ['64', '128']
+  sizes = [float(x) for _, x, _ in sweep]
+  assert sizes == sorted(sizes)  # activations grow with the batch
+  assert sweep[-1][2] == 'False'  # the sweep ran until it stopped fitting
+  remat = re.search(r'remat full: +([0-9.]+) GiB, fits=(\w+)', out)
+  assert remat is not None and float(remat.group(1)) < sizes[-1]
+  assert '<image/png>' in out  # the stacked bars
+  assert re.search(r'all-gather +over data', out)
+  assert re.search(r'estimate [0-9.]+ GiB vs compiled [0-9.]+ GiB', out)
+  assert 'exit code 0' in out

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec
 
 from flax_shardmeta._planning import report as rep
 from flax_shardmeta._planning.chips import Chip
-from flax_shardmeta._planning.step import Step, prepare
+from flax_shardmeta._planning.step import Step, input_shardings, prepare
 from flax_shardmeta._specs import mesh_axes_of
 
 Spec = tuple[Any, ...] | None  # one entry per dimension; None: unknown
@@ -530,30 +530,20 @@ def _output_specs(target: Any, n: int) -> list[Spec]:
   return [tuple(s.spec) if getattr(s, 'spec', None) is not None else None for s in flat]
 
 
-def _input_specs(target: Any, lowered: Sequence[Any]) -> list[Spec]:
+def _input_specs(target: Step, lowered: Sequence[Any]) -> list[Spec]:
   """Each argument leaf's layout: the step's in_shardings, else its own."""
-  given = getattr(target.step, 'in_shardings', None)
+  leaves = jax.tree_util.tree_leaves(lowered)
+  given = input_shardings(target, lowered)
+  if len(given) != len(leaves):
+    given = [None] * len(leaves)
   out: list[Spec] = []
-  for i, arg in enumerate(lowered):
-    leaves = jax.tree_util.tree_leaves(arg)
-    shardings: list[Any] = [None] * len(leaves)
-    if isinstance(given, (tuple, list)) and i < len(given) and given[i] is not None:
-      s = given[i]
-      if isinstance(s, jax.sharding.Sharding):
-        shardings = [s] * len(leaves)
-      else:
-        flat = jax.tree_util.tree_leaves(
-          s, is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding)
-        )
-        if len(flat) == len(leaves):
-          shardings = flat
-    for leaf, sharding in zip(leaves, shardings):
-      spec = getattr(sharding, 'spec', None)
-      shape = getattr(leaf, 'shape', None)
-      if spec is not None and shape is not None:
-        out.append(tuple(spec) + (None,) * (len(shape) - len(spec)))
-      else:
-        out.append(_leaf_spec(leaf))
+  for leaf, sharding in zip(leaves, given):
+    spec = getattr(sharding, 'spec', None)
+    shape = getattr(leaf, 'shape', None)
+    if spec is not None and shape is not None:
+      out.append(tuple(spec) + (None,) * (len(shape) - len(spec)))
+    else:
+      out.append(_leaf_spec(leaf))
   return out
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from flax.core import meta as flax_meta
 from jax.sharding import AbstractMesh, NamedSharding
 
@@ -156,7 +158,35 @@ def prepare(target: Step, args: Sequence[Any]) -> Arguments:
       lowered.append(_with_shardings(arg, p, target.mesh, top_level_box))
   if problems:
     raise ShardingError(problems, context=' (in the arguments of the step)')
+  # Where the step lays an argument out itself, its layout is what it holds.
+  for i, sharding in enumerate(input_shardings(target, lowered)):
+    if sharding is not None and i < len(shapes):
+      shape, dtype = shapes[i]
+      shard = sharding.shard_shape(tuple(shape))
+      plan_bytes[i] = math.prod(shard) * np.dtype(dtype).itemsize
   return Arguments(tuple(lowered), categories, plan_bytes, shapes)
+
+
+def input_shardings(target: Step, lowered: Sequence[Any]) -> list[Any]:
+  """Each argument leaf's sharding from the step's own in_shardings (None
+  where it gives none), in ``jax.tree.leaves`` order over the arguments."""
+  given = getattr(target.step, 'in_shardings', None)
+  out: list[Any] = []
+  for i, arg in enumerate(lowered):
+    leaves = [x for x in jax.tree_util.tree_leaves(arg) if _shape_of(x) is not None]
+    shardings: list[Any] = [None] * len(leaves)
+    if isinstance(given, (tuple, list)) and i < len(given) and given[i] is not None:
+      s = given[i]
+      if isinstance(s, jax.sharding.Sharding):
+        shardings = [s] * len(leaves)
+      else:
+        flat = jax.tree_util.tree_leaves(
+          s, is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding)
+        )
+        if len(flat) == len(leaves):
+          shardings = flat
+    out += shardings
+  return out
 
 
 def _join(name: str, path: str) -> str:

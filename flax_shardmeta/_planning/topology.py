@@ -29,12 +29,16 @@ _NAME = re.compile(r'^([a-zA-Z0-9_ ]+)[=_:]([0-9x]+)(_twisted|_untwisted)?$')
 
 # Without these, libtpu looks for the TPU VM it runs on (cloud metadata, worker
 # hostnames) and prints several lines of warnings before it answers. They only
-# describe *this* machine, never the topology asked for.
+# describe *this* machine, never the topology asked for. libtpu also takes a
+# machine-wide lock meant for processes that drive real TPUs; compiling ahead of
+# time drives none, so several processes (parallel tests, a notebook beside a
+# CLI run) may share it.
 _QUIET_ENV = {
   'TPU_SKIP_MDS_QUERY': '1',
   'TPU_ACCELERATOR_TYPE': 'v5p-8',
   'TPU_WORKER_HOSTNAMES': 'localhost',
   'TPU_WORKER_ID': '0',
+  'ALLOW_MULTIPLE_LIBTPU_LOAD': '1',
 }
 
 
