@@ -58,6 +58,8 @@ from flax_shardmeta._planning.plan import (
   plan,
   verify,
 )
+from flax_shardmeta._planning.presets import PRESETS as RULE_PRESETS
+from flax_shardmeta._planning.presets import RulePreset
 from flax_shardmeta._planning.report import FitReport
 from flax_shardmeta._regex_rules import match_partition_rules
 from flax_shardmeta._rules import (
@@ -76,12 +78,14 @@ from flax_shardmeta._sharding import (
   logical_to_mesh,
   logical_to_mesh_sharding,
 )
+from flax_shardmeta._suggest import Candidate, Suggestions, suggest
 
 __version__ = '0.1.0'
 
 __all__ = [
   'Annotation',
   'BatchLayoutError',
+  'Candidate',
   'DataLayout',
   'FitError',
   'FitReport',
@@ -98,12 +102,15 @@ __all__ = [
   'PARTITION_NAME',
   'Partitioned',
   'PlanEntry',
+  'RULE_PRESETS',
+  'RulePreset',
   'RuleConflictError',
   'RulesFallback',
   'ShardingError',
   'ShardingFitWarning',
   'ShardingPlan',
   'ShardingProblem',
+  'Suggestions',
   'TopologyError',
   'UnmappedMeshAxisNameWarning',
   '__version__',
@@ -136,6 +143,7 @@ __all__ = [
   'shard_value',
   'sharded_init',
   'standard_logical_axis_rules',
+  'suggest',
   'unbox',
   'verify',
   'with_logical_constraint',

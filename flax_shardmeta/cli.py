@@ -1,4 +1,4 @@
-"""Command-line interface: ``flax-shardmeta plan``, ``fit`` and ``demo``.
+"""Command-line interface: ``flax-shardmeta plan``, ``fit``, ``suggest``, ``demo``.
 
 ``plan`` lays a model out on a mesh of any size without devices: the mesh is a
 ``jax.sharding.AbstractMesh`` and the model is only traced by
@@ -110,9 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     action='store_true',
     help='a logical name no rule maps is a problem instead of being replicated',
   )
-  from flax_shardmeta import cli_fit
+  from flax_shardmeta import cli_fit, cli_suggest
 
   cli_fit.add_parser(sub, _BUILTIN_MODELS)
+  cli_suggest.add_parser(sub, _BUILTIN_MODELS)
   return parser
 
 
@@ -490,14 +491,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == 'demo':
       return run_demo(args)
-    if args.command == 'fit':
-      from flax_shardmeta import cli_fit
+    if args.command in ('fit', 'suggest'):
+      from flax_shardmeta import cli_fit, cli_suggest
 
       if args.model is not None and args.model not in _BUILTIN_MODELS:
         raise UsageError(
           f'unknown model {args.model!r}; choose from {", ".join(_BUILTIN_MODELS)} '
           'or pass --module PKG.MOD:FACTORY'
         )
+      if args.command == 'suggest':
+        return cli_suggest.run(args, UsageError)
       rules = load_rules(args.rules) if args.rules else None
       return cli_fit.run(args, parse_mesh(args.mesh), rules, UsageError)
     return run_plan(args)

@@ -243,6 +243,7 @@ def _user(
   accepted = inspect.signature(factory).parameters
   kwargs = {k: v for k, v in given.items() if v is not None and k in accepted}
   rules = standard_logical_axis_rules() if rules is None else rules
+
   def context() -> Any:
     # A fresh one each time: jax's mesh contexts cannot be entered twice.
     if isinstance(mesh, jax.sharding.AbstractMesh):

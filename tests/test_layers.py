@@ -31,15 +31,17 @@ LAYERS = [
   ['_planning.chips', '_planning.topology', '_planning.hlo', '_planning.cache'],
   ['_planning.explain', '_planning.format', '_planning.plan'],
   ['_planning.roofline', '_planning.fit_format', '_planning.report'],
+  ['_planning.presets'],
   ['_planning.step', '_planning.estimate', '_planning.fit'],
   ['_sharded_init'],
   # _hosts: devices, processes, data and transfers.
   ['_hosts.checkpoint', '_hosts.launch', '_hosts.mesh', '_hosts.data'],
   ['_hosts.transfer', '_hosts.jit'],
+  ['_suggest'],
   ['nnx'],
   ['examples._common', 'examples.linen', 'examples.nnx', 'examples.demo'],
   ['examples.train'],
-  ['cli_fit', 'cli', '__main__'],
+  ['cli_fit', 'cli_suggest', 'cli', '__main__'],
 ]
 ORDER = {m: i for i, m in enumerate(m for layer in LAYERS for m in layer)}
 PACKAGES = {'', 'examples', '_planning', '_hosts'}

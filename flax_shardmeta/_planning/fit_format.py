@@ -17,7 +17,8 @@ def _bytes(n: float | int | None) -> str:
   return sign + format_bytes(int(abs(n)))
 
 
-def _seconds(s: float | None) -> str:
+def format_seconds(s: float | None) -> str:
+  """``0.0123`` -> ``'12.3 ms'`` (``'-'`` for None)."""
   if s is None:
     return '-'
   if s >= 1:
@@ -82,7 +83,13 @@ def format_report(report: FitReport) -> str:
     for c in report.collectives:
       over = c.over + (' (DCN)' if c.crosses_slices else '')
       crows.append(
-        (f'  {c.kind}', f'{c.count:,}', _bytes(c.bytes), over, _seconds(c.seconds))
+        (
+          f'  {c.kind}',
+          f'{c.count:,}',
+          _bytes(c.bytes),
+          over,
+          format_seconds(c.seconds),
+        )
       )
     lines += _table(crows, {1, 2, 4})
   elif report.source == 'compiled' and report.refusal is None:
@@ -102,10 +109,10 @@ def format_report(report: FitReport) -> str:
   if report.roofline is not None:
     r = report.roofline
     lines.append(
-      f'roofline estimate ({r.chip.name}): step {_seconds(r.step_s)} '
-      f'({r.bound}-bound; {_seconds(r.serial_s)} with no overlap): '
-      f'compute {_seconds(r.compute_s)}, HBM {_seconds(r.memory_s)}, '
-      f'collectives {_seconds(r.collective_s)}'
+      f'roofline estimate ({r.chip.name}): step {format_seconds(r.step_s)} '
+      f'({r.bound}-bound; {format_seconds(r.serial_s)} with no overlap): '
+      f'compute {format_seconds(r.compute_s)}, HBM {format_seconds(r.memory_s)}, '
+      f'collectives {format_seconds(r.collective_s)}'
     )
   for note in report.notes:
     lines.append(f'note: {note}')

@@ -175,3 +175,41 @@ def _nnx(
     return nnx.state((model, opt)), loss
 
   return step, state
+
+
+def builder(
+  name: str,
+  *,
+  batch: int = 8,
+  seq: int = 2048,
+  api: str = 'linen',
+  optimizer_name: str = 'adamw',
+  dtype: Any = jnp.bfloat16,
+  num_layers: int | None = None,
+) -> Any:
+  """``build(mesh, rules, remat) -> (step, state, batch)`` for ``fsm.suggest``.
+
+  Example:
+    >>> import jax
+    >>> build = builder('mlp', batch=16)
+    >>> step, state, batch = build(jax.make_mesh((2, 4), ('data', 'model')),
+    ...                            [('batch', 'data')], 'none')
+    >>> batch.shape
+    (16, 1024)
+  """
+
+  def build(mesh: AnyMesh, rules: LogicalRules, remat: str) -> Any:
+    return train_step(
+      name,
+      mesh,
+      rules=rules,
+      batch=batch,
+      seq=seq,
+      api=api,
+      remat=remat,
+      optimizer_name=optimizer_name,
+      dtype=dtype,
+      num_layers=num_layers,
+    )
+
+  return build
