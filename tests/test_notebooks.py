@@ -147,3 +147,9 @@ def test_will_it_fit():
   assert re.search(r'all-gather +over data', out)
   assert re.search(r'estimate [0-9.]+ GiB vs compiled [0-9.]+ GiB', out)
   assert 'exit code 0' in out
+  ranked = re.findall(
+    r'^(\d)  +(data=\S+(?: \S+=\d+)*)  +(fsdp\+tp|fsdp|tp) ', out, re.M
+  )
+  assert ranked and ranked[0][0] == '1'
+  assert 'mesh and rules for the training script:' in out
+  assert out.count('<image/png>') == 2  # the stacked bars and the candidates
