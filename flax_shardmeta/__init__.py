@@ -24,6 +24,7 @@ from flax_shardmeta._constraints import (
 )
 from flax_shardmeta._errors import (
   BatchLayoutError,
+  ExplicitShardingError,
   FlaxShardmetaError,
   InvalidNamesError,
   InvalidRulesError,
@@ -36,6 +37,7 @@ from flax_shardmeta._errors import (
   ShardingProblem,
   UnmappedMeshAxisNameWarning,
 )
+from flax_shardmeta._explicit import explain_sharding_type_errors, logical_out_sharding
 from flax_shardmeta._hosts.checkpoint import as_abstract
 from flax_shardmeta._hosts.data import (
   DataLayout,
@@ -79,6 +81,7 @@ __all__ = [
   'Annotation',
   'BatchLayoutError',
   'DataLayout',
+  'ExplicitShardingError',
   'FlaxShardmetaError',
   'InvalidNamesError',
   'InvalidRulesError',
@@ -105,6 +108,7 @@ __all__ = [
   'clear_caches',
   'composite_rules',
   'data_layout',
+  'explain_sharding_type_errors',
   'explain_resolution',
   'gather_tree',
   'get_logical_axis_rules',
@@ -114,6 +118,7 @@ __all__ = [
   'host_local_to_global',
   'jit',
   'logical_axis_rules',
+  'logical_out_sharding',
   'logical_to_mesh',
   'logical_to_mesh_axes',
   'logical_to_mesh_sharding',

@@ -21,6 +21,7 @@ LAYERS = [
   ['_rules'],
   ['_validate'],
   ['_placement'],
+  ['_explicit'],
   ['_windowed'],
   ['_generate'],
   ['_boxes'],
