@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_shardmeta as fsm
@@ -386,3 +386,45 @@ def test_verify_prints_a_diff_table():
   # An array the plan does not know shows '-' as its planned layout.
   missing = str(fsm.verify(tree, {'b': same['b']})).splitlines()[3].split()
   assert missing == ['a', '8x2', '-', 'P()']
+
+
+# PartitionSpecs with unreduced / reduced axes
+# ------------------------------------------------------------------------------
+
+
+def _reduced_state(spec):
+  return {'w': nnx.Param(jnp.ones((8, 4)), out_sharding=spec, eager_sharding=False)}
+
+
+def test_reduced_axes_pass_through_plan_verify_and_actual_shardings():
+  # Explicit axes: jax allows unreduced / reduced axes only there.
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)
+  spec = P('data', None, reduced={'model'})
+  p = fsm.plan(_reduced_state(spec), mesh)
+  assert p.entry('w').spec == spec and not p.problems
+  assert "P('data', None, reduced={'model'})" in str(p)
+  assert p.to_dict()['entries'][0]['reduced'] == ['model']
+  arrays = {'w': jax.device_put(jnp.ones((8, 4)), jax.NamedSharding(mesh, spec))}
+  assert fsm.actual_shardings(arrays)['w'].spec == spec
+  assert not fsm.verify(arrays, p)
+  plain = {'w': jax.device_put(jnp.ones((8, 4)), jax.NamedSharding(mesh, P('data')))}
+  assert [m.path for m in fsm.verify(plain, p)] == ['w']
+
+
+def test_unreduced_axes_pass_through_regex_rules_and_shardings():
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)
+  spec = P('data', None, unreduced={'model'})
+  specs = fsm.match_partition_rules([('w$', spec)], {'w': jnp.ones((8, 4))})
+  assert specs['w'] == spec  # the same object, unreduced kind included
+  logical = P('batch', None, unreduced={'model'})  # sets hold mesh axes as they are
+  sharding = fsm.logical_to_mesh_sharding(logical, mesh, [('batch', 'data')])
+  assert sharding.spec == spec
+  assert fsm.plan(_reduced_state(spec), mesh).entry('w').spec == spec
+
+
+def test_reduced_axes_on_auto_axes_are_a_problem():
+  mesh = AbstractMesh((2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2)
+  p = fsm.plan(_reduced_state(P('data', None, reduced={'model'})), mesh)
+  assert [problem.reason for problem in p.problems] == [
+    "reduced axis 'model' is Auto; jax needs it Explicit"
+  ]
