@@ -281,5 +281,5 @@ def test_flax_own_boxes_fail_under_remat_scan():
 
 def test_boxes_refuse_reduced_axes_by_name():
   spec = P('data', None, reduced={'model'})
-  with pytest.raises(fsm.InvalidNamesError, match="out_sharding or in match_partition"):
+  with pytest.raises(fsm.InvalidNamesError, match='out_sharding or in match_partition'):
     fsm.Partitioned(jnp.ones((8, 4)), spec)

@@ -10,7 +10,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta import cli
+from flax_shardmeta import examples
 from flax_shardmeta.examples import linen as models
 from flax_shardmeta.examples import nnx as models_nnx
 from flax_shardmeta.examples.linen import LLAMA_RULES, MLP, MLP_RULES, LlamaConfig
@@ -31,10 +31,10 @@ def _sds(shape, dtype=jnp.float32):
 
 
 def _mlp_state(use_scan=True, num_layers=4, depth=1024, optimizer='adam'):
-  params = cli.abstract_linen_params(
+  params = examples.abstract_linen_params(
     MLP(num_layers=num_layers, depth=depth, use_scan=use_scan), _sds((8, depth))
   )
-  return cli.abstract_train_state(params, optimizer)
+  return examples.abstract_train_state(params, optimizer)
 
 
 def test_plan_on_abstract_64x16_mesh():
@@ -61,7 +61,7 @@ def test_plan_on_abstract_64x16_mesh():
 
 def test_llama3_70b_has_the_published_parameter_count():
   mesh = AbstractMesh((32, 8), ('data', 'model'))
-  state = cli.abstract_state('llama3-70b', optimizer_name='none')
+  state = examples.abstract_state('llama3-70b', optimizer_name='none')
   p = fsm.plan(state, mesh, LLAMA_RULES)
   assert p.num_elements('params/') == 70_553_706_496
   assert not p.problems
@@ -78,13 +78,13 @@ def test_nnx_and_linen_models_give_the_same_plan():
 
   def linen():
     module = models.Llama(TINY_LLAMA)
-    return cli.abstract_train_state(
-      cli.abstract_linen_params(module, _sds((1, 4), jnp.int32)), 'adam'
+    return examples.abstract_train_state(
+      examples.abstract_linen_params(module, _sds((1, 4), jnp.int32)), 'adam'
     )
 
   def create():
     m = models_nnx.Llama(TINY_LLAMA, rngs=nnx.Rngs(0))
-    return m, nnx.Optimizer(m, cli.optimizer('adam'), wrt=nnx.Param)
+    return m, nnx.Optimizer(m, examples.optimizer('adam'), wrt=nnx.Param)
 
   def nnx_state():
     m, opt = nnx.eval_shape(create)
@@ -197,10 +197,12 @@ def test_moments_keep_the_dimensions_that_divide():
   # wk; adam's moments of wk must do the same and keep 'embed' over 'data'
   # (not fall back to whole copies, 16x the memory).
   mesh = AbstractMesh((4, 16), ('data', 'model'))
-  params = cli.abstract_linen_params(models.Llama(TINY_LLAMA), _sds((1, 1), jnp.int32))
+  params = examples.abstract_linen_params(
+    models.Llama(TINY_LLAMA), _sds((1, 1), jnp.int32)
+  )
   wk = params['layers']['wk']
   params['layers']['wk'] = fsm.LogicalPartitioned(_sds((3, 64, 8, 16)), wk.names)
-  state = cli.abstract_train_state(params, 'adam')
+  state = examples.abstract_train_state(params, 'adam')
   with pytest.warns(fsm.ShardingFitWarning, match='params/layers/wk'):
     p = fsm.plan(state, mesh, LLAMA_RULES, fit=True)
   assert p.entry('params/layers/wk').spec == P(None, 'data', None, None)
