@@ -95,7 +95,7 @@ class ShardingError(FlaxShardmetaError):
     ...   print(e.problems[0].path)
     1 leaf cannot be sharded as annotated:
       - w: shape (6,), names ('model',), spec P('model'): dimension 0 of size 6 is
-      not divisible by 'model'=4 (= 4). Fix: make the size a multiple of 4, ...
+      not divisible by 'model'=4. Fix: make the size a multiple of 4, ...
     w
   """
 
@@ -270,7 +270,7 @@ class ShardingFitWarning(UserWarning):
     ('ShardingFitWarning', P(None,))
     >>> caught[0].message.adjustments
     ("w: dimension 0: 'model' -> None (dimension 0 of size 6 is not divisible
-      by 'model'=4 (= 4))",)
+      by 'model'=4)",)
   """
 
   def __init__(

@@ -94,10 +94,11 @@ def _check(
     factor = math.prod(sizes[a] for a in axis_names)
     if factor and shape[dim] % factor:
       over = ' x '.join(f"'{a}'={sizes[a]}" for a in axis_names)
+      if len(axis_names) > 1:  # one axis: its size is the factor already
+        over += f' (= {factor})'
       issues.append(
         (
-          f'dimension {dim} of size {shape[dim]} is not divisible by {over} '
-          f'(= {factor})',
+          f'dimension {dim} of size {shape[dim]} is not divisible by {over}',
           f'make the size a multiple of {factor}, shard it over other mesh '
           f'axes, or replicate this dimension with {FIT_CALLS}',
           (dim,),

@@ -323,7 +323,8 @@ class ShardingPlan:
     return treescope.render_to_html(self._treescope_view())
 
   def show(self) -> None:
-    """Displays the plan as an interactive treescope tree in a notebook.
+    """Displays the plan as an interactive treescope tree in a notebook (the
+    table where only text can be shown).
 
     Outside a running IPython shell (where treescope has nowhere to display)
     prints the table instead. Whether IPython is merely installed does not
@@ -332,9 +333,11 @@ class ShardingPlan:
     if _ipython_shell() is None:
       print(self)
       return
-    import treescope
+    from IPython.display import display
 
-    treescope.show(self._treescope_view())
+    # The table is the plain-text fallback: treescope's own would put whole
+    # modules on one line of several hundred characters.
+    display({'text/html': self._repr_html_(), 'text/plain': str(self)}, raw=True)
 
 
 def _ipython_shell() -> Any:
