@@ -261,10 +261,12 @@ def _where(frame: _Frame) -> str:
 
 
 def _short(file: str) -> str:
-  """An installed package's file relative to its site-packages directory."""
-  for entry in sys.path:
-    if entry and 'site-packages' in entry and file.startswith(entry + os.sep):
-      return file[len(entry) + 1 :]
+  """A file relative to the working directory, or an installed package's
+  relative to its site-packages directory."""
+  roots = [os.getcwd()] + [e for e in sys.path if e and 'site-packages' in e]
+  for root in roots:
+    if file.startswith(root + os.sep):
+      return file[len(root) + 1 :]
   return file
 
 

@@ -78,7 +78,6 @@ def test_notebooks_use_only_the_public_api():
       assert not found, f'{path.name}: {found.group(0)!r} is not public'
 
 
-
 def _markdown(name: str) -> str:
   nb = nbformat.read(NOTEBOOKS / name, as_version=4)
   return '\n'.join(c.source for c in nb.cells if c.cell_type == 'markdown')

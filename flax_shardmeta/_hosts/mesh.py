@@ -34,7 +34,15 @@ def make_mesh(
     axis_sizes: one size per axis; at most one may be ``-1``, meaning "all
       the devices the other axes leave".
     axis_names: one name per axis.
-    axis_types: as for ``jax.make_mesh`` (its default when None).
+    axis_types: one ``jax.sharding.AxisType`` per axis; None gives every
+      axis ``Auto`` (``jax.make_mesh`` now defaults to ``Explicit``).
+      flax_shardmeta's annotations place the parameters and
+      ``with_logical_constraint`` the chosen activations, and Auto axes let
+      the compiler propagate the layout in between, which is what flax's
+      layers are written for: on Explicit axes every matmul contracting a
+      sharded dimension needs an ``out_sharding`` (Linen's ``nn.Dense`` takes
+      none; see :func:`flax_shardmeta.logical_out_sharding`). Pass
+      ``(AxisType.Explicit,) * n`` for sharding in types.
     devices: the devices to use (default: ``jax.devices()``, every process's).
     dcn_axis_sizes: how many hosts (processes; slices where devices report
       several ``slice_index`` values) each axis spans. Their product is the
