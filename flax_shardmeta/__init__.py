@@ -24,6 +24,7 @@ from flax_shardmeta._constraints import (
 )
 from flax_shardmeta._errors import (
   BatchLayoutError,
+  ExplicitShardingError,
   FitError,
   FlaxShardmetaError,
   InvalidNamesError,
@@ -38,6 +39,7 @@ from flax_shardmeta._errors import (
   TopologyError,
   UnmappedMeshAxisNameWarning,
 )
+from flax_shardmeta._explicit import explain_sharding_type_errors, logical_out_sharding
 from flax_shardmeta._hosts.checkpoint import as_abstract
 from flax_shardmeta._hosts.data import (
   DataLayout,
@@ -89,6 +91,7 @@ __all__ = [
   'DataLayout',
   'FitError',
   'FitReport',
+  'ExplicitShardingError',
   'FlaxShardmetaError',
   'InvalidNamesError',
   'InvalidRulesError',
@@ -119,6 +122,7 @@ __all__ = [
   'clear_caches',
   'composite_rules',
   'data_layout',
+  'explain_sharding_type_errors',
   'explain_resolution',
   'fit',
   'gather_tree',
@@ -129,6 +133,7 @@ __all__ = [
   'host_local_to_global',
   'jit',
   'logical_axis_rules',
+  'logical_out_sharding',
   'logical_to_mesh',
   'logical_to_mesh_axes',
   'logical_to_mesh_sharding',

@@ -29,7 +29,7 @@ from flax_shardmeta._rules import (
   normalize_rules,
   resolve,
 )
-from flax_shardmeta._specs import format_spec, unassigned_to_none
+from flax_shardmeta._specs import format_spec, spec_sets, unassigned_to_none
 from flax_shardmeta._typing import (
   AnyMesh,
   BoxingInitializer,
@@ -245,6 +245,12 @@ def as_names(names: Any) -> tuple[Any, ...]:
     raise InvalidNamesError(
       f'names must be a sequence with one entry per dimension, got the '
       f'string {names!r}; write ({names!r},) for a rank-1 value.'
+    )
+  if any(spec_sets(names)):
+    raise InvalidNamesError(
+      f'names {format_spec(names)} have unreduced / reduced axes, which an '
+      'annotation of one name per dimension cannot hold; give them in an NNX '
+      "Variable's out_sharding or in match_partition_rules specs."
     )
   return tuple(tuple(n) if isinstance(n, list) else n for n in names)
 

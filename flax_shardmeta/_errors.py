@@ -95,7 +95,7 @@ class ShardingError(FlaxShardmetaError):
     ...   print(e.problems[0].path)
     1 leaf cannot be sharded as annotated:
       - w: shape (6,), names ('model',), spec P('model'): dimension 0 of size 6 is
-      not divisible by 'model'=4 (= 4). Fix: make the size a multiple of 4, ...
+      not divisible by 'model'=4. Fix: make the size a multiple of 4, ...
     w
   """
 
@@ -240,6 +240,44 @@ class FitError(FlaxShardmetaError):
   """
 
 
+class ExplicitShardingError(FlaxShardmetaError):
+  """Raised when jax cannot type an operation's sharding on Explicit mesh axes.
+
+  jax's own ``ShardingTypeError`` (a matmul contracting a sharded dimension,
+  say), re-raised while ``fsm.jit`` or ``fsm.sharded_init`` trace with the
+  operation's source line, its operands' types (``float32[8,16@model]``:
+  dimension 1 sharded over ``'model'``) and the two fixes: Auto axes, or an
+  ``out_sharding=`` at that line (:func:`flax_shardmeta.logical_out_sharding`).
+  jax's error is its ``__cause__``.
+
+  Attributes:
+    operation: what was being traced, e.g. ``'fsm.jit'``.
+    source: ``file:line in function: text`` of the operation.
+    operands: the operands' types, as jax prints them.
+    jax_message: jax's message.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> e = fsm.ExplicitShardingError('...', operation='fsm.jit', source='m.py:3',
+    ...                               operands=('float32[8,16@model]',))
+    >>> e.source, isinstance(e, ValueError)
+    ('m.py:3', True)
+  """
+
+  def __init__(
+    self,
+    message: str,
+    *,
+    operation: str = '',
+    source: str = '',
+    operands: Sequence[str] = (),
+    jax_message: str = '',
+  ):
+    super().__init__(message)
+    self.operation, self.source = operation, source
+    self.operands, self.jax_message = tuple(operands), jax_message
+
+
 class ShardingFitWarning(UserWarning):
   """Issued when ``fit=True`` replicated dimensions that could not be sharded.
 
@@ -262,7 +300,7 @@ class ShardingFitWarning(UserWarning):
     ('ShardingFitWarning', P(None,))
     >>> caught[0].message.adjustments
     ("w: dimension 0: 'model' -> None (dimension 0 of size 6 is not divisible
-      by 'model'=4 (= 4))",)
+      by 'model'=4)",)
   """
 
   def __init__(

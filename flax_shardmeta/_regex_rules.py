@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec
 
 from flax_shardmeta._annotation import Leaf, walk
 from flax_shardmeta._errors import InvalidRulesError
+from flax_shardmeta._specs import make_spec, reductions_of, spec_entries
 from flax_shardmeta._typing import PyTree
 
 PartitionRules = Sequence[tuple[str, PartitionSpec]]
@@ -56,7 +57,10 @@ def match_partition_rules(
     name = lf.path
     for regex, spec in compiled:
       if regex.search(name):
-        return PartitionSpec(*tuple(spec)[: len(shape)])
+        entries = spec_entries(spec)
+        if len(entries) <= len(shape):
+          return spec
+        return make_spec(entries[: len(shape)], reductions_of(spec))
     unmatched.append(f'{name} {tuple(shape)}')
     return None
 

@@ -12,7 +12,7 @@ import warnings
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta import _unmapped as unmapped_lib
@@ -28,7 +28,16 @@ from flax_shardmeta._rules import (
   normalize_rules,
   resolve,
 )
-from flax_shardmeta._specs import UNASSIGNED, UNCONSTRAINED
+from flax_shardmeta._specs import (
+  UNASSIGNED,
+  UNCONSTRAINED,
+  make_spec,
+  mesh_axes_of,
+  reductions_of,
+  spec_entries,
+  spec_sets,
+  unassigned_to_none,
+)
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 from flax_shardmeta._validate import (
   check_spec,
@@ -137,7 +146,10 @@ def _layout_cached(shape, annotation, mesh, rules, fit, for_constraint) -> LeafL
       )
     elif open_dims is not None:
       issues += (open_dims,)
-  spec = PartitionSpec(*entries)
+  # A moment is stored reduced, whatever its parameter's gradient is.
+  reductions = None if annotation.optimizer_state else annotation.reductions
+  issues += _set_issues(entries, reductions, mesh)
+  spec = make_spec(entries, None if issues else reductions)
   unmapped = () if annotation.optimizer_state else unmapped_of(annotation, mesh, rules)
   return LeafLayout(
     shape,
@@ -147,6 +159,31 @@ def _layout_cached(shape, annotation, mesh, rules, fit, for_constraint) -> LeafL
     None if issues else named_sharding(mesh, spec),
     unmapped,
   )
+
+
+def _set_issues(
+  entries: tuple[Any, ...], reductions: Any, mesh: AnyMesh
+) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+  """Problems with a spec's unreduced / reduced axes, which jax checks too."""
+  if reductions is None:
+    return ()
+  unreduced, reduced = spec_sets(reductions)
+  issues = []
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+  used = {a for e in entries for a in mesh_axes_of(e)}
+  for kind, axes in (('unreduced', unreduced), ('reduced', reduced)):
+    for axis in sorted(axes):
+      if axis not in kinds:
+        reason = f'{kind} axis {axis!r} is not a mesh axis {tuple(kinds)}'
+      elif kinds[axis] != AxisType.Explicit:
+        reason = f'{kind} axis {axis!r} is {kinds[axis].name}; jax needs it Explicit'
+      elif axis in used:
+        reason = f'{kind} axis {axis!r} also shards a dimension'
+      else:
+        continue
+      hint = f'make {axis!r} an Explicit mesh axis, or drop it from {kind}'
+      issues.append((reason, hint, ()))
+  return tuple(issues)
 
 
 def resolve_names(
@@ -424,9 +461,10 @@ def _logical_to_mesh(
     if not _is_spec(x):
       out.append(x)
       continue
-    names = tuple(x)
+    names = spec_entries(x)
     resolved = resolve(names, rules_t)
-    spec = PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
+    # Unreduced / reduced axes are mesh axes already: they stay as written.
+    spec = make_spec(unassigned_to_none(resolved), reductions_of(x))
     missing = unmapped_lib.unmapped_names(names, resolved, UNASSIGNED)
     if missing:
       unmapped.append(
@@ -477,7 +515,9 @@ def logical_to_mesh_sharding(
       out.append(spec)
       continue
     # A shape as large as needed makes only the mesh-axis checks bite.
-    issues = check_spec((0,) * len(spec), tuple(spec), mesh)
+    entries = spec_entries(spec)
+    issues = check_spec((0,) * len(entries), entries, mesh)
+    issues += _set_issues(entries, reductions_of(spec), mesh)
     problems += [
       ShardingProblem(ann_lib.path_str(path), None, None, spec, r, h, d)
       for r, h, d in issues

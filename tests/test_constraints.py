@@ -291,7 +291,7 @@ def test_shard_value_fit_replicates_and_warns_once(mesh):
   assert "acts: dimension 0: 'data' -> None" in str(warning.message)
   assert warning.message.adjustments == (
     "acts: dimension 0: 'data' -> None (dimension 0 of size 3 is not "
-    "divisible by 'data'=2 (= 2))",
+    "divisible by 'data'=2)",
   )
 
 

@@ -15,6 +15,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_shardmeta as fsm
+from flax_shardmeta import examples
 from flax_shardmeta._planning import cache as cache_lib
 from flax_shardmeta._planning import fit as fit_lib
 from flax_shardmeta._planning import topology
@@ -79,7 +80,7 @@ def test_figures_equal_xlas_on_the_cpu_mesh():
   step, state, batch = train.train_step('mlp', mesh, batch=64, dtype=jnp.float32)
   report = fsm.fit(step, state, batch, cache=False)
   check_against_xla(report, step, state, batch)
-  params, opt = expected_rows(state, mesh, train.default_rules('mlp'))
+  params, opt = expected_rows(state, mesh, examples.model_rules('mlp'))
   assert report.row('parameters') == params == 4 * 1024 * 1024 * 2 * 4 // 4
   assert report.row('optimizer state') == opt  # adam's moments and step count
   # The batch (64 x 1024 float32 over 'data'=2) and TrainState.step.
@@ -226,7 +227,7 @@ def test_estimate_on_an_abstract_mesh():
     chip='v5p',
   )
   assert plain.source == 'estimate' and plain.memory_analysis is None
-  params, opt = expected_rows(state, mesh, train.default_rules('llama3-8b'))
+  params, opt = expected_rows(state, mesh, examples.model_rules('llama3-8b'))
   assert plain.row('parameters') == params and plain.row('optimizer state') >= opt
   assert plain.row('gradients') == params
   assert plain.row('batch and other inputs') == 2049 * 4 + 4  # a sequence, the step
@@ -373,3 +374,22 @@ def test_sizes_parse():
   assert parse_bytes(123) == 123
   with pytest.raises(fsm.FitError, match="'12 parsecs' is not a size"):
     parse_bytes('12 parsecs')
+
+
+def test_explicit_axes_sharding_type_errors_are_named():
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)
+  w = jax.ShapeDtypeStruct(
+    (64, 32), jnp.float32, sharding=NamedSharding(mesh, P('model', None))
+  )
+  x = jax.ShapeDtypeStruct(
+    (8, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, 'model'))
+  )
+
+  def step(x, w):
+    return (x @ w).sum()  # contracts 'model': ambiguous on Explicit axes
+
+  with jax.set_mesh(mesh):
+    with pytest.raises(fsm.ExplicitShardingError, match=r'test_fit.py:\d+'):
+      fsm.fit(step, x, w, cache=False)
+    with pytest.raises(fsm.ExplicitShardingError, match='out_sharding'):
+      fsm.fit(jax.jit(step), x, w, cache=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -291,3 +292,111 @@ def test_mixed_axis_types_raise_at_construction():
   )
   with jax.set_mesh(mesh), pytest.raises(ValueError, match='mixes axis types'):
     nnx.Param(fsm.nnx.with_partitioning(lambda: jnp.ones((8, 4)), ('model', None))())
+
+
+# flax's current NNX API: as_abstract, eager-sharding switch, Format, optimizer
+# ------------------------------------------------------------------------------
+
+
+def test_as_abstract_on_a_module_and_on_its_state():
+  # Abstract mesh with Auto axes; the layout comes from fsm's rules.
+  mesh = jax.sharding.AbstractMesh(
+    (2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2
+  )
+  abstract = nnx.eval_shape(lambda: Mlp(8, 16, nnx.Rngs(0)))
+  with fsm.logical_axis_rules(RULES):
+    module = fsm.nnx.as_abstract(abstract, mesh)
+    state = fsm.nnx.as_abstract(nnx.state(abstract), mesh)
+  assert module.up.kernel.get_value().sharding.spec == P(None, 'model')
+  assert state['up']['kernel'].get_value().sharding.spec == P(None, 'model')
+  assert abstract.up.kernel.get_value().sharding is None  # not changed in place
+  concrete = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2)
+  with jax.set_mesh(concrete), fsm.logical_axis_rules(RULES):  # the context mesh
+    down = fsm.nnx.as_abstract(abstract).down.kernel.get_value()
+  assert down.sharding.spec == P('model', None)
+
+
+def test_as_abstract_needs_a_mesh():
+  abstract = nnx.eval_shape(lambda: Mlp(8, 16, nnx.Rngs(0)))
+  with pytest.raises(fsm.NoMeshError, match='as_abstract needs a mesh'):
+    fsm.nnx.as_abstract(abstract)
+
+
+def test_abstract_with_sharding_is_deprecated_for_as_abstract():
+  mesh = jax.sharding.AbstractMesh(
+    (2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2
+  )
+  state = nnx.state(nnx.eval_shape(lambda: Mlp(8, 16, nnx.Rngs(0))))
+  with pytest.warns(DeprecationWarning, match='use fsm.nnx.as_abstract'):
+    old = fsm.nnx.abstract_with_sharding(state, mesh, RULES)
+  new = fsm.nnx.as_abstract(state, mesh, RULES)
+  assert jax.tree.map(lambda x: x.sharding, old) == jax.tree.map(
+    lambda x: x.sharding, new
+  )
+
+
+def test_eager_sharding_switch_is_honoured(mesh):
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    with nnx.use_eager_sharding(False):
+      lazy = Mlp(8, 16, nnx.Rngs(0))
+    eager = Mlp(8, 16, nnx.Rngs(0))
+  # Created as is: replicated (typed so on an Explicit mesh).
+  assert all(e is None for e in spec_of(lazy.up.kernel))
+  assert spec_of(eager.up.kernel) == P(None, 'model')
+  assert fsm.nnx.variable_annotation(lazy.up.kernel).names == ('embed', 'mlp')
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    fsm.nnx.shard_module(lazy)  # laid out when asked
+  assert spec_of(lazy.up.kernel) == P(None, 'model')
+  assert (lazy.up.kernel.get_value() == eager.up.kernel.get_value()).all()
+
+
+def test_format_metadata_is_read_through_to_its_sharding():
+  from jax.experimental.layout import Format, Layout
+
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)
+  sharding = NamedSharding(mesh, P('model', None))
+  var = nnx.Param(
+    jnp.ones((8, 4)),
+    out_sharding=Format(Layout((1, 0)), sharding),
+    eager_sharding=False,
+  )
+  assert fsm.nnx.variable_annotation(var).mesh == mesh
+  assert fsm.get_sharding(var, mesh).get_value().spec == P('model', None)
+  assert fsm.plan({'w': var}, mesh).entry('w').spec == P('model', None)
+
+
+def test_reduced_axes_of_metadata_stay_in_the_layout():
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)
+  spec = P('data', None, reduced={'model'})
+  for written in (spec, NamedSharding(mesh, spec)):
+    var = nnx.Param(jnp.ones((8, 4)), out_sharding=written, eager_sharding=False)
+    assert fsm.get_sharding(var, mesh).get_value().spec == spec
+
+
+def test_flax_optimizer_sharding_metadata_lays_out_the_moments():
+  # flax's own metadata, no fsm initializer: nnx.Optimizer moves a parameter's
+  # optimizer_sharding into its moments' out_sharding, and fsm reads that.
+  mesh = jax.sharding.AbstractMesh(
+    (2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2
+  )
+
+  def create():
+    model = nnx.Linear(
+      8,
+      16,
+      rngs=nnx.Rngs(0),
+      kernel_metadata={
+        'out_sharding': ('embed', 'mlp'),
+        'optimizer_sharding': ('mlp', None),
+        'eager_sharding': False,
+      },
+    )
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+  model, optimizer = nnx.eval_shape(create)
+  with fsm.logical_axis_rules([('mlp', 'model'), ('embed', 'data')]):
+    p = fsm.plan(nnx.state(optimizer), mesh)
+    params = fsm.plan(nnx.state(model, nnx.Param), mesh)
+  assert params.entry('kernel').spec == P('data', 'model')
+  assert p.entry('opt_state/0/mu/kernel').spec == P('model', None)
+  assert p.entry('opt_state/0/nu/kernel').spec == P('model', None)

@@ -54,7 +54,34 @@ def _run(name: str) -> list[str]:
         if 'image/png' in out.data:
           text.append('<image/png>')
     outputs.append(''.join(text))
+  _check_line_lengths(name, outputs)
   return outputs
+
+
+ANSI = re.compile(r'\x1b\[[0-9;]*m')
+WIDEST = 150  # a plan table with long names; no more
+
+
+def _check_line_lengths(name: str, outputs: list[str]) -> None:
+  """Text outputs stay readable: no line wider than a wide terminal."""
+  for i, text in enumerate(outputs):
+    for line in ANSI.sub('', text).splitlines():
+      assert len(line) <= WIDEST, f'{name}, code cell {i}: {len(line)} columns'
+
+
+def test_notebooks_use_only_the_public_api():
+  # Public: flax_shardmeta's top level, fsm.nnx and flax_shardmeta.examples.
+  private = re.compile(r'flax_shardmeta\.(_|cli)|import cli\b|\bfsm\._|\bcli\.')
+  for path in sorted(NOTEBOOKS.glob('*.ipynb')):
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+      found = private.search(cell.source)
+      assert not found, f'{path.name}: {found.group(0)!r} is not public'
+
+
+def _markdown(name: str) -> str:
+  nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+  return '\n'.join(c.source for c in nb.cells if c.cell_type == 'markdown')
 
 
 def _losses(text: str) -> list[float]:
@@ -114,6 +141,12 @@ def test_plan_a_pod():
   assert [row[0] for row in table] == ['T5X 1-D', 'T5X 2-D', 'FSDP']
   totals = {name: float(total) for name, _, _, total, _ in table}
   assert totals['T5X 1-D'] > totals['T5X 2-D'] > totals['FSDP'] > 0
+  # FSDP shards every 'embed' dimension 256 ways; only the norms stay whole.
+  whole = float(re.search(r'unsharded: ([0-9.]+) GiB in all', out).group(1))
+  assert totals['FSDP'] == pytest.approx(whole / 256, rel=0.01)
+  assert totals['T5X 2-D'] == pytest.approx(totals['T5X 1-D'] / 32, rel=0.01)
+  prose = _markdown('03_plan_a_pod.ipynb')
+  assert 'within 1% of a 256th' in prose and 'divides that by\n32' in prose
   for _, params, opt, total, problems in table:
     # adam keeps two moments per parameter.
     assert float(opt) == pytest.approx(2 * float(params), abs=0.02)

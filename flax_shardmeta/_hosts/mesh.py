@@ -39,7 +39,15 @@ def make_mesh(
       the devices the other axes leave". A mapping ``{'data': -1, 'model':
       4}`` gives names and sizes at once (then leave ``axis_names`` out).
     axis_names: one name per axis.
-    axis_types: as for ``jax.make_mesh`` (its default, Explicit, when None).
+    axis_types: one ``jax.sharding.AxisType`` per axis; None gives every
+      axis ``Auto`` (``jax.make_mesh`` now defaults to ``Explicit``).
+      flax_shardmeta's annotations place the parameters and
+      ``with_logical_constraint`` the chosen activations, and Auto axes let
+      the compiler propagate the layout in between, which is what flax's
+      layers are written for: on Explicit axes every matmul contracting a
+      sharded dimension needs an ``out_sharding`` (Linen's ``nn.Dense`` takes
+      none; see :func:`flax_shardmeta.logical_out_sharding`). Pass
+      ``(AxisType.Explicit,) * n`` for sharding in types.
     devices: the devices to use (default: ``jax.devices()``, every process's).
     dcn_axis_sizes: how many hosts (processes; slices where devices report
       several ``slice_index`` values) each axis spans. Their product is the
@@ -93,7 +101,9 @@ def make_mesh(
     )
   hosts = _hosts(devices)
   sizes = _fill_wildcard(_as_ints(axis_sizes, names), names, len(devices), len(hosts))
-  types = tuple(axis_types) if axis_types is not None else None
+  # Auto unless told otherwise (jax.make_mesh's own default is Explicit): see
+  # the axis_types argument above for why.
+  types = tuple(axis_types) if axis_types is not None else (AxisType.Auto,) * len(names)
   if dcn_axis_sizes is None:
     return jax.make_mesh(sizes, names, axis_types=types, devices=devices)
   dcn = _as_ints(dcn_axis_sizes, names, what='dcn_axis_sizes')
@@ -102,8 +112,6 @@ def make_mesh(
   grid = mesh_utils.create_hybrid_device_mesh(
     ici, dcn, devices, process_is_granule=not by_slice, allow_split_physical_axes=True
   )
-  # jax.make_mesh's default, which it does not export.
-  types = types if types is not None else (AxisType.Explicit,) * len(names)
   return Mesh(np.asarray(grid), names, axis_types=types)
 
 

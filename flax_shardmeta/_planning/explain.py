@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._errors import FlaxShardmetaError
 from flax_shardmeta._rules import RuleStep, composite_rules, explain
+from flax_shardmeta._specs import spec_entries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ def explain_entry(
   ``spec`` is the final (possibly fitted) spec, so a dimension the rules gave
   mesh axes to but that ended up replicated says why.
   """
-  given = tuple(spec) if spec is not None else ()
+  given = spec_entries(spec) if spec is not None else ()
   final = given + (None,) * (len(shape) - len(given))
   if ann is None:
     return tuple(

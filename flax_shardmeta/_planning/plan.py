@@ -29,7 +29,13 @@ from flax_shardmeta._sharding import (
   problems_of,
   warn_adjustments,
 )
-from flax_shardmeta._specs import format_spec, json_entry, mesh_axes_of
+from flax_shardmeta._specs import (
+  format_spec,
+  json_entry,
+  mesh_axes_of,
+  spec_entries,
+  spec_sets,
+)
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 from flax_shardmeta._unmapped import Unmapped
 from flax_shardmeta._unmapped import report as report_unmapped
@@ -109,6 +115,12 @@ class PlanEntry:
       'spec': _json_entries(self.spec),
       'shard_shape': list(self.shard_shape),
       'bytes_per_device': self.bytes_per_device,
+      # Only present when the spec has them, as PartitionSpec shows them.
+      **{
+        kind: sorted(axes)
+        for kind, axes in zip(('unreduced', 'reduced'), spec_sets(self.spec))
+        if axes
+      },
     }
 
   def __treescope_repr__(self, path: str, subtree_renderer: Any) -> Any:
@@ -311,7 +323,8 @@ class ShardingPlan:
     return treescope.render_to_html(self._treescope_view())
 
   def show(self) -> None:
-    """Displays the plan as an interactive treescope tree in a notebook.
+    """Displays the plan as an interactive treescope tree in a notebook (the
+    table where only text can be shown).
 
     Outside a running IPython shell (where treescope has nowhere to display)
     prints the table instead. Whether IPython is merely installed does not
@@ -320,9 +333,11 @@ class ShardingPlan:
     if _ipython_shell() is None:
       print(self)
       return
-    import treescope
+    from IPython.display import display
 
-    treescope.show(self._treescope_view())
+    # The table is the plain-text fallback: treescope's own would put whole
+    # modules on one line of several hundred characters.
+    display({'text/html': self._repr_html_(), 'text/plain': str(self)}, raw=True)
 
 
 def _ipython_shell() -> Any:
@@ -452,9 +467,16 @@ def verify(arrays: PyTree, plan_or_shardings: ShardingPlan | PyTree) -> Mismatch
     checked += 1
     want = expected.get(lf.path)
     have = getattr(lf.value, 'sharding', None)
-    if want is None or have is None or not have.is_equivalent_to(want, len(shape)):
+    if want is None or have is None or not _same(have, want, len(shape)):
       out.append(Mismatch(lf.path, want, have, tuple(shape)))
   return Mismatches(out, checked)
+
+
+def _same(have: Sharding, want: Sharding, rank: int) -> bool:
+  # is_equivalent_to compares device layouts, where unreduced / reduced axes
+  # do not show; the plan holds them, so they are compared too.
+  sets = (spec_sets(getattr(s, 'spec', None)) for s in (have, want))
+  return have.is_equivalent_to(want, rank) and next(sets) == next(sets)
 
 
 def actual_shardings(tree: PyTree) -> PyTree:
@@ -528,9 +550,10 @@ def _shard_shape(
   sizes = dict(mesh_sizes)
   if spec is None:
     return shape
+  entries = spec_entries(spec)
   out = []
   for dim, n in enumerate(shape):
-    entry = spec[dim] if dim < len(spec) else None
+    entry = entries[dim] if dim < len(entries) else None
     factor = math.prod(sizes.get(a, 1) for a in mesh_axes_of(entry))
     # Uneven shards (only in plans with problems) hold the padded size.
     out.append(-(-n // factor))
@@ -538,7 +561,7 @@ def _shard_shape(
 
 
 def _json_entries(spec: Any) -> list[Any] | None:
-  return None if spec is None else [json_entry(e) for e in tuple(spec)]
+  return None if spec is None else [json_entry(e) for e in spec_entries(spec)]
 
 
 def _spec_of(s: Sharding | None) -> str:

@@ -10,6 +10,7 @@ batch and other inputs).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import warnings
@@ -23,6 +24,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._errors import NoMeshError, ShardingError, ShardingProblem
+from flax_shardmeta._explicit import explain_sharding_type_errors
 from flax_shardmeta._placement import context_mesh
 from flax_shardmeta._planning import report as rep
 from flax_shardmeta._planning.plan import plan
@@ -66,7 +68,7 @@ class Step:
     if rules is None:
       rules = get_logical_axis_rules()
     if not hasattr(step, 'lower'):
-      step = jax.jit(step)
+      step = jax.jit(_explaining(step))
     return cls(
       step,
       mesh,
@@ -76,16 +78,31 @@ class Step:
     )
 
   def lower(self, *args: Any) -> Any:
-    if hasattr(self.step, 'context'):  # fsm.jit enters its own mesh and rules
-      return self.step.lower(*args)
-    with _mesh_context(self.mesh), logical_axis_rules(self.rules):
-      return self.step.lower(*args)
+    return self._stage('lower', args)
 
   def trace(self, *args: Any) -> Any:
+    return self._stage('trace', args)
+
+  def _stage(self, method: str, args: tuple[Any, ...]) -> Any:
+    # fsm.jit enters its own mesh and rules, and explains jax's sharding type
+    # errors from inside the trace; for a jax.jit function fit does both.
     if hasattr(self.step, 'context'):
-      return self.step.trace(*args)
-    with _mesh_context(self.mesh), logical_axis_rules(self.rules):
-      return self.step.trace(*args)
+      return getattr(self.step, method)(*args)
+    with explain_sharding_type_errors('fsm.fit'):
+      with _mesh_context(self.mesh), logical_axis_rules(self.rules):
+        return getattr(self.step, method)(*args)
+
+
+def _explaining(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` raising jax's sharding type errors as ExplicitShardingError, from
+  inside the trace where the operation's frames are still known."""
+
+  @functools.wraps(fn)
+  def traced(*args: Any, **kwargs: Any) -> Any:
+    with explain_sharding_type_errors('fsm.fit'):
+      return fn(*args, **kwargs)
+
+  return traced
 
 
 def _mesh_context(mesh: AnyMesh) -> Any:

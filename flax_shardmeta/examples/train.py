@@ -19,7 +19,7 @@ from flax.training import train_state
 from flax_shardmeta._hosts.jit import JitWithContext, jit
 from flax_shardmeta._rules import logical_axis_rules
 from flax_shardmeta._typing import AnyMesh, LogicalRules
-from flax_shardmeta.examples._common import LLAMA_RULES, MLP_RULES
+from flax_shardmeta.examples.state import UnknownNameError, model_rules
 
 OPTIMIZERS = ('adamw', 'adam', 'adafactor', 'sgd')
 """Optimizers the built-in steps take (optax, learning rate 1e-4)."""
@@ -40,12 +40,9 @@ def optimizer(name: str) -> optax.GradientTransformation:
     return optax.adafactor(1e-4)
   if name == 'sgd':
     return optax.sgd(1e-4)
-  raise ValueError(f'Unknown optimizer {name!r}; choose from {", ".join(OPTIMIZERS)}.')
-
-
-def default_rules(name: str) -> tuple[tuple[str, Any], ...]:
-  """The logical axis rules a built-in model is laid out with by default."""
-  return MLP_RULES if name == 'mlp' else LLAMA_RULES
+  raise UnknownNameError(
+    f'unknown optimizer {name!r}; choose from {", ".join(OPTIMIZERS)}'
+  )
 
 
 def _loss(name: str, apply: Any, batch: jax.Array) -> jax.Array:
@@ -105,7 +102,7 @@ def train_step(
     >>> batch.shape, step.in_shardings[1].spec
     ((16, 1024), P('data', None))
   """
-  rules = default_rules(name) if rules is None else tuple(rules)
+  rules = model_rules(name) if rules is None else tuple(rules)
   tx = optimizer(optimizer_name)
   tokens = abstract_batch(name, batch, seq)
   if api == 'linen':
@@ -113,7 +110,7 @@ def train_step(
   elif api == 'nnx':
     fn, state = _nnx(name, tx, remat, dtype, num_layers, rules)
   else:
-    raise ValueError(f"Unknown api {api!r}; choose 'linen' or 'nnx'.")
+    raise UnknownNameError(f"unknown api {api!r}; choose 'linen' or 'nnx'")
   step = jit(
     fn,
     mesh=mesh,  # pyright: ignore[reportArgumentType]
