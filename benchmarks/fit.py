@@ -183,9 +183,10 @@ def main(write: bool = True) -> int:
     '',
     *errors,
     '',
-    'The estimate walks the traced step in program order; XLA fuses and '
-    'schedules more cleverly, and rematerialises on its own, so the estimate '
-    'leans high. Parameters, optimizer state, batch and gradients are exact.',
+    'The estimate walks the traced step in program order, fusing broadcasts '
+    'and single-use elementwise results as XLA would; XLA also reorders, '
+    'schedules and rematerialises on its own, so the estimate lands on either '
+    'side. Parameters, optimizer state, batch and gradients are exact.',
     '',
     f'Peak RSS of the benchmark process: {peak:.2f} GiB.',
     '',

@@ -12,12 +12,15 @@ is no compiler to ask, so ``fit`` estimates:
 
 Each value's bytes per chip follow its sharding: exact under Explicit mesh
 axes (the traced types carry it); under Auto axes, propagated from the
-arguments' layouts and the constraints inside the step (elementwise ops keep
-their operand's, a matmul takes its operands' free dimensions', reductions
-drop theirs); a value nothing tells about is counted replicated, and the
-report says how much that was. XLA fuses and reorders, so the walk is an
-upper bound on what a compiled program keeps; ``BENCHMARKS.md`` gives the
-error against compiled programs.
+arguments' layouts and the constraints inside the step, forward (elementwise
+ops keep their most sharded operand's, a matmul takes its operands' free
+dimensions', reductions drop theirs) and back from the step's output layouts
+(a gradient flowing into the updated parameters is laid out like them); a
+value nothing tells about is counted replicated, and the report says how
+much that was. Broadcasts, and elementwise results used once, are fused
+into their consumers as XLA does. XLA also reorders and rematerialises on
+its own, so the estimate can land on either side of the compiled figure;
+``BENCHMARKS.md`` gives its measured error.
 """
 
 from __future__ import annotations
@@ -89,7 +92,14 @@ def _unique(entries: Sequence[Any]) -> tuple[Any, ...]:
   return tuple(out)
 
 
-def _propagate(eqn: Any, ins: list[Spec]) -> list[Spec]:
+def _ways(spec: Spec, sizes: dict[str, int]) -> int:
+  """Into how many shards a layout splits its array."""
+  if spec is None:
+    return 1
+  return math.prod(sizes.get(a, 1) for e in spec for a in mesh_axes_of(e))
+
+
+def _propagate(eqn: Any, ins: list[Spec], sizes: dict[str, int]) -> list[Spec]:
   """Output specs of one equation from its operands' (Auto axes)."""
   name = eqn.primitive.name
   outs: Any = eqn.outvars
@@ -125,19 +135,17 @@ def _propagate(eqn: Any, ins: list[Spec]) -> list[Spec]:
       kept = tuple(e for d, e in enumerate(ins[0]) if d not in axes)
       return [kept] * len(outs)
   # Same rank as an operand with a known layout: elementwise, slicing,
-  # casts, concatenation, padding... keep that operand's layout.
+  # casts, concatenation, padding... keep the most sharded such operand's
+  # layout, as XLA's propagation does.
   result: list[Spec] = []
   for v in outs:
     rank = len(getattr(v.aval, 'shape', ()))
-    match = next(
-      (
-        s
-        for s, iv in zip(ins, eqn.invars)
-        if s is not None and len(getattr(iv.aval, 'shape', ())) == rank
-      ),
-      None,
-    )
-    result.append(match)
+    known = [
+      s
+      for s, iv in zip(ins, eqn.invars)
+      if s is not None and len(getattr(iv.aval, 'shape', ())) == rank
+    ]
+    result.append(max(known, key=lambda s: _ways(s, sizes)) if known else None)
   return result
 
 
@@ -334,7 +342,7 @@ def _forward(
         for j, (o, s) in enumerate(zip(outs, inner_outs))
       ]
   if not subs:
-    outs = [o or d for o, d in zip(outs, _propagate(eqn, ins))]
+    outs = [o or d for o, d in zip(outs, _propagate(eqn, ins, w.sizes))]
     if eqn.primitive.name in _FUSED or (
       eqn.invars and all(_scalar_or(v, virtual) for v in eqn.invars)
     ):
@@ -345,9 +353,7 @@ def _forward(
 
 
 def _shard_factor(spec: Spec, w: _Walk) -> int:
-  if spec is None:
-    return 1
-  return math.prod(w.sizes.get(a, 1) for e in spec for a in mesh_axes_of(e))
+  return _ways(spec, w.sizes)
 
 
 def _backward(
@@ -485,8 +491,9 @@ def estimate(
     else 'Auto axes: shardings propagated from the arguments and constraints'
   )
   notes = [
-    f'estimate ({how}); XLA fuses and reorders, so compiled programs '
-    'usually need less (see BENCHMARKS.md for the measured error)'
+    f'estimate ({how}): XLA fuses, reorders and rematerialises on its own, so '
+    'the compiled program may need more or less (see BENCHMARKS.md for the '
+    'measured error)'
   ]
   if w.unknown_bytes:
     notes.append(
