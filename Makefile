@@ -15,7 +15,7 @@ LATEST_PYTHON ?= $(shell bash .ci/newest-python)
 LATEST_VENV := .venv-latest
 LATEST_BIN := $(LATEST_VENV)/bin
 LATEST_STAMP := $(LATEST_VENV)/.installed
-LATEST_EXTRAS := test,notebooks
+LATEST_EXTRAS := test,notebooks,tpu
 
 .PHONY: demo test test-slow test-latest lint bench versions clean
 
