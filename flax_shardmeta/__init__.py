@@ -32,11 +32,13 @@ from flax_shardmeta._errors import (
   MeshShapeError,
   NoMeshError,
   RuleConflictError,
+  RuleContextError,
   ShardingError,
   ShardingFitWarning,
   ShardingProblem,
   TopologyError,
   UnmappedMeshAxisNameWarning,
+  UnmappedNameWarning,
 )
 from flax_shardmeta._hosts.checkpoint import as_abstract
 from flax_shardmeta._hosts.data import (
@@ -99,6 +101,7 @@ __all__ = [
   'Partitioned',
   'PlanEntry',
   'RuleConflictError',
+  'RuleContextError',
   'RulesFallback',
   'ShardingError',
   'ShardingFitWarning',
@@ -106,6 +109,7 @@ __all__ = [
   'ShardingProblem',
   'TopologyError',
   'UnmappedMeshAxisNameWarning',
+  'UnmappedNameWarning',
   '__version__',
   'actual_shardings',
   'as_abstract',

@@ -32,6 +32,7 @@ PUBLIC_API = {
   'Partitioned',
   'PlanEntry',
   'RuleConflictError',
+  'RuleContextError',
   'RulesFallback',
   'ShardingError',
   'ShardingFitWarning',
@@ -39,6 +40,7 @@ PUBLIC_API = {
   'ShardingProblem',
   'TopologyError',
   'UnmappedMeshAxisNameWarning',
+  'UnmappedNameWarning',
   '__version__',
   'as_abstract',
   'clear_caches',
@@ -138,7 +140,8 @@ def test_library_code_raises_no_bare_value_error():
   ]
   assert not offenders, offenders
   assert issubclass(fsm.ShardingFitWarning, UserWarning)
-  assert issubclass(fsm.UnmappedMeshAxisNameWarning, UserWarning)
+  assert issubclass(fsm.UnmappedMeshAxisNameWarning, fsm.UnmappedNameWarning)
+  assert issubclass(fsm.UnmappedNameWarning, UserWarning)
 
 
 def test_package_is_typed():

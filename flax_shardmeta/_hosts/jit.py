@@ -135,9 +135,9 @@ def jit(
   if out_shardings is not None:
     kwargs['out_shardings'] = outs
 
-  # jax caches traces per function, and the rules are not part of its key:
-  # a wrapper of our own keeps two fsm.jit of one function with different
-  # rules from sharing a trace.
+  # jax caches traces per function. fsm's rules are part of its key, flax's
+  # are not: a wrapper of our own keeps each fsm.jit's traces apart whatever
+  # the rules come from.
   @functools.wraps(fn)
   def traced(*args: Any, **kw: Any) -> Any:
     return fn(*args, **kw)
