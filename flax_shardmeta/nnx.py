@@ -12,11 +12,16 @@ key flax's ``nnx.vmap`` / ``nnx.scan`` update when ``transform_metadata=
 {nnx.PARTITION_NAME: 'layers'}`` adds an axis, plus ``fsm_logical`` (True:
 logical names resolved by flax_shardmeta's rules; False: mesh axes) and
 ``eager_sharding=False`` so flax does not apply its own, stricter, resolution
-at construction. Variables without ``fsm_logical`` carry flax's own
-annotations; they are read under every key flax has used (``out_sharding``,
-``sharding_names``, ``sharding``, with ``sharding_rules`` and ``mesh``) with
-flax's renaming semantics: a name no rule maps stays itself when it is a mesh
-axis and is replicated otherwise.
+at construction. Logical names also get ``sharding_rules``: an
+:class:`~flax_shardmeta._boxes.FsmRules` through which flax's own functions
+(``nnx.get_partition_spec``, ``nnx.get_named_sharding``, ``nnx.eval_shape``
+under a mesh, ``nnx.get_abstract_model``) rename them exactly as
+``fsm.get_sharding`` lays them out, with the per-variable rules inside it.
+Variables without ``fsm_logical`` carry flax's own annotations; they are read
+under every key flax has used (``out_sharding``, ``sharding_names``,
+``sharding``, with ``sharding_rules`` and ``mesh``) with flax's renaming
+semantics: a name no rule maps stays itself when it is a mesh axis and is
+replicated otherwise.
 
 Optimizer state. ``nnx.Optimizer`` copies each parameter's metadata onto its
 moments (``nnx.OptState`` Variables), so full-rank moments follow their
@@ -39,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta import _sharding as sharding_lib
-from flax_shardmeta._boxes import as_names
+from flax_shardmeta._boxes import FsmRules, as_names, local_rules_of
 from flax_shardmeta._errors import NoMeshError, ShardingError, ShardingProblem
 from flax_shardmeta._generate import generate
 from flax_shardmeta._placement import apply_spec, context_mesh
@@ -146,8 +151,9 @@ def _annotating(init, names, logical, rules, mesh, optimizer_names):
   }
   # Only set keys flax reads when they carry something: flax's helpers
   # (nnx.as_abstract) take a present 'mesh' key at its word, even if None.
-  if rules_t is not None:
-    metadata['sharding_rules'] = rules_t
+  if logical:
+    opt_names = as_names(optimizer_names) if optimizer_names is not None else None
+    metadata['sharding_rules'] = FsmRules(names_t, opt_names, rules_t)
   if mesh is not None:
     metadata['mesh'] = mesh
   if optimizer_names is not None:
@@ -223,8 +229,7 @@ def variable_annotation(variable: nnx.Variable[Any]) -> ann_lib.Annotation | Non
     mesh = mesh if mesh is not None else raw.mesh
     raw = raw.spec
   names = as_names(raw)
-  rules = metadata.get('sharding_rules')
-  rules = normalize_rules(rules) if rules else None
+  rules = local_rules_of(metadata.get('sharding_rules'))
   is_optimizer = isinstance(variable, nnx.OptState)
   if FSM_LOGICAL in metadata:
     return ann_lib.Annotation(
