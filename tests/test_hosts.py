@@ -99,9 +99,30 @@ def test_host_local_to_global_and_back():
 def test_host_local_to_global_names_the_leaf_that_cannot_split():
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
   with pytest.raises(
-    fsm.ShardingError, match=r"x: shape \(3, 2\).*not divisible by 'data'=2"
+    fsm.ShardingError,
+    match=r"x: shape \(3, 2\), names P\('data', None\).*dimension 0: this "
+    r"process passed 3, and its devices hold 2 of the 2 shards over 'data'=2",
   ):
     fsm.host_local_to_global({'x': np.ones((3, 2))}, mesh, P('data', None))
+
+
+def test_host_local_to_global_error_speaks_of_this_call():
+  # Item 17: it showed names None though logical names were given, the
+  # inferred global size, an empty path for a bare array, and fit=True, which
+  # this function does not take.
+  mesh = jax.make_mesh((2, 4), ('data', 'model'))
+  with pytest.raises(fsm.ShardingError) as info:
+    fsm.host_local_to_global(
+      np.ones((7, 3)), mesh, ('batch', None), [('batch', 'data')]
+    )
+  (problem,) = info.value.problems
+  assert problem.path == '<value>'
+  assert problem.names == ('batch', None) and problem.spec == P('data', None)
+  assert 'this process passed 7' in problem.reason and '3.5 each' in problem.reason
+  assert 'fsm.data_layout(mesh, global_batch_size).batch_size' in problem.hint
+  assert 'fit' not in problem.hint and '14' not in str(info.value)
+  with pytest.raises(fsm.NoMeshError, match='host_local_to_global needs a mesh'):
+    fsm.host_local_to_global(np.ones((8, 3)), None, ('batch', None))
 
 
 # jit
