@@ -123,6 +123,11 @@ def test_host_local_to_global_error_speaks_of_this_call():
   assert 'fit' not in problem.hint and '14' not in str(info.value)
   with pytest.raises(fsm.NoMeshError, match='host_local_to_global needs a mesh'):
     fsm.host_local_to_global(np.ones((8, 3)), None, ('batch', None))
+  # Names as a list, as boxes take them.
+  x = fsm.host_local_to_global(
+    np.ones((8, 3)), mesh, ['batch', None], [('batch', 'data')]
+  )
+  assert x.sharding.spec == P('data', None)
 
 
 # jit

@@ -84,6 +84,7 @@ def data_layout(
     DataLayout(batch_size=32, shard_id=0, num_shards=1,
                is_first_host_in_replica_set=True)
   """
+  mesh = cast(Mesh, check_mesh(mesh, 'data_layout'))
   axes = _batch_axes(mesh, batch_axes, rules)
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing:
@@ -369,7 +370,7 @@ def _specs_and_names(
 
 def _is_names(x: Any) -> bool:
   return isinstance(x, PartitionSpec) or (
-    type(x) is tuple
+    type(x) in (tuple, list)
     and all(e is None or isinstance(e, (str, tuple)) for e in x)
     and not any(
       isinstance(e, tuple) and not all(isinstance(a, str) for a in e) for e in x
