@@ -345,12 +345,12 @@ def eval_shape(
 ) -> N:
   """``nnx.eval_shape(create)`` whose abstract arrays carry fsm's shardings.
 
-  Plain ``nnx.eval_shape`` works on fsm-annotated modules outside any mesh,
-  and under an Explicit mesh. Under an Auto mesh flax then attaches shardings
-  itself, by its own renaming of ``out_sharding`` (ignoring flax_shardmeta's
-  rules), and fails on any logical name that is not a mesh axis. This runs
-  ``create`` abstractly with no mesh set and attaches the validated shardings
-  of :func:`flax_shardmeta.get_sharding` instead (if a mesh is given or set).
+  Plain ``nnx.eval_shape`` under ``jax.set_mesh`` gives fsm-annotated
+  modules the same layout (their ``sharding_rules`` metadata hands flax fsm's
+  resolution). This one also takes ``mesh=`` and ``rules=`` explicitly and
+  validates the layout: it runs ``create`` abstractly with no mesh set and
+  attaches the shardings of :func:`flax_shardmeta.get_sharding` (if a mesh is
+  given or set), which names every Variable that cannot be sharded.
 
   Args:
     create: builds the module (or any graph node), e.g.
