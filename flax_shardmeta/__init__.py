@@ -33,11 +33,13 @@ from flax_shardmeta._errors import (
   MeshShapeError,
   NoMeshError,
   RuleConflictError,
+  RuleContextError,
   ShardingError,
   ShardingFitWarning,
   ShardingProblem,
   TopologyError,
   UnmappedMeshAxisNameWarning,
+  UnmappedNameWarning,
 )
 from flax_shardmeta._explicit import explain_sharding_type_errors, logical_out_sharding
 from flax_shardmeta._hosts.checkpoint import as_abstract
@@ -108,6 +110,7 @@ __all__ = [
   'RULE_PRESETS',
   'RulePreset',
   'RuleConflictError',
+  'RuleContextError',
   'RulesFallback',
   'ShardingError',
   'ShardingFitWarning',
@@ -116,6 +119,7 @@ __all__ = [
   'Suggestions',
   'TopologyError',
   'UnmappedMeshAxisNameWarning',
+  'UnmappedNameWarning',
   '__version__',
   'actual_shardings',
   'as_abstract',

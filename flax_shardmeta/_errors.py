@@ -101,12 +101,16 @@ class ShardingError(FlaxShardmetaError):
 
   def __init__(self, problems: Sequence[ShardingProblem], context: str = ''):
     self.problems = tuple(problems)
-    # A leaf may have several problems; the header counts leaves.
-    n = len({p.path for p in self.problems})
-    head = f'{n} leaf cannot' if n == 1 else f'{n} leaves cannot'
-    lines = [f'{head} be sharded as annotated{context}:']
-    lines += [f'  - {p}' for p in self.problems]
-    super().__init__('\n'.join(lines))
+    super().__init__(_listing(self.problems, 'be sharded as annotated', context))
+
+
+def _listing(problems: Sequence[ShardingProblem], what: str, context: str) -> str:
+  # A leaf may have several problems; the header counts leaves.
+  n = len({p.path for p in problems})
+  head = f'{n} leaf cannot' if n == 1 else f'{n} leaves cannot'
+  lines = [f'{head} {what}{context}:']
+  lines += [f'  - {p}' for p in problems]
+  return '\n'.join(lines)
 
 
 class RuleConflictError(FlaxShardmetaError):
@@ -150,8 +154,14 @@ class InvalidRulesError(FlaxShardmetaError):
 
 
 class InvalidNamesError(FlaxShardmetaError):
-  """Raised when an annotation's names are malformed (a bare string, a repeat,
-  a transform's axis name that does not match).
+  """Raised when an annotation's names are malformed (a bare string, an
+  integer or a nested tuple, a repeat, a transform's axis name that does not
+  match).
+
+  Names are strings, None, ``PartitionSpec.UNCONSTRAINED`` or tuples of
+  mesh-axis names. Raised for a whole tree (``fsm.get_sharding``), it lists
+  every parameter at fault and ``problems`` holds them as
+  :class:`ShardingProblem` records.
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -159,6 +169,27 @@ class InvalidNamesError(FlaxShardmetaError):
     Traceback (most recent call last):
     ...
     flax_shardmeta._errors.InvalidNamesError: ...
+  """
+
+  def __init__(self, message: str = '', problems: Sequence[ShardingProblem] = ()):
+    self.problems = tuple(problems)
+    if self.problems and not message:
+      message = _listing(self.problems, 'be laid out: their names are malformed', '')
+    super().__init__(message)
+
+
+class RuleContextError(FlaxShardmetaError):
+  """Raised when a rules context is misused: exited in another thread or
+  asyncio task than the one that entered it, or traced under rules jax's
+  cache key does not name.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.logical_axis_rules([('mlp', 'model')]).__exit__(None, None, None)
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.RuleContextError: fsm.logical_axis_rules((('mlp',
+    'model'),)) was exited but never entered.
   """
 
 
@@ -319,7 +350,30 @@ class ShardingFitWarning(UserWarning):
     return tuple(self._adjustments or ())
 
 
-class UnmappedMeshAxisNameWarning(UserWarning):
+class UnmappedNameWarning(UserWarning):
+  """Issued when logical names were replicated for a reason that looks like a
+  mistake: no rules are given or set at all, or a name is close to a rule's
+  name (``'mpl'`` where a rule names ``'mlp'``). One warning per call (per
+  name for near misses), listing the parameters concerned.
+
+  Example:
+    >>> import warnings
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> mesh = jax.sharding.AbstractMesh((2,), ('model',))
+    >>> tree = {'w': fsm.LogicalPartitioned(
+    ...     jax.ShapeDtypeStruct((4,), jnp.float32), ('mpl',))}
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter('always')
+    ...   spec = fsm.get_sharding(tree, mesh, [('mlp', 'model')])['w'].spec
+    >>> spec, caught[0].category.__name__
+    (P(None,), 'UnmappedNameWarning')
+    >>> print(caught[0].message)
+    Logical name 'mpl' is not mapped by any rule, so it was replicated; did you
+    mean 'mlp' (rule ('mlp', 'model'))? Concerned: w.
+  """
+
+
+class UnmappedMeshAxisNameWarning(UnmappedNameWarning):
   """Issued when a logical name no rule maps is also a mesh-axis name.
 
   Such a dimension is replicated, which is rarely what was meant: either the
@@ -334,7 +388,8 @@ class UnmappedMeshAxisNameWarning(UserWarning):
     >>> mesh = jax.sharding.AbstractMesh((2,), ('data',))
     >>> with warnings.catch_warnings(record=True) as caught:
     ...   warnings.simplefilter('always')
-    ...   spec = fsm.logical_to_mesh_sharding(jax.P('data'), mesh).spec
+    ...   spec = fsm.logical_to_mesh_sharding(
+    ...       jax.P('data'), mesh, [('batch', 'data')]).spec
     >>> spec, caught[0].category.__name__
     (P(None,), 'UnmappedMeshAxisNameWarning')
   """

@@ -12,11 +12,16 @@ key flax's ``nnx.vmap`` / ``nnx.scan`` update when ``transform_metadata=
 {nnx.PARTITION_NAME: 'layers'}`` adds an axis, plus ``fsm_logical`` (True:
 logical names resolved by flax_shardmeta's rules; False: mesh axes) and
 ``eager_sharding=False`` so flax does not apply its own, stricter, resolution
-at construction. Variables without ``fsm_logical`` carry flax's own
-annotations; they are read under every key flax has used (``out_sharding``,
-``sharding_names``, ``sharding``, with ``sharding_rules`` and ``mesh``) with
-flax's renaming semantics: a name no rule maps stays itself when it is a mesh
-axis and is replicated otherwise.
+at construction. Logical names also get ``sharding_rules``: an
+:class:`~flax_shardmeta._boxes.FsmRules` through which flax's own functions
+(``nnx.get_partition_spec``, ``nnx.get_named_sharding``, ``nnx.eval_shape``
+under a mesh, ``nnx.get_abstract_model``) rename them exactly as
+``fsm.get_sharding`` lays them out, with the per-variable rules inside it.
+Variables without ``fsm_logical`` carry flax's own annotations; they are read
+under every key flax has used (``out_sharding``, ``sharding_names``,
+``sharding``, with ``sharding_rules`` and ``mesh``) with flax's renaming
+semantics: a name no rule maps stays itself when it is a mesh axis and is
+replicated otherwise.
 
 Optimizer state. ``nnx.Optimizer`` copies each parameter's metadata onto its
 moments (``nnx.OptState`` Variables), so full-rank moments follow their
@@ -41,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta import _sharding as sharding_lib
-from flax_shardmeta._boxes import as_names
+from flax_shardmeta._boxes import FsmRules, as_names, local_rules_of
 from flax_shardmeta._errors import NoMeshError, ShardingError, ShardingProblem
 from flax_shardmeta._generate import generate
 from flax_shardmeta._placement import apply_spec, context_mesh
@@ -151,8 +156,9 @@ def _annotating(init, names, logical, rules, mesh, optimizer_names):
   }
   # Only set keys flax reads when they carry something: flax's helpers
   # (nnx.as_abstract) take a present 'mesh' key at its word, even if None.
-  if rules_t is not None:
-    metadata['sharding_rules'] = rules_t
+  if logical:
+    opt_names = as_names(optimizer_names) if optimizer_names is not None else None
+    metadata['sharding_rules'] = FsmRules(names_t, opt_names, rules_t)
   if mesh is not None:
     metadata['mesh'] = mesh
   if optimizer_names is not None:
@@ -237,8 +243,7 @@ def variable_annotation(variable: nnx.Variable[Any]) -> ann_lib.Annotation | Non
     raw = raw.spec
   reductions = reductions_of(raw)
   names = as_names(spec_entries(raw) if isinstance(raw, PartitionSpec) else raw)
-  rules = metadata.get('sharding_rules')
-  rules = normalize_rules(rules) if rules else None
+  rules = local_rules_of(metadata.get('sharding_rules'))
   is_optimizer = isinstance(variable, nnx.OptState)
   if FSM_LOGICAL in metadata:
     return ann_lib.Annotation(
@@ -356,12 +361,12 @@ def eval_shape(
 ) -> N:
   """``nnx.eval_shape(create)`` whose abstract arrays carry fsm's shardings.
 
-  Plain ``nnx.eval_shape`` works on fsm-annotated modules outside any mesh,
-  and under an Explicit mesh. Under an Auto mesh flax then attaches shardings
-  itself, by its own renaming of ``out_sharding`` (ignoring flax_shardmeta's
-  rules), and fails on any logical name that is not a mesh axis. This runs
-  ``create`` abstractly with no mesh set and attaches the validated shardings
-  of :func:`flax_shardmeta.get_sharding` instead (if a mesh is given or set).
+  Plain ``nnx.eval_shape`` under ``jax.set_mesh`` gives fsm-annotated
+  modules the same layout (their ``sharding_rules`` metadata hands flax fsm's
+  resolution). This one also takes ``mesh=`` and ``rules=`` explicitly and
+  validates the layout: it runs ``create`` abstractly with no mesh set and
+  attaches the shardings of :func:`flax_shardmeta.get_sharding` (if a mesh is
+  given or set), which names every Variable that cannot be sharded.
 
   Args:
     create: builds the module (or any graph node), e.g.

@@ -36,6 +36,7 @@ PUBLIC_API = {
   'RULE_PRESETS',
   'RulePreset',
   'RuleConflictError',
+  'RuleContextError',
   'RulesFallback',
   'ShardingError',
   'ShardingFitWarning',
@@ -44,6 +45,7 @@ PUBLIC_API = {
   'Suggestions',
   'TopologyError',
   'UnmappedMeshAxisNameWarning',
+  'UnmappedNameWarning',
   '__version__',
   'as_abstract',
   'clear_caches',
@@ -146,7 +148,8 @@ def test_library_code_raises_no_bare_value_error():
   ]
   assert not offenders, offenders
   assert issubclass(fsm.ShardingFitWarning, UserWarning)
-  assert issubclass(fsm.UnmappedMeshAxisNameWarning, UserWarning)
+  assert issubclass(fsm.UnmappedMeshAxisNameWarning, fsm.UnmappedNameWarning)
+  assert issubclass(fsm.UnmappedNameWarning, UserWarning)
 
 
 def test_package_is_typed():

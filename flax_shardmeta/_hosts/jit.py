@@ -88,9 +88,9 @@ class JitWithContext:
     if key not in self._jits:
       fn, output = self._fn, [None]
 
-      # jax caches traces per function, and the rules are not part of its
-      # key: a wrapper of our own keeps two fsm.jit of one function with
-      # different rules from sharing a trace. It also records the output's
+      # jax caches traces per function. fsm's rules are part of its key,
+      # flax's are not: a wrapper of our own keeps each fsm.jit's traces
+      # apart whatever the rules come from. It also records the output's
       # structure, for shardings that must follow it.
       @functools.wraps(fn)
       def traced(*args: Any, **kw: Any) -> Any:

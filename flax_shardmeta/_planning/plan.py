@@ -19,11 +19,12 @@ from jax.sharding import PartitionSpec, Sharding
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._errors import ShardingError, ShardingProblem
+from flax_shardmeta._placement import check_mesh
 from flax_shardmeta._planning import format as plan_format
 from flax_shardmeta._planning.explain import ExplainedDim, explain_entry
+from flax_shardmeta._rules import SOURCE_NONE, composite_rules, rules_and_source
 from flax_shardmeta._sharding import (
   LeafLayout,
-  effective_rules,
   layout_tree,
   named_sharding,
   problems_of,
@@ -84,6 +85,7 @@ class PlanEntry:
   mesh_axis_names: tuple[str, ...] = dataclasses.field(
     default=(), repr=False, compare=False
   )
+  rules_source: str = dataclasses.field(default='', repr=False, compare=False)
 
   @property
   def size(self) -> int:
@@ -102,7 +104,12 @@ class PlanEntry:
     Computed on first read, not when the plan is made.
     """
     return explain_entry(
-      self.shape, self.annotation, self.rules, self.mesh_axis_names, self.spec
+      self.shape,
+      self.annotation,
+      self.rules,
+      self.mesh_axis_names,
+      self.spec,
+      self.rules_source,
     )
 
   def to_dict(self) -> dict[str, Any]:
@@ -384,8 +391,9 @@ def plan(
     >>> p.entries[0].spec, p.entries[0].shard_shape, p.bytes_per_device
     (P('data', 'model'), (16, 256), 16384)
   """
-  leaves, layouts, build = layout_tree(tree, mesh, rules, fit, every_path=True)
-  rules_t = effective_rules(rules)
+  mesh = check_mesh(mesh, 'plan')
+  rules_t, source = rules_and_source(rules)
+  leaves, layouts, build = layout_tree(tree, mesh, rules_t, fit, every_path=True)
   sizes = tuple(zip(mesh.axis_names, mesh.axis_sizes))
   axis_names = tuple(mesh.axis_names)
   entries: list[PlanEntry] = []
@@ -398,7 +406,7 @@ def plan(
       index.append(None)
       continue
     index.append(len(entries))
-    entry = _entry(lf, lay, sizes, rules_t, axis_names)
+    entry = _entry(lf, lay, sizes, rules_t, axis_names, source)
     entries.append(entry)
     if lay.adjustments:
       adjusted.append((entry.path, lay.adjustments))
@@ -406,9 +414,18 @@ def plan(
       problems.extend(problems_of(entry.path, lf, lay))
     if lay.unmapped and lf.annotation is not None:  # only annotations map names
       unmapped.append(
-        Unmapped(entry.path, lay.shape, lf.annotation.names, lay.spec, lay.unmapped)
+        Unmapped(
+          entry.path,
+          lay.shape,
+          lf.annotation.names,
+          lay.spec,
+          lay.unmapped,
+          functools.partial(composite_rules, rules_t, lf.annotation.rules),
+        )
       )
-  problems += report_unmapped(unmapped, axis_names, strict)
+  problems += report_unmapped(
+    unmapped, axis_names, strict, no_rules=source == SOURCE_NONE
+  )
   adjustments = [f'{path}: {a}' for path, changes in adjusted for a in changes]
   if adjusted:
     warn_adjustments(adjusted)
@@ -520,6 +537,7 @@ def _entry(
   sizes: tuple[tuple[str, int], ...],
   rules: tuple[tuple[str, Any], ...],
   axis_names: tuple[str, ...],
+  source: str,
 ) -> PlanEntry:
   shape = lay.shape or ()
   dtype = getattr(lf.value, 'dtype', None)
@@ -538,6 +556,7 @@ def _entry(
     ann,
     rules,
     axis_names,
+    source,
   )
 
 
