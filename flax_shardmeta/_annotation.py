@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -134,6 +135,7 @@ def register_annotation_type(
 def _classify(t: type) -> Any:
   found = _by_type.get(t, _MISSING)
   if found is _MISSING:
+    _load_adapter(t)
     found = _most_specific(t)
     if found is None and _is_optax_state_type(t):
       found = _OPTIMIZER
@@ -142,6 +144,24 @@ def _classify(t: type) -> Any:
 
 
 _MISSING = object()
+
+# Front-end adapters that register their readers when imported, by the module
+# their leaf types come from. ``import flax_shardmeta`` loads no adapter (Linen
+# users should not pay for flax.nnx); the first leaf of such a type loads its
+# adapter, and by then its front end is imported, so only the adapter's own code
+# is loaded. Imported by name: the adapters sit above this layer.
+_ADAPTERS = {'flax.nnx': 'flax_shardmeta.nnx'}
+
+
+def _load_adapter(t: type) -> None:
+  # Once per new leaf type. import_module also waits for an adapter another
+  # thread is importing, so its readers are registered before ``t`` is looked up.
+  for front_end, adapter in _ADAPTERS.items():
+    for klass in t.__mro__:
+      module = getattr(klass, '__module__', None) or ''
+      if module == front_end or module.startswith(front_end + '.'):
+        importlib.import_module(adapter)
+        break
 
 
 def _most_specific(t: type) -> _Entry | None:

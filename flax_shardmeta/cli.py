@@ -156,12 +156,12 @@ def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
   Raises:
     UsageError: if the file cannot be read or does not hold valid rules.
   """
-  from flax_shardmeta._rules import normalize_rules, standard_logical_axis_rules
+  if spec in ('t5x', 't5x-2d'):
+    from flax_shardmeta._rules import standard_logical_axis_rules
 
-  if spec == 't5x':
+    if spec == 't5x-2d':
+      return standard_logical_axis_rules(1, 2)
     return standard_logical_axis_rules()
-  if spec == 't5x-2d':
-    return standard_logical_axis_rules(1, 2)
   try:
     with open(spec, 'rb') as f:
       raw = f.read()
@@ -184,6 +184,9 @@ def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
     (r[0], None if r[1] == [] else r[1]) if isinstance(r, list) and len(r) == 2 else r
     for r in data
   ]
+  # The rule engine (and with it jax) only once the file has been read.
+  from flax_shardmeta._rules import normalize_rules
+
   try:
     return normalize_rules(pairs)
   except ValueError as e:
@@ -465,8 +468,8 @@ def _simulate_cpu_devices(n: int) -> None:
   """Asks jax for ``n`` CPU devices, if its backends have not started yet.
 
   ``python -m flax_shardmeta`` sets the XLA flag before jax is imported; the
-  console script imports jax first, but no backend exists until the first
-  device query, so the config option still takes effect here.
+  console script does not, but no backend exists until the first device
+  query, so the config option still takes effect here.
   """
   import jax
 
