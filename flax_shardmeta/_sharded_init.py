@@ -1,42 +1,48 @@
-"""Sharded initialization that never materializes more than a chunk of a shard.
+"""Sharded initialization that never materializes more than a few chunks beyond
+the shards.
 
 ``jax.jit(init, out_shardings=...)`` already generates every parameter on its
 own shards (jax's partitionable threefry), but on CPU each generator keeps
 about three shard-sized temporaries (the threefry loop state), and XLA runs
-the generators of independent parameters side by side; on a model of a few
-large matrices peak memory more than doubles. :func:`sharded_init` builds one
-program in which each large parameter is filled chunk by chunk on each device
-(see :mod:`flax_shardmeta.windowed`), so temporaries stay a small, fixed size.
+the generators of independent parameters side by side: peak memory more than
+doubles, whether the model is a few large matrices or many small ones.
+:func:`sharded_init` compiles the plain program and reads how much it holds;
+past a few chunks it builds one program in which every parameter that allows
+it is filled chunk by chunk on each device (see :mod:`flax_shardmeta._windowed`),
+so temporaries stay a small, fixed size.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, cast
 
 import jax
 import jax.core
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from flax_shardmeta import _windowed as windowed
 from flax_shardmeta._errors import NoMeshError
 from flax_shardmeta._generate import ArrayCall
+from flax_shardmeta._program_memory import program_memory
 from flax_shardmeta._rules import logical_axis_rules
 from flax_shardmeta._sharding import get_sharding, layout_tree
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 
 CHUNK_BYTES = windowed.CHUNK_BYTES
+FEW_CHUNKS = 5
+"""Temporaries plain generation may hold, in chunks, before parameters are
+generated chunk by chunk instead: what chunked generation itself holds (about
+four chunks: the random bits, threefry's two words and the piece written)."""
 
 
 class ShardedInit:
   """``init_fn`` as one jitted program producing its output already sharded.
 
   Call it like ``init_fn``; ``lower(*args)`` gives the ``jax.stages.Lowered``
-  program (e.g. for ``.compile().memory_analysis()``).
+  program a call runs (e.g. for ``.compile().memory_analysis()``).
   """
 
   def __init__(
@@ -73,7 +79,10 @@ class ShardedInit:
     stack.enter_context(self._rules())
     return stack
 
-  def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
+  def _build(
+    self, args: tuple[Any, ...], kwargs: dict[str, Any]
+  ) -> tuple[jax.stages.Lowered, jax.stages.Compiled, list[Any], Any]:
+    """The program to run: (lowered, compiled, its arguments, output treedef)."""
     call, arrays = ArrayCall.split(self.init_fn, args, kwargs)
     arrays = [_to_auto(x) for x in arrays]
 
@@ -88,43 +97,68 @@ class ShardedInit:
       )(*arrays)
     out_treedef = jax.tree_util.tree_structure(init_out)
     shardings = _per_array_leaf(init_out, _all_auto(self.mesh), self.rules)
-    graph = windowed._Graph(closed)
-    plans: dict[int, windowed.WindowedOutput] = {}
-    for i, (aval, sharding) in enumerate(zip(out_tree, shardings)):
-      local = (
-        math.prod(sharding.shard_shape(aval.shape)) * np.dtype(aval.dtype).itemsize
-      )
-      if local > self.chunk_bytes:
-        w = windowed.analyse(closed, graph, i)
-        if w is not None:
-          plans[i] = w
     dtypes = [a.dtype for a in out_tree]
 
-    def program(*arrays: Any) -> list[Any]:
-      outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
-      for i, w in plans.items():
-        # The plain result of output i goes unused, so XLA drops it.
-        outs[i] = windowed.generate_sharded(
-          w, list(arrays), shardings[i], dtypes[i], self.chunk_bytes
-        )
-      return outs
+    def compile_program(plans: dict[int, windowed.WindowedOutput]):
+      program = _program(closed, plans, shardings, dtypes, self.chunk_bytes)
+      with self._context():
+        lowered = jax.jit(program, out_shardings=shardings).lower(*arrays)
+      compiled = lowered.compile()
+      return lowered, compiled, program_memory(compiled)
 
-    jitted = jax.jit(program, out_shardings=shardings)
-    return jitted, arrays, out_treedef
+    # The program decides, not the parameters' sizes: XLA runs the generators
+    # of independent parameters side by side, so many small shards can hold
+    # as much as one large one. Plain generation is kept when it holds no more
+    # than a few chunks (a tiny model pays nothing); otherwise every parameter
+    # that can be is filled chunk by chunk, one after the other.
+    lowered, compiled, held = compile_program({})
+    if held is not None and held.temporaries <= FEW_CHUNKS * self.chunk_bytes:
+      return lowered, compiled, arrays, out_treedef
+    graph = windowed._Graph(closed)
+    plans = {}
+    for i in range(len(out_tree)):
+      w = windowed.analyse(closed, graph, i)
+      if w is not None:
+        plans[i] = w
+    if not plans:
+      return lowered, compiled, arrays, out_treedef
+    chunked = compile_program(plans)
+    if held is not None and chunked[2] is not None:
+      if chunked[2].temporaries >= held.temporaries:
+        return lowered, compiled, arrays, out_treedef
+    return chunked[0], chunked[1], arrays, out_treedef
 
   def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-    """The lowered single program for these arguments."""
-    jitted, arrays, _ = self._build(args, kwargs)
-    with self._context():
-      return jitted.lower(*arrays)
+    """The lowered single program for these arguments (the one a call runs)."""
+    return self._build(args, kwargs)[0]
 
   def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
-    jitted, arrays, out_treedef = self._build(args, kwargs)
-    with self._context():
-      outs = jitted(*arrays)
+    _, compiled, arrays, out_treedef = self._build(args, kwargs)
+    outs = compiled(*arrays)
     if _all_auto(self.mesh) is not self.mesh:
       outs = [_retype(x, self.mesh) for x in outs]
     return jax.tree_util.tree_unflatten(out_treedef, outs)
+
+
+def _program(
+  closed: Any,
+  plans: dict[int, windowed.WindowedOutput],
+  shardings: list[Any],
+  dtypes: list[Any],
+  chunk_bytes: int,
+) -> Callable[..., list[Any]]:
+  """The init as one function; the outputs in ``plans`` are made chunk by chunk."""
+
+  def program(*arrays: Any) -> list[Any]:
+    outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
+    for i, w in plans.items():
+      # The plain result of output i goes unused, so XLA drops it.
+      outs[i] = windowed.generate_sharded(
+        w, list(arrays), shardings[i], dtypes[i], chunk_bytes, buffer_fill=i + 1
+      )
+    return outs
+
+  return program
 
 
 def sharded_init(
@@ -138,17 +172,20 @@ def sharded_init(
 
   Each array leaf is laid out as ``fsm.get_sharding`` plans it (problems raise
   :class:`fsm.ShardingError` before anything runs) and generated where it
-  lives; large parameters are filled chunk by chunk on each device, so no
-  device ever holds more than its shards plus a few chunk-sized
-  temporaries. Values equal ``init_fn``'s (up to floating-point rounding of
-  the last bit in a few initializers).
+  lives. The program is chosen by what XLA says it would hold: the plain one
+  when its temporaries are at most :data:`FEW_CHUNKS` chunks, otherwise one in
+  which parameters are filled chunk by chunk on each device, whatever their
+  size. So no device holds more than its shards plus a few chunk-sized
+  temporaries (initializers that cannot be computed chunk by chunk, such as
+  orthogonal, are generated whole). Values equal ``init_fn``'s (up to
+  floating-point rounding of the last bit in a few initializers).
 
   Args:
     init_fn: e.g. ``model.init`` or a function building a TrainState.
     mesh: the device mesh (a concrete ``Mesh``: devices generate the values).
     rules: logical axis rules; None uses the context rules.
-    chunk_bytes: per-device bytes of a parameter generated at once; larger
-      per-device shards are filled chunk by chunk.
+    chunk_bytes: per-device bytes of a parameter generated at once when
+      generating chunk by chunk.
 
   Returns:
     A :class:`ShardedInit` with ``init_fn``'s signature (and ``.lower``).
