@@ -6,16 +6,18 @@ own shards (jax's partitionable threefry), but on CPU each generator keeps
 about three shard-sized temporaries (the threefry loop state), and XLA runs
 the generators of independent parameters side by side: peak memory more than
 doubles, whether the model is a few large matrices or many small ones.
-:func:`sharded_init` compiles the plain program and reads how much it holds;
-past a few chunks it builds one program in which every parameter that allows
-it is filled chunk by chunk on each device (see :mod:`flax_shardmeta._windowed`),
-so temporaries stay a small, fixed size.
+:func:`sharded_init` keeps a program only when XLA's memory analysis says it
+holds at most a few chunks: plain generation for a small model, otherwise one
+program in which every parameter that allows it is filled chunk by chunk on
+each device (see :mod:`flax_shardmeta._windowed`), so temporaries stay a small,
+fixed size.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -32,6 +34,12 @@ from flax_shardmeta._sharding import get_sharding, layout_tree
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 
 CHUNK_BYTES = windowed.CHUNK_BYTES
+Program = tuple[jax.stages.Lowered, jax.stages.Compiled]
+"""A program of the init, lowered and compiled."""
+_WORST_BYTES_PER_ELEMENT = 16
+"""Temporaries of plain generation per element when every generator runs at
+once: jax's threefry holds two 32-bit words per element, its bits and the
+value (measured on CPU: 12 bytes for float32, 16 for bfloat16)."""
 FEW_CHUNKS = 5
 """Temporaries plain generation may hold, in chunks, before parameters are
 generated chunk by chunk instead: what chunked generation itself holds (about
@@ -99,34 +107,40 @@ class ShardedInit:
     shardings = _per_array_leaf(init_out, _all_auto(self.mesh), self.rules)
     dtypes = [a.dtype for a in out_tree]
 
-    def compile_program(plans: dict[int, windowed.WindowedOutput]):
+    def compile_program(plans: dict[int, windowed.WindowedOutput]) -> Program:
       program = _program(closed, plans, shardings, dtypes, self.chunk_bytes)
       with self._context():
         lowered = jax.jit(program, out_shardings=shardings).lower(*arrays)
-      compiled = lowered.compile()
-      return lowered, compiled, program_memory(compiled)
+      return lowered, lowered.compile()
 
-    # The program decides, not the parameters' sizes: XLA runs the generators
-    # of independent parameters side by side, so many small shards can hold
-    # as much as one large one. Plain generation is kept when it holds no more
-    # than a few chunks (a tiny model pays nothing); otherwise every parameter
-    # that can be is filled chunk by chunk, one after the other.
-    lowered, compiled, held = compile_program({})
-    if held is not None and held.temporaries <= FEW_CHUNKS * self.chunk_bytes:
-      return lowered, compiled, arrays, out_treedef
-    graph = windowed._Graph(closed)
-    plans = {}
-    for i in range(len(out_tree)):
-      w = windowed.analyse(closed, graph, i)
-      if w is not None:
-        plans[i] = w
-    if not plans:
-      return lowered, compiled, arrays, out_treedef
-    chunked = compile_program(plans)
-    if held is not None and chunked[2] is not None:
-      if chunked[2].temporaries >= held.temporaries:
-        return lowered, compiled, arrays, out_treedef
-    return chunked[0], chunked[1], arrays, out_treedef
+    def compile_chunked() -> Program | None:
+      plans = _windowed_outputs(closed, len(out_tree))
+      return compile_program(plans) if plans else None  # None: nothing to chunk
+
+    # The programs decide, not the parameters' sizes: XLA runs the generators
+    # of independent parameters side by side, so many small shards can hold as
+    # much as one large one. A program is kept when XLA's memory analysis says
+    # it holds at most a few chunks. Tried first is plain generation when even
+    # every generator running at once would hold no more (a tiny model compiles
+    # once and pays nothing), chunked generation otherwise.
+    budget = FEW_CHUNKS * self.chunk_bytes
+    worst = sum(
+      _WORST_BYTES_PER_ELEMENT * math.prod(s.shard_shape(a.shape))
+      for a, s in zip(out_tree, shardings)
+    )
+    plain_first = worst <= budget
+    chosen = compile_program({}) if plain_first else compile_chunked()
+    if chosen is None:
+      return (*compile_program({}), arrays, out_treedef)
+    held = program_memory(chosen[1])
+    if held is not None and held.temporaries > budget:
+      # More than a few chunks: the other program may hold less.
+      other = compile_chunked() if plain_first else compile_program({})
+      other_held = None if other is None else program_memory(other[1])
+      if other is not None and other_held is not None:
+        if other_held.temporaries < held.temporaries:
+          chosen = other
+    return (*chosen, arrays, out_treedef)
 
   def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
     """The lowered single program for these arguments (the one a call runs)."""
@@ -138,6 +152,17 @@ class ShardedInit:
     if _all_auto(self.mesh) is not self.mesh:
       outs = [_retype(x, self.mesh) for x in outs]
     return jax.tree_util.tree_unflatten(out_treedef, outs)
+
+
+def _windowed_outputs(closed: Any, n: int) -> dict[int, windowed.WindowedOutput]:
+  """The outputs that can be computed window by window, with their evaluators."""
+  graph = windowed._Graph(closed)
+  plans = {}
+  for i in range(n):
+    w = windowed.analyse(closed, graph, i)
+    if w is not None:
+      plans[i] = w
+  return plans
 
 
 def _program(
@@ -172,12 +197,12 @@ def sharded_init(
 
   Each array leaf is laid out as ``fsm.get_sharding`` plans it (problems raise
   :class:`fsm.ShardingError` before anything runs) and generated where it
-  lives. The program is chosen by what XLA says it would hold: the plain one
-  when its temporaries are at most :data:`FEW_CHUNKS` chunks, otherwise one in
-  which parameters are filled chunk by chunk on each device, whatever their
-  size. So no device holds more than its shards plus a few chunk-sized
-  temporaries (initializers that cannot be computed chunk by chunk, such as
-  orthogonal, are generated whole). Values equal ``init_fn``'s (up to
+  lives. The program is chosen by what XLA's memory analysis says it holds:
+  plain generation when its temporaries are at most :data:`FEW_CHUNKS` chunks,
+  otherwise one in which parameters are filled chunk by chunk on each device,
+  whatever their size. So no device holds more than its shards plus a few
+  chunk-sized temporaries (initializers that cannot be computed chunk by
+  chunk, such as orthogonal, are generated whole). Values equal ``init_fn``'s (up to
   floating-point rounding of the last bit in a few initializers).
 
   Args:

@@ -161,7 +161,9 @@ class Wide(nn.Module):
 
 
 @pytest.mark.parametrize('shard_per_chunk', [0.25, 1, 4])
-def test_temporaries_stay_a_few_chunks_for_every_shard_size(mesh, shard_per_chunk):
+def test_temporaries_stay_a_few_chunks_for_every_shard_size(
+  mesh, monkeypatch, shard_per_chunk
+):
   # XLA runs the generators of independent parameters side by side, so many
   # shards no larger than a chunk held as much as one large one.
   chunk = 16 * 1024
@@ -172,8 +174,14 @@ def test_temporaries_stay_a_few_chunks_for_every_shard_size(mesh, shard_per_chun
   with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
     shardings = fsm.get_sharding(jax.eval_shape(model.init, key, x), mesh)
     plain = jax.jit(model.init, out_shardings=shardings).lower(key, x).compile()
+  measured = []
+  real = sharded_init_lib.program_memory
+  monkeypatch.setattr(
+    sharded_init_lib, 'program_memory', lambda c: measured.append(1) or real(c)
+  )
   chunked = fsm.sharded_init(model.init, mesh, RULES, chunk_bytes=chunk)
   got = chunked.lower(key, x).compile().memory_analysis()
+  assert len(measured) == 1, 'more than the chunked program was compiled'
   budget = sharded_init_lib.FEW_CHUNKS * chunk
   assert plain.memory_analysis().temp_size_in_bytes > budget
   assert got.temp_size_in_bytes <= budget
@@ -197,8 +205,12 @@ def test_a_small_model_keeps_plain_generation(mesh, monkeypatch):
   _check_same(fsm.sharded_init(model.init, mesh, RULES)(key, x), want, shardings)
 
 
-def test_without_a_memory_analysis_large_parameters_are_chunked(mesh, monkeypatch):
-  # A backend that reports nothing gets the chunked program: always correct.
+@pytest.mark.parametrize('chunk_bytes, chunked', [(512, True), (None, False)])
+def test_without_a_memory_analysis_the_worst_case_decides(
+  mesh, monkeypatch, chunk_bytes, chunked
+):
+  # A backend that reports nothing: plain generation only when every generator
+  # running at once would still hold a few chunks (here 2 x 64x64 float32).
   monkeypatch.setattr(sharded_init_lib, 'program_memory', lambda compiled: None)
   calls = []
   real = windowed.generate_sharded
@@ -207,8 +219,9 @@ def test_without_a_memory_analysis_large_parameters_are_chunked(mesh, monkeypatc
   )
   model = Wide(2, 64, 64)
   key, x = jax.random.key(0), jnp.ones((1,))
-  out = fsm.sharded_init(model.init, mesh, RULES)(key, x)
-  assert len(calls) == 2
+  kwargs = {} if chunk_bytes is None else {'chunk_bytes': chunk_bytes}
+  out = fsm.sharded_init(model.init, mesh, RULES, **kwargs)(key, x)
+  assert len(calls) == (2 if chunked else 0)
   with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
     shardings = fsm.get_sharding(jax.eval_shape(model.init, key, x), mesh)
     want = jax.jit(model.init, out_shardings=shardings)(key, x)
