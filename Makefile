@@ -1,17 +1,35 @@
-# Everything runs inside .venv, created on first use from python3 (>= 3.11).
+# Everything runs inside a venv made on first use. Two stacks:
+#   .venv         the floor: python3 (3.11 in CI) with pyproject's minimum versions,
+#                 pinned by .ci/floor.txt (`make demo`, `make test`, `make test-slow`);
+#   .venv-latest  the newest Python on the machine (.ci/newest-python) with the
+#                 newest jax / flax the index serves for it (`make test-latest`).
+# An extra for one stack is one word in its *_EXTRAS line.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+FLOOR_EXTRAS := test,notebooks,tpu
 PYTEST := $(BIN)/python -m pytest -n 2
 
-.PHONY: demo test test-slow lint bench clean
+LATEST_PYTHON ?= $(shell bash .ci/newest-python)
+LATEST_VENV := .venv-latest
+LATEST_BIN := $(LATEST_VENV)/bin
+LATEST_STAMP := $(LATEST_VENV)/.installed
+LATEST_EXTRAS := test,notebooks,tpu
 
-$(STAMP): pyproject.toml
+.PHONY: demo test test-slow test-latest lint bench versions clean
+
+$(STAMP): pyproject.toml .ci/floor.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,notebooks]'
+	$(BIN)/pip install --quiet -c .ci/floor.txt -e '.[$(FLOOR_EXTRAS)]'
 	touch $(STAMP)
+
+$(LATEST_STAMP): pyproject.toml
+	$(LATEST_PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_BIN)/pip install --quiet --upgrade pip
+	$(LATEST_BIN)/pip install --quiet --upgrade --upgrade-strategy eager -e '.[$(LATEST_EXTRAS)]'
+	touch $(LATEST_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m flax_shardmeta demo
@@ -24,14 +42,24 @@ test: lint
 test-slow: $(STAMP)
 	$(PYTEST) -m slow
 
+# The default tests again, on the newest Python, jax and flax.
+test-latest: $(LATEST_STAMP)
+	$(LATEST_BIN)/python -m pytest -n 2 -m 'not slow'
+
 lint: $(STAMP)
 	$(BIN)/ruff check flax_shardmeta tests benchmarks
 	$(BIN)/ruff format --check flax_shardmeta tests benchmarks
 	$(BIN)/pyright
+
+# Which Python, jax and flax each stack has.
+versions:
+	@for py in $(BIN)/python $(LATEST_BIN)/python; do test -x $$py && $$py -c \
+	  'import sys, jax, flax; print(sys.prefix, sys.version.split()[0], "jax", jax.__version__, "flax", flax.__version__)'; \
+	done; true
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/python benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(LATEST_VENV) .pytest_cache .ruff_cache .hypothesis

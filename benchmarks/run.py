@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ('speed.py', 'memory.py', 'plan_405b.py')
+SCRIPTS = ('speed.py', 'memory.py', 'plan_405b.py', 'fit.py', 'suggest.py')
 
 
 def main() -> int:

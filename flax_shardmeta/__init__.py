@@ -34,6 +34,8 @@ if TYPE_CHECKING:  # The same names as _EXPORTS below, for type checkers.
   )
   from flax_shardmeta._errors import (
     BatchLayoutError,
+    ExplicitShardingError,
+    FitError,
     FlaxShardmetaError,
     InvalidNamesError,
     InvalidRulesError,
@@ -41,10 +43,17 @@ if TYPE_CHECKING:  # The same names as _EXPORTS below, for type checkers.
     MeshShapeError,
     NoMeshError,
     RuleConflictError,
+    RuleContextError,
     ShardingError,
     ShardingFitWarning,
     ShardingProblem,
+    TopologyError,
     UnmappedMeshAxisNameWarning,
+    UnmappedNameWarning,
+  )
+  from flax_shardmeta._explicit import (
+    explain_sharding_type_errors,
+    logical_out_sharding,
   )
   from flax_shardmeta._hosts.checkpoint import as_abstract
   from flax_shardmeta._hosts.data import (
@@ -56,6 +65,7 @@ if TYPE_CHECKING:  # The same names as _EXPORTS below, for type checkers.
   from flax_shardmeta._hosts.jit import JitWithContext, jit
   from flax_shardmeta._hosts.mesh import make_mesh
   from flax_shardmeta._hosts.transfer import gather_tree, shard_tree
+  from flax_shardmeta._planning.fit import fit
   from flax_shardmeta._planning.plan import (
     Mismatch,
     Mismatches,
@@ -65,6 +75,9 @@ if TYPE_CHECKING:  # The same names as _EXPORTS below, for type checkers.
     plan,
     verify,
   )
+  from flax_shardmeta._planning.presets import PRESETS as RULE_PRESETS
+  from flax_shardmeta._planning.presets import RulePreset
+  from flax_shardmeta._planning.report import FitReport
   from flax_shardmeta._regex_rules import match_partition_rules
   from flax_shardmeta._rules import (
     composite_rules,
@@ -82,13 +95,18 @@ if TYPE_CHECKING:  # The same names as _EXPORTS below, for type checkers.
     logical_to_mesh,
     logical_to_mesh_sharding,
   )
+  from flax_shardmeta._suggest import Candidate, Suggestions, suggest
 
 __version__ = '0.1.0'
 
 __all__ = [
   'Annotation',
   'BatchLayoutError',
+  'Candidate',
   'DataLayout',
+  'FitError',
+  'FitReport',
+  'ExplicitShardingError',
   'FlaxShardmetaError',
   'InvalidNamesError',
   'InvalidRulesError',
@@ -102,20 +120,28 @@ __all__ = [
   'PARTITION_NAME',
   'Partitioned',
   'PlanEntry',
+  'RULE_PRESETS',
+  'RulePreset',
   'RuleConflictError',
+  'RuleContextError',
   'RulesFallback',
   'ShardingError',
   'ShardingFitWarning',
   'ShardingPlan',
   'ShardingProblem',
+  'Suggestions',
+  'TopologyError',
   'UnmappedMeshAxisNameWarning',
+  'UnmappedNameWarning',
   '__version__',
   'actual_shardings',
   'as_abstract',
   'clear_caches',
   'composite_rules',
   'data_layout',
+  'explain_sharding_type_errors',
   'explain_resolution',
+  'fit',
   'gather_tree',
   'get_logical_axis_rules',
   'get_partition_spec',
@@ -124,6 +150,7 @@ __all__ = [
   'host_local_to_global',
   'jit',
   'logical_axis_rules',
+  'logical_out_sharding',
   'logical_to_mesh',
   'logical_to_mesh_axes',
   'logical_to_mesh_sharding',
@@ -138,6 +165,7 @@ __all__ = [
   'shard_value',
   'sharded_init',
   'standard_logical_axis_rules',
+  'suggest',
   'unbox',
   'verify',
   'with_logical_constraint',
@@ -174,6 +202,20 @@ _EXPORTS: dict[str, str] = {
   'ShardingFitWarning': '_errors',
   'ShardingProblem': '_errors',
   'UnmappedMeshAxisNameWarning': '_errors',
+  'ExplicitShardingError': '_errors',
+  'FitError': '_errors',
+  'RuleContextError': '_errors',
+  'TopologyError': '_errors',
+  'UnmappedNameWarning': '_errors',
+  'explain_sharding_type_errors': '_explicit',
+  'logical_out_sharding': '_explicit',
+  'fit': '_planning.fit',
+  'RULE_PRESETS': '_planning.presets:PRESETS',
+  'RulePreset': '_planning.presets',
+  'FitReport': '_planning.report',
+  'Candidate': '_suggest',
+  'Suggestions': '_suggest',
+  'suggest': '_suggest',
   'as_abstract': '_hosts.checkpoint',
   'DataLayout': '_hosts.data',
   'data_layout': '_hosts.data',

@@ -34,6 +34,9 @@ class Annotation:
     keep_mesh_names: for flax NNX annotations, a name with no rule that is a
       mesh axis stays that axis (flax's renaming semantics).
     optimizer_state: the leaf belongs to optimizer state (lenient rank rule).
+    reductions: the unreduced / reduced mesh axes of a PartitionSpec
+      annotation, as a PartitionSpec with no dimensions (``P(reduced=
+      {'data'})``), kept as they are in the resolved spec; None if none.
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -48,6 +51,7 @@ class Annotation:
   mesh: AnyMesh | None = None
   keep_mesh_names: bool = False
   optimizer_state: bool = False
+  reductions: Any = None
   _hash: int = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self) -> None:
@@ -63,6 +67,7 @@ class Annotation:
           self.mesh,
           self.keep_mesh_names,
           self.optimizer_state,
+          self.reductions,
         )
       ),
     )

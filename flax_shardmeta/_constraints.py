@@ -10,12 +10,20 @@ import enum
 from typing import Any
 
 import jax
+import jax.core
 from jax.sharding import PartitionSpec
 
 from flax_shardmeta._annotation import path_str
-from flax_shardmeta._errors import ShardingError, ShardingProblem
-from flax_shardmeta._placement import apply_spec, context_mesh, require_mesh
+from flax_shardmeta._errors import InvalidNamesError, ShardingError, ShardingProblem
+from flax_shardmeta._placement import (
+  apply_spec,
+  check_mesh,
+  context_mesh,
+  require_mesh,
+)
 from flax_shardmeta._rules import (
+  as_names,
+  check_jit_key,
   get_logical_axis_rules,
   normalize_rules,
   resolve,
@@ -25,6 +33,7 @@ from flax_shardmeta._specs import UNASSIGNED, unassigned_to_none
 from flax_shardmeta._typing import AnyMesh, LogicalNames, LogicalRules, PyTree
 from flax_shardmeta._unmapped import Unmapped, unmapped_names
 from flax_shardmeta._unmapped import report as report_unmapped
+from flax_shardmeta._validate import rank_issue
 
 
 class RulesFallback(enum.Enum):
@@ -112,36 +121,37 @@ def shard_value(
   """
   if names is None:
     return value
+  # A mesh passed where the rules go is refused here, by name.
+  rules_n = normalize_rules(rules) if rules is not None else None
   mesh = require_mesh(mesh, 'shard_value')
   if logical is False:
     rules_t: tuple[tuple[str, Any], ...] | None = None
   else:
-    rules_t = normalize_rules(rules) if rules is not None else get_logical_axis_rules()
+    rules_t = rules_n if rules_n is not None else get_logical_axis_rules()
     if not rules_t and logical is None:
       rules_t = None
   changes: list[tuple[str, tuple[str, ...]]] = []
   unmapped: list[Unmapped] = []
 
   def one(x: Any, n: Any, where: str) -> Any:
-    n = tuple(n)
+    n = _checked_names(x, n, where)
     if rules_t is None:
       entries = n
     else:
+      if rules is None:
+        check_jit_key(isinstance(x, jax.core.Tracer))
       resolved = resolve(n, rules_t)
       entries = unassigned_to_none(resolved)
       missing = unmapped_names(n, resolved, UNASSIGNED)
       if missing:
-        unmapped.append(Unmapped(where, _shape(x), n, PartitionSpec(*entries), missing))
+        unmapped.append(
+          Unmapped(where, _shape(x), n, PartitionSpec(*entries), missing, rules_t)
+        )
         if strict:
           return x  # reported with every other leaf's below
     return _place(x, entries, mesh, where, n, fit, changes)
 
-  if _is_single(value):
-    out = one(value, names, path)
-  elif _is_names(names) or isinstance(names, list):
-    raise ShardingError([_tree_given(value, names, path)])
-  else:
-    out = _map_names(one, names, value, path)
+  out = _map_names(one, names, value, path)
   _report(unmapped, mesh, strict, 'Pass logical=False if the names are mesh axes. ')
   if changes:
     warn_adjustments(changes, stacklevel=3)
@@ -150,6 +160,33 @@ def shard_value(
 
 def _shape(x: Any) -> tuple[int, ...]:
   return tuple(getattr(x, 'shape', ()))
+
+
+def _checked_names(x: Any, names: Any, where: str) -> tuple[Any, ...]:
+  """One value's names as a tuple, one entry per dimension, or a named error."""
+  try:
+    out = as_names(names)
+  except InvalidNamesError as e:
+    raise InvalidNamesError(f'{where}: {e}') from None
+  shape = _shape(x)
+  if isinstance(names, PartitionSpec) and len(out) < len(shape):
+    # jax's own form: trailing dimensions left out are replicated.
+    out += (None,) * (len(shape) - len(out))
+  if len(out) != len(shape):
+    reason, _, _ = rank_issue(len(out), len(shape))
+    raise ShardingError(
+      [
+        ShardingProblem(
+          where,
+          shape,
+          out,
+          None,
+          reason,
+          'give exactly one name per dimension (None for a replicated one)',
+        )
+      ]
+    )
+  return out
 
 
 def _is_single(value: Any) -> bool:
@@ -177,11 +214,21 @@ def _tree_given(value: Any, names: Any, path: str) -> ShardingProblem:
 
 
 def _map_names(one: Any, names: Any, value: Any, path: str) -> Any:
-  """Applies ``one(leaf, names, path)`` per names tuple of a names tree."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(names, is_leaf=_is_names)
-  try:
-    values = treedef.flatten_up_to(value)
-  except (ValueError, TypeError) as e:
+  """Applies ``one(array, names, path)`` per array of ``value``.
+
+  ``names`` is one names tuple (or list, or PartitionSpec) for one array, or
+  a tree of the value's structure holding one per array; None leaves a value
+  (or a whole subtree) as it is. Lists are names where the value is an array.
+  """
+  if names is None:
+    return value
+  if _is_single(value):
+    return one(value, names, path)
+  if _is_names(names):
+    raise ShardingError([_tree_given(value, names, path)])
+  v_flat, v_def = _one_level(value)
+  n_flat, n_def = _one_level(names)
+  if v_def != n_def:
     raise ShardingError(
       [
         ShardingProblem(
@@ -189,17 +236,34 @@ def _map_names(one: Any, names: Any, value: Any, path: str) -> Any:
           None,
           None,
           None,
-          f'the names tree does not match the value tree: {e}',
+          f'the names tree does not match the value tree here: the value is '
+          f'{_node(value)}, the names {_node(names)}',
           'give one names tuple (or None) per array, in a tree of the same '
           'structure as the value',
         )
       ]
-    ) from None
+    )
   out = [
-    x if n is None else one(x, n, _join(path, path_str(k)))
-    for (k, n), x in zip(flat, values)
+    _map_names(one, n, v, _join(path, path_str(k)))
+    for (k, v), (_, n) in zip(v_flat, n_flat)
   ]
-  return jax.tree_util.tree_unflatten(treedef, out)
+  return jax.tree_util.tree_unflatten(v_def, out)
+
+
+def _one_level(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+  """The immediate children of ``tree`` with their keys, and that level's def."""
+  return jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+
+
+def _node(x: Any) -> str:
+  """A tree node described by its type and keys, never by array contents."""
+  if isinstance(x, dict):
+    return f'a {type(x).__name__} with keys {sorted(map(str, x))}'
+  if isinstance(x, (list, tuple)):
+    return f'a {type(x).__name__} of {len(x)}'
+  if hasattr(x, 'shape'):
+    return f'an array of shape {tuple(x.shape)}'
+  return f'a {type(x).__name__}'
 
 
 def _join(root: str, sub: str) -> str:
@@ -247,17 +311,20 @@ def _constrain_one(
   fit: bool,
   changes: list[tuple[str, tuple[str, ...]]],
   unmapped: list[Unmapped],
+  check_context: bool,
 ) -> Any:
   if names is None:
     return x
-  names = tuple(names)
+  names = _checked_names(x, names, where)
+  if check_context:
+    check_jit_key(isinstance(x, jax.core.Tracer))
   resolved = resolve(names, rules)
   entries = unassigned_to_none(resolved)
   missing = unmapped_names(names, resolved, UNASSIGNED)
   if missing:
     if strict:
       unmapped.append(
-        Unmapped(where, _shape(x), names, PartitionSpec(*entries), missing)
+        Unmapped(where, _shape(x), names, PartitionSpec(*entries), missing, rules)
       )
       return x  # reported with every other leaf's by the caller
     if fallback is RulesFallback.NO_CONSTRAINT:
@@ -275,19 +342,18 @@ def _constrain_one(
           )
         ]
       )
-    unmapped.append(Unmapped(where, _shape(x), names, PartitionSpec(*entries), missing))
+    unmapped.append(
+      Unmapped(where, _shape(x), names, PartitionSpec(*entries), missing, rules)
+    )
   return _place(x, entries, mesh, where, names, fit, changes)
 
 
 def _is_names(x: Any) -> bool:
-  return (
-    x is None
-    or isinstance(x, PartitionSpec)
-    or (
-      isinstance(x, tuple)
-      and all(
-        e is None or isinstance(e, str) or e is PartitionSpec.UNCONSTRAINED for e in x
-      )
+  """Whether ``x`` reads as one names tuple (not a tree of them)."""
+  return isinstance(x, PartitionSpec) or (
+    isinstance(x, (tuple, list))
+    and all(
+      e is None or isinstance(e, str) or e is PartitionSpec.UNCONSTRAINED for e in x
     )
   )
 
@@ -304,11 +370,18 @@ def with_logical_constraint(
 ) -> PyTree:
   """Constrains an activation (or a pytree of them) by logical names.
 
-  With no rules (given or in context) or no mesh (given, set by
-  ``jax.set_mesh`` or by the deprecated ``with mesh:``) it returns ``x``
-  itself. Works under Auto and Explicit meshes, eagerly and in ``jit``;
-  inside ``shard_map`` the manual axes are left alone. A replicated name
-  that is also a mesh-axis name gets an :class:`UnmappedMeshAxisNameWarning`.
+  With no rules (given, set by :func:`logical_axis_rules` or by flax's
+  ``nn.logical_axis_rules``) or no mesh (given, set by ``jax.set_mesh`` or by
+  the deprecated ``with mesh:``) it returns ``x`` itself. Works under Auto,
+  Explicit and mixed meshes, eagerly and in ``jit``; inside ``shard_map`` the
+  manual axes are left alone. A replicated name that is also a mesh-axis
+  name gets an :class:`UnmappedMeshAxisNameWarning`.
+
+  Inside ``jit`` the rules in force while the function is traced apply.
+  fsm's own rules are part of ``jax.jit``'s cache key, so a function is traced
+  again under other rules; flax's ``nn.logical_axis_rules`` are not (as in
+  flax). :func:`flax_shardmeta.jit`, which enters its mesh and rules wherever
+  it traces, is the recommended way to compile such functions.
 
   Args:
     x: an array, or a pytree of arrays with ``names`` a tree of names tuples.
@@ -331,18 +404,26 @@ def with_logical_constraint(
   mesh = mesh if mesh is not None else context_mesh()
   if not rules_t or mesh is None or names is None:
     return x
+  mesh = check_mesh(mesh, 'with_logical_constraint')
   changes: list[tuple[str, tuple[str, ...]]] = []
   unmapped: list[Unmapped] = []
 
   def one(v: Any, n: Any, where: str) -> Any:
     return _constrain_one(
-      v, n, rules_t, mesh, fallback, strict, where, fit, changes, unmapped
+      v,
+      n,
+      rules_t,
+      mesh,
+      fallback,
+      strict,
+      where,
+      fit,
+      changes,
+      unmapped,
+      rules is None,
     )
 
-  if _is_names(names):
-    out = one(x, names, '<constraint>')
-  else:
-    out = _map_names(one, names, x, '<constraint>')
+  out = _map_names(one, names, x, '<constraint>')
   _report(unmapped, mesh, strict)
   if changes:
     warn_adjustments(changes, stacklevel=3)

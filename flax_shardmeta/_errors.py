@@ -6,8 +6,6 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from flax_shardmeta._specs import format_spec
-
 
 @dataclasses.dataclass(frozen=True)
 class ShardingProblem:
@@ -42,8 +40,8 @@ class ShardingProblem:
 
   def __str__(self) -> str:
     return (
-      f'{self.path}: shape {self.shape}, names {format_spec(self.names)}, '
-      f'spec {format_spec(self.spec)}: {self.reason}. Fix: {self.hint}'
+      f'{self.path}: shape {self.shape}, names {_format(self.names)}, '
+      f'spec {_format(self.spec)}: {self.reason}. Fix: {self.hint}'
     )
 
   def to_dict(self) -> dict[str, Any]:
@@ -51,8 +49,8 @@ class ShardingProblem:
     return {
       'path': self.path,
       'shape': list(self.shape) if self.shape is not None else None,
-      'names': format_spec(self.names) if self.names is not None else None,
-      'spec': format_spec(self.spec) if self.spec is not None else None,
+      'names': _format(self.names) if self.names is not None else None,
+      'spec': _format(self.spec) if self.spec is not None else None,
       'reason': self.reason,
       'hint': self.hint,
     }
@@ -95,18 +93,22 @@ class ShardingError(FlaxShardmetaError):
     ...   print(e.problems[0].path)
     1 leaf cannot be sharded as annotated:
       - w: shape (6,), names ('model',), spec P('model'): dimension 0 of size 6 is
-      not divisible by 'model'=4 (= 4). Fix: make the size a multiple of 4, ...
+      not divisible by 'model'=4. Fix: make the size a multiple of 4, ...
     w
   """
 
   def __init__(self, problems: Sequence[ShardingProblem], context: str = ''):
     self.problems = tuple(problems)
-    # A leaf may have several problems; the header counts leaves.
-    n = len({p.path for p in self.problems})
-    head = f'{n} leaf cannot' if n == 1 else f'{n} leaves cannot'
-    lines = [f'{head} be sharded as annotated{context}:']
-    lines += [f'  - {p}' for p in self.problems]
-    super().__init__('\n'.join(lines))
+    super().__init__(_listing(self.problems, 'be sharded as annotated', context))
+
+
+def _listing(problems: Sequence[ShardingProblem], what: str, context: str) -> str:
+  # A leaf may have several problems; the header counts leaves.
+  n = len({p.path for p in problems})
+  head = f'{n} leaf cannot' if n == 1 else f'{n} leaves cannot'
+  lines = [f'{head} {what}{context}:']
+  lines += [f'  - {p}' for p in problems]
+  return '\n'.join(lines)
 
 
 class RuleConflictError(FlaxShardmetaError):
@@ -150,8 +152,14 @@ class InvalidRulesError(FlaxShardmetaError):
 
 
 class InvalidNamesError(FlaxShardmetaError):
-  """Raised when an annotation's names are malformed (a bare string, a repeat,
-  a transform's axis name that does not match).
+  """Raised when an annotation's names are malformed (a bare string, an
+  integer or a nested tuple, a repeat, a transform's axis name that does not
+  match).
+
+  Names are strings, None, ``PartitionSpec.UNCONSTRAINED`` or tuples of
+  mesh-axis names. Raised for a whole tree (``fsm.get_sharding``), it lists
+  every parameter at fault and ``problems`` holds them as
+  :class:`ShardingProblem` records.
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -159,6 +167,27 @@ class InvalidNamesError(FlaxShardmetaError):
     Traceback (most recent call last):
     ...
     flax_shardmeta._errors.InvalidNamesError: ...
+  """
+
+  def __init__(self, message: str = '', problems: Sequence[ShardingProblem] = ()):
+    self.problems = tuple(problems)
+    if self.problems and not message:
+      message = _listing(self.problems, 'be laid out: their names are malformed', '')
+    super().__init__(message)
+
+
+class RuleContextError(FlaxShardmetaError):
+  """Raised when a rules context is misused: exited in another thread or
+  asyncio task than the one that entered it, or traced under rules jax's
+  cache key does not name.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.logical_axis_rules([('mlp', 'model')]).__exit__(None, None, None)
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.RuleContextError: fsm.logical_axis_rules((('mlp',
+    'model'),)) was exited but never entered.
   """
 
 
@@ -210,6 +239,74 @@ class LaunchError(FlaxShardmetaError):
     super().__init__(message)
 
 
+class TopologyError(FlaxShardmetaError):
+  """Raised when the devices of a TPU topology cannot be made on this machine.
+
+  Either ``libtpu`` is not installed (the message names the extra that brings
+  it) or the topology name is not one libtpu knows (the message lists the
+  accepted forms).
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.make_mesh((4,), ('data',), topology='v5p-8')
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.TopologyError: unknown TPU topology 'v5p-8': ...
+  """
+
+
+class FitError(FlaxShardmetaError):
+  """Raised when ``fit`` cannot analyse a step: a malformed HBM size, no mesh,
+  arguments that do not match the step, or a compiler error other than
+  running out of memory (which is a verdict, not an error).
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.fit(lambda x: x, hbm='lots')
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.FitError: hbm='lots': 'lots' is not a size; ...
+  """
+
+
+class ExplicitShardingError(FlaxShardmetaError):
+  """Raised when jax cannot type an operation's sharding on Explicit mesh axes.
+
+  jax's own ``ShardingTypeError`` (a matmul contracting a sharded dimension,
+  say), re-raised while ``fsm.jit`` or ``fsm.sharded_init`` trace with the
+  operation's source line, its operands' types (``float32[8,16@model]``:
+  dimension 1 sharded over ``'model'``) and the two fixes: Auto axes, or an
+  ``out_sharding=`` at that line (:func:`flax_shardmeta.logical_out_sharding`).
+  jax's error is its ``__cause__``.
+
+  Attributes:
+    operation: what was being traced, e.g. ``'fsm.jit'``.
+    source: ``file:line in function: text`` of the operation.
+    operands: the operands' types, as jax prints them.
+    jax_message: jax's message.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> e = fsm.ExplicitShardingError('...', operation='fsm.jit', source='m.py:3',
+    ...                               operands=('float32[8,16@model]',))
+    >>> e.source, isinstance(e, ValueError)
+    ('m.py:3', True)
+  """
+
+  def __init__(
+    self,
+    message: str,
+    *,
+    operation: str = '',
+    source: str = '',
+    operands: Sequence[str] = (),
+    jax_message: str = '',
+  ):
+    super().__init__(message)
+    self.operation, self.source = operation, source
+    self.operands, self.jax_message = tuple(operands), jax_message
+
+
 class ShardingFitWarning(UserWarning):
   """Issued when ``fit=True`` replicated dimensions that could not be sharded.
 
@@ -232,7 +329,7 @@ class ShardingFitWarning(UserWarning):
     ('ShardingFitWarning', P(None,))
     >>> caught[0].message.adjustments
     ("w: dimension 0: 'model' -> None (dimension 0 of size 6 is not divisible
-      by 'model'=4 (= 4))",)
+      by 'model'=4)",)
   """
 
   def __init__(
@@ -251,7 +348,30 @@ class ShardingFitWarning(UserWarning):
     return tuple(self._adjustments or ())
 
 
-class UnmappedMeshAxisNameWarning(UserWarning):
+class UnmappedNameWarning(UserWarning):
+  """Issued when logical names were replicated for a reason that looks like a
+  mistake: no rules are given or set at all, or a name is close to a rule's
+  name (``'mpl'`` where a rule names ``'mlp'``). One warning per call (per
+  name for near misses), listing the parameters concerned.
+
+  Example:
+    >>> import warnings
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> mesh = jax.sharding.AbstractMesh((2,), ('model',))
+    >>> tree = {'w': fsm.LogicalPartitioned(
+    ...     jax.ShapeDtypeStruct((4,), jnp.float32), ('mpl',))}
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter('always')
+    ...   spec = fsm.get_sharding(tree, mesh, [('mlp', 'model')])['w'].spec
+    >>> spec, caught[0].category.__name__
+    (P(None,), 'UnmappedNameWarning')
+    >>> print(caught[0].message)
+    Logical name 'mpl' is not mapped by any rule, so it was replicated; did you
+    mean 'mlp' (rule ('mlp', 'model'))? Concerned: w.
+  """
+
+
+class UnmappedMeshAxisNameWarning(UnmappedNameWarning):
   """Issued when a logical name no rule maps is also a mesh-axis name.
 
   Such a dimension is replicated, which is rarely what was meant: either the
@@ -266,7 +386,8 @@ class UnmappedMeshAxisNameWarning(UserWarning):
     >>> mesh = jax.sharding.AbstractMesh((2,), ('data',))
     >>> with warnings.catch_warnings(record=True) as caught:
     ...   warnings.simplefilter('always')
-    ...   spec = fsm.logical_to_mesh_sharding(jax.P('data'), mesh).spec
+    ...   spec = fsm.logical_to_mesh_sharding(
+    ...       jax.P('data'), mesh, [('batch', 'data')]).spec
     >>> spec, caught[0].category.__name__
     (P(None,), 'UnmappedMeshAxisNameWarning')
   """
@@ -278,3 +399,11 @@ def unmapped_hint(name: str) -> str:
     f'did you mean mesh-axis annotations (`with_partitioning`) or a rule '
     f'({name!r}, {name!r})?'
   )
+
+
+def _format(spec: Any) -> str:
+  # Imported when a message is made: importing the errors (as the command
+  # line does) must not load jax.
+  from flax_shardmeta._specs import format_spec
+
+  return format_spec(spec)

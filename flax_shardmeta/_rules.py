@@ -1,4 +1,4 @@
-"""Logical axis rules: the thread-local rule context and the one resolution engine.
+"""Logical axis rules: the rule context and the one resolution engine.
 
 Rules are priority-ordered pairs ``(logical_name, mesh_axes)``. Resolution walks
 the rules in order; a rule gives its mesh axes to its name's dimension when that
@@ -10,21 +10,25 @@ replicated. Linen boxes, NNX Variables, constraints and plans all go through
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, overload
 
 import jax
-from jax.sharding import PartitionSpec
+from flax.core import spmd as flax_core_spmd
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from flax_shardmeta import _unmapped as unmapped_lib
 from flax_shardmeta._errors import (
   InvalidNamesError,
   InvalidRulesError,
   RuleConflictError,
+  RuleContextError,
   ShardingError,
 )
 from flax_shardmeta._specs import (
@@ -39,19 +43,71 @@ from flax_shardmeta._typing import LogicalNames, LogicalRules, MeshAxes
 
 # Rule context
 # ------------------------------------------------------------------------------
+#
+# flax_shardmeta's own rules live in a context variable: each thread and each
+# asyncio task sees the rules it set, and a task's rules end with the task.
+# Where none are set, flax's own ``nn.logical_axis_rules`` context is read, so
+# code that already sets flax's rules gets the same layouts from both. The
+# rules set here are also part of the cache key of ``jax.jit`` (through a jax
+# user context), so a function traced under one rule set is traced again
+# under another.
+
+_own_rules: contextvars.ContextVar[tuple[tuple[str, Any], ...]] = (
+  contextvars.ContextVar('flax_shardmeta_logical_axis_rules', default=())
+)
+_jit_key = jax.make_user_context(None)
+
+SOURCE_FSM = 'fsm.logical_axis_rules'
+SOURCE_FLAX = "flax's nn.logical_axis_rules"
+SOURCE_PER_VARIABLE = 'per-variable rules'
+SOURCE_NONE = 'no rules set'
 
 
-class _RuleContext(threading.local):
-  """Per-thread stack top of logical axis rules."""
-
-  rules: tuple[tuple[str, Any], ...] = ()
+def _key_of(rules: tuple[tuple[str, Any], ...]) -> Any:
+  return rules or None
 
 
-_context = _RuleContext()
+def _sync_jit_key(rules: tuple[tuple[str, Any], ...]) -> None:
+  """Makes jax's thread-local cache key say ``rules``."""
+  key = _key_of(rules)
+  if _jit_key.value != key:
+    _jit_key(key).__enter__()  # sets the value for this thread; never undone
 
 
-def set_logical_axis_rules(rules: LogicalRules) -> None:
-  """Sets the logical axis rules of the current thread.
+def check_jit_key(tracing: bool) -> None:
+  """Refuses to trace under rules jax's cache key does not name.
+
+  Asyncio tasks of one thread share jax's (thread-local) cache key while each
+  has its own rules. A task that entered its rules, awaited, and traces after
+  another task entered other rules would store its trace under the other
+  task's key; that is refused here. Outside a trace the key is just updated.
+  """
+  rules = _own_rules.get()
+  if _jit_key.value == _key_of(rules):
+    return
+  if tracing:
+    raise RuleContextError(
+      'this code is traced under the logical axis rules '
+      f'{format_rules(rules)} of its own asyncio task (or contextvars '
+      "Context), but jax.jit's cache key names "
+      f'{format_rules(_jit_key.value or ())}: another task of the same thread '
+      'changed it since this one entered its rules, and the trace would be '
+      'reused under the wrong rules. Trace with fsm.jit(fn, mesh=..., rules=...), '
+      'which enters its rules right where it traces, or do not await inside '
+      'a rules context that traces.'
+    )
+  _sync_jit_key(rules)
+
+
+def format_rules(rules: Any) -> str:
+  return repr(tuple(rules)) if rules else '(no rules)'
+
+
+def set_logical_axis_rules(rules: LogicalRules | None) -> None:
+  """Sets the logical axis rules of the current thread or asyncio task.
+
+  ``None`` or ``()`` unsets them (flax's ``nn.logical_axis_rules``, if set,
+  apply again).
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -60,29 +116,119 @@ def set_logical_axis_rules(rules: LogicalRules) -> None:
     (('batch', 'data'),)
     >>> fsm.set_logical_axis_rules(())
   """
-  _context.rules = normalize_rules(rules)
+  rules_t = normalize_rules(rules)
+  _own_rules.set(rules_t)
+  _sync_jit_key(rules_t)
 
 
 def get_logical_axis_rules() -> tuple[tuple[str, Any], ...]:
-  """Returns the logical axis rules of the current thread (``()`` if none).
+  """The logical axis rules in force here (``()`` if none).
+
+  Those set by :func:`logical_axis_rules` / :func:`set_logical_axis_rules` in
+  this thread or asyncio task; where none are, those of flax's
+  ``nn.logical_axis_rules`` context.
 
   Example:
-    >>> import flax_shardmeta as fsm
+    >>> import flax.linen as nn, flax_shardmeta as fsm
     >>> with fsm.logical_axis_rules([('mlp', 'model')]):
     ...   print(fsm.get_logical_axis_rules())
     (('mlp', 'model'),)
+    >>> with nn.logical_axis_rules([('embed', 'data')]):  # flax's own context
+    ...   print(fsm.get_logical_axis_rules())
+    (('embed', 'data'),)
     >>> fsm.get_logical_axis_rules()
     ()
   """
-  return _context.rules
+  return context_rules()[0]
 
 
-@contextlib.contextmanager
-def logical_axis_rules(rules: LogicalRules) -> Iterator[None]:
-  """Context manager binding logical axis rules for the current thread.
+def context_rules() -> tuple[tuple[tuple[str, Any], ...], str]:
+  """``(rules, where they come from)``: fsm's own context, else flax's."""
+  own = _own_rules.get()
+  if own:
+    return own, SOURCE_FSM
+  theirs = flax_core_spmd.get_logical_axis_rules()
+  if not theirs:
+    return (), SOURCE_NONE
+  return _normalize_foreign(theirs), SOURCE_FLAX
+
+
+def _normalize_foreign(rules: Any) -> tuple[tuple[str, Any], ...]:
+  try:
+    return _normalize_cached(tuple(tuple(r) for r in rules))
+  except TypeError:  # unhashable targets (lists): normalized, not cached
+    return normalize_rules(rules)
+
+
+@functools.lru_cache(maxsize=64)
+def _normalize_cached(rules: tuple[Any, ...]) -> tuple[tuple[str, Any], ...]:
+  return normalize_rules(rules)
+
+
+def rules_and_source(
+  rules: LogicalRules | None,
+) -> tuple[tuple[tuple[str, Any], ...], str]:
+  """Explicit rules (source ``''``), else the context's and where they come from."""
+  if rules is not None:
+    return normalize_rules(rules), ''
+  return context_rules()
+
+
+class _RulesContext(contextlib.AbstractContextManager, contextlib.ContextDecorator):
+  """``with fsm.logical_axis_rules(rules):`` (see :func:`logical_axis_rules`)."""
+
+  def __init__(self, rules: tuple[tuple[str, Any], ...]):
+    self._rules = rules
+    # One (token, where entered) per active entry: the object may be re-entered.
+    self._entered: list[tuple[contextvars.Token[Any], str]] = []
+
+  def __enter__(self) -> None:
+    token = _own_rules.set(self._rules)
+    _sync_jit_key(self._rules)
+    self._entered.append((token, _where()))
+
+  def __exit__(self, *exc: Any) -> bool:
+    if not self._entered:
+      raise RuleContextError(
+        f'fsm.logical_axis_rules({format_rules(self._rules)}) was exited but '
+        'never entered.'
+      )
+    token, entered = self._entered[-1]
+    try:
+      _own_rules.reset(token)
+    except ValueError:
+      raise RuleContextError(
+        f'fsm.logical_axis_rules({format_rules(self._rules)}) was entered in '
+        f'{entered} and exited in {_where()}. A rules context belongs to the '
+        'thread (and asyncio task) that entered it; exit it there. The rules of '
+        'both are unchanged.'
+      ) from None
+    self._entered.pop()
+    _sync_jit_key(_own_rules.get())
+    return False
+
+
+def _where() -> str:
+  thread = threading.current_thread()
+  try:
+    task = asyncio.current_task()
+  except RuntimeError:  # no running event loop
+    task = None
+  where = f'thread {thread.name!r}'
+  return f'{where}, asyncio task {task.get_name()!r}' if task is not None else where
+
+
+def logical_axis_rules(rules: LogicalRules) -> contextlib.AbstractContextManager[None]:
+  """Context manager binding logical axis rules for the current thread or task.
 
   Nestable; the previous rules come back on exit, also when an exception
-  escapes. Other threads never see these rules.
+  escapes. Other threads and other asyncio tasks never see these rules, and
+  they end with the ``asyncio.run`` (or task) that set them. Exiting it in
+  another thread or task than the one that entered it raises
+  :class:`RuleContextError` and changes nothing. Usable as a decorator too.
+
+  While it is active it replaces flax's ``nn.logical_axis_rules`` for
+  flax_shardmeta, and its rules are part of ``jax.jit``'s cache key.
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -90,18 +236,19 @@ def logical_axis_rules(rules: LogicalRules) -> Iterator[None]:
     ...   fsm.logical_to_mesh_axes(('embed', 'mlp'))
     P(None, 'model')
   """
-  previous = _context.rules
-  _context.rules = normalize_rules(rules)
-  try:
-    yield
-  finally:
-    _context.rules = previous
+  return _RulesContext(normalize_rules(rules))
 
 
 def normalize_rules(rules: LogicalRules | None) -> tuple[tuple[str, Any], ...]:
   """Rules as a hashable tuple of ``(name, mesh_axes)`` pairs, checked for form."""
   if rules is None:
     return ()
+  if isinstance(rules, (Mesh, AbstractMesh)):
+    raise InvalidRulesError(
+      f'a {type(rules).__name__} was passed as rules (axes '
+      f'{dict(zip(rules.axis_names, rules.axis_sizes))}); pass it as mesh=... '
+      '(the rules come before the mesh in the positional arguments).'
+    )
   if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
     raise InvalidRulesError(
       f'Logical axis rules must be a sequence of (logical_name, mesh_axes) '
@@ -207,10 +354,15 @@ class RuleStep:
   rule: tuple[str, Any]
   applied: bool
   reason: str
+  source: str = ''
+  """Where the rule comes from: '' for rules passed as ``rules=``, else
+  ``fsm.logical_axis_rules``, ``flax's nn.logical_axis_rules`` or
+  ``per-variable rules``."""
 
   def __str__(self) -> str:
     verb = 'gave' if self.applied else 'skipped'
-    return f'rule #{self.rule_index} {self.rule!r} {verb}: {self.reason}'
+    origin = f' of {self.source}' if self.source else ''
+    return f'rule #{self.rule_index} {self.rule!r}{origin} {verb}: {self.reason}'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,16 +372,91 @@ class DimExplanation:
   name: Any
   mesh_axes: Any
   steps: tuple[RuleStep, ...]
+  no_rules: bool = False
+  """No rules were given or set at all."""
 
   def __str__(self) -> str:
     if not isinstance(self.name, str):
       return f'{self.name!r} passed through as written'
+    if self.no_rules:
+      return (
+        f"'{self.name}': no rules are set (rules=None, and neither "
+        "fsm.logical_axis_rules nor flax's nn.logical_axis_rules is active), so "
+        'replicated'
+      )
     if not self.steps:
       return f"'{self.name}': no rule names it, so replicated"
     return f"'{self.name}': " + '; '.join(str(s) for s in self.steps)
 
 
-def _check_names(names: tuple[Any, ...]) -> None:
+def as_names(names: Any) -> tuple[Any, ...]:
+  """Names as a checked tuple: lists become tuples (also a list of mesh axes
+  inside), and anything else than one name entry per dimension is refused.
+
+  Example:
+    >>> as_names(['embed', ['data', 'model']])
+    ('embed', ('data', 'model'))
+  """
+  if isinstance(names, (str, bytes)):
+    raise InvalidNamesError(
+      f'names must be a sequence with one entry per dimension, got the '
+      f'string {names!r}; write ({names!r},) for a rank-1 value.'
+    )
+  if not isinstance(names, (tuple, list, PartitionSpec)):
+    raise InvalidNamesError(
+      f'names must be a tuple (or list) with one entry per dimension, got '
+      f'{_describe(names)}.'
+    )
+  out = tuple(tuple(n) if isinstance(n, list) else n for n in names)
+  check_entries(out)
+  return out
+
+
+def _describe(x: Any) -> str:
+  """A value's type and, for small values only, its text (never array contents)."""
+  if x is None or isinstance(x, (str, int, float, bool)):
+    return f'{type(x).__name__} {x!r}'
+  if hasattr(x, 'shape') and hasattr(x, 'dtype'):
+    return f'an array of shape {tuple(x.shape)}'
+  return f'a {type(x).__name__}'
+
+
+def _entry_issue(entry: Any) -> str | None:
+  if entry is None or entry is UNCONSTRAINED or isinstance(entry, str):
+    return None
+  if isinstance(entry, tuple):
+    inner = next((a for a in entry if not isinstance(a, str)), _OK)
+    if inner is _OK:
+      return None
+    if isinstance(inner, (tuple, list)):
+      return (
+        f'a tuple of mesh axes holds mesh-axis names only, not another tuple '
+        f'({inner!r}); flatten it, e.g. '
+        f'{tuple(a for e in entry for a in (e if isinstance(e, tuple) else (e,)))!r}'
+      )
+    return (
+      f'a tuple of mesh axes holds mesh-axis names (strings), not {_describe(inner)}'
+    )
+  return (
+    f'{_describe(entry)} is no name: an entry is a name (str), None, '
+    'PartitionSpec.UNCONSTRAINED or a tuple of mesh-axis names'
+  )
+
+
+_OK = object()
+
+
+def check_entries(names: tuple[Any, ...]) -> None:
+  """Refuses malformed entries: integers, nested tuples, anything not a name."""
+  for i, n in enumerate(names):
+    issue = _entry_issue(n)
+    if issue is not None:
+      raise InvalidNamesError(f'dimension {i} of names {format_spec(names)}: {issue}.')
+
+
+def check_names(names: tuple[Any, ...]) -> None:
+  """:func:`check_entries`, and a logical name may name one dimension only."""
+  check_entries(names)
   seen = set()
   for n in names:
     if isinstance(n, str):
@@ -253,7 +480,7 @@ def _assign(
   name's dimension when that dimension has none yet and none of the axes is
   already used by another dimension of the spec.
   """
-  _check_names(names)
+  check_names(names)
   result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
   if steps is None and UNASSIGNED not in result:
     return tuple(result)
@@ -312,16 +539,33 @@ def resolve(names: LogicalNames, rules: LogicalRules | None) -> tuple[Any, ...]:
   Dimensions no rule could assign come back as :data:`UNASSIGNED` so callers
   can choose a fallback; :func:`logical_to_mesh_axes` replicates them.
   """
-  return _resolve_cached(tuple(names), normalize_rules(rules))
+  rules_t = normalize_rules(rules)
+  try:
+    return _resolve_cached(tuple(names), rules_t)
+  except TypeError:  # unhashable entries (lists of mesh axes), or no sequence
+    return _resolve_cached(as_names(names), rules_t)
 
 
 def explain(
-  names: LogicalNames, rules: LogicalRules | None
+  names: LogicalNames,
+  rules: LogicalRules | None = None,
+  *,
+  local_rules: LogicalRules | None = None,
+  source: str | None = None,
 ) -> tuple[DimExplanation, ...]:
   """Per-dimension account of which rule gave the mesh axes and which were skipped.
 
   The same loop as :func:`resolve`, recording each rule's effect, so the
-  explanation always agrees with the resolution.
+  explanation always agrees with the resolution. With ``rules=None`` the
+  context rules are explained, and each step says which context they come
+  from (``fsm.logical_axis_rules`` or flax's ``nn.logical_axis_rules``).
+
+  Args:
+    names: one logical name (or None, mesh-axis tuple...) per dimension.
+    rules: the rules; None uses the context rules.
+    local_rules: per-variable rules, composed after ``rules``.
+    source: where ``rules`` come from, shown with each step (found out when
+      ``rules`` is None).
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -331,13 +575,33 @@ def explain(
     'bar': rule #1 ('bar', 'model') skipped: mesh axis 'model' already used by
            dimension 1 ('foo')
     'foo': rule #0 ('foo', 'model') gave: 'model'
+    >>> import flax.linen as nn
+    >>> with nn.logical_axis_rules([('foo', 'model')]):
+    ...   print(fsm.explain_resolution(('foo',))[0])
+    'foo': rule #0 ('foo', 'model') of flax's nn.logical_axis_rules gave: 'model'
   """
-  names = tuple(names)
+  names = as_names(names)
+  if rules is None:
+    global_rules, found = context_rules()
+  else:
+    global_rules, found = normalize_rules(rules), ''
+  source = found if source is None else source
+  all_rules = composite_rules(global_rules, local_rules)
   steps: list[list[RuleStep]] = [[] for _ in names]
-  result = _assign(names, normalize_rules(rules), steps)
+  result = _assign(names, all_rules, steps)
+  n_global = len(global_rules)
+  sourced = [
+    [
+      dataclasses.replace(
+        st, source=source if st.rule_index < n_global else SOURCE_PER_VARIABLE
+      )
+      for st in dim
+    ]
+    for dim in steps
+  ]
   return tuple(
-    DimExplanation(n, m, tuple(st))
-    for n, m, st in zip(names, unassigned_to_none(result), steps)
+    DimExplanation(n, m, tuple(st), no_rules=not all_rules and source == SOURCE_NONE)
+    for n, m, st in zip(names, unassigned_to_none(result), sourced)
   )
 
 
@@ -378,14 +642,15 @@ def logical_to_mesh_axes(
   """
   if names is None:
     return None
-  if rules is None:
-    rules = get_logical_axis_rules()
-  names = tuple(names)
-  resolved = resolve(names, rules)
+  # Model code calls this per activation, also where no rules are meant to be
+  # set (planning, single device): no rules at all is not worth a warning here.
+  rules_t = rules_and_source(rules)[0]
+  names = as_names(names)
+  resolved = resolve(names, rules_t)
   spec = PartitionSpec(*unassigned_to_none(resolved))
   missing = unmapped_lib.unmapped_names(names, resolved, UNASSIGNED)
   if missing:
-    record = unmapped_lib.Unmapped('<names>', None, names, spec, missing)
+    record = unmapped_lib.Unmapped('<names>', None, names, spec, missing, rules_t)
     problems = unmapped_lib.report([record], _context_mesh_axes(), strict, stacklevel=3)
     if problems:
       raise ShardingError(problems)

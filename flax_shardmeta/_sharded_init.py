@@ -27,6 +27,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from flax_shardmeta import _windowed as windowed
 from flax_shardmeta._errors import NoMeshError
+from flax_shardmeta._explicit import explain_sharding_type_errors
 from flax_shardmeta._generate import ArrayCall
 from flax_shardmeta._program_memory import program_memory
 from flax_shardmeta._rules import logical_axis_rules
@@ -94,14 +95,19 @@ class ShardedInit:
     call, arrays = ArrayCall.split(self.init_fn, args, kwargs)
     arrays = [_to_auto(x) for x in arrays]
 
+    def traced(*a: Any) -> Any:
+      # Inside the trace, where jax's frames still name the operation.
+      with explain_sharding_type_errors('fsm.sharded_init'):
+        return call(*a)
+
     # Validate outside the mesh first, so every problem is reported with its
     # path (under the mesh the first constraint would fail without one).
     with self._rules():
-      init_out = jax.eval_shape(call, *arrays)
+      init_out = jax.eval_shape(traced, *arrays)
       get_sharding(init_out, self.mesh, self.rules)
     with self._context():
       closed, out_tree = jax.make_jaxpr(
-        lambda *a: jax.tree_util.tree_leaves(call(*a)), return_shape=True
+        lambda *a: jax.tree_util.tree_leaves(traced(*a)), return_shape=True
       )(*arrays)
     out_treedef = jax.tree_util.tree_structure(init_out)
     shardings = _per_array_leaf(init_out, _all_auto(self.mesh), self.rules)

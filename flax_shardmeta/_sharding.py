@@ -12,23 +12,37 @@ import warnings
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta import _unmapped as unmapped_lib
 from flax_shardmeta._errors import (
   FlaxShardmetaError,
+  InvalidNamesError,
   ShardingError,
   ShardingFitWarning,
   ShardingProblem,
 )
+from flax_shardmeta._placement import check_mesh
 from flax_shardmeta._rules import (
+  SOURCE_NONE,
+  check_entries,
   composite_rules,
   get_logical_axis_rules,
   normalize_rules,
   resolve,
+  rules_and_source,
 )
-from flax_shardmeta._specs import UNASSIGNED, UNCONSTRAINED
+from flax_shardmeta._specs import (
+  UNASSIGNED,
+  UNCONSTRAINED,
+  make_spec,
+  mesh_axes_of,
+  reductions_of,
+  spec_entries,
+  spec_sets,
+  unassigned_to_none,
+)
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 from flax_shardmeta._validate import (
   check_spec,
@@ -49,6 +63,7 @@ class LeafLayout:
     adjustments: what fit mode changed, one sentence each.
     sharding: ``NamedSharding(mesh, spec)`` when the layout is valid.
     unmapped: logical names no rule maps (replicated), in dimension order.
+    names_error: the issue is malformed names (an InvalidNamesError).
   """
 
   shape: tuple[int, ...] | None
@@ -57,6 +72,7 @@ class LeafLayout:
   adjustments: tuple[str, ...] = ()
   sharding: NamedSharding | None = None
   unmapped: tuple[str, ...] = ()
+  names_error: bool = False
 
 
 def leaf_shape(value: Any) -> tuple[int, ...] | None:
@@ -97,6 +113,10 @@ def _layout_cached(shape, annotation, mesh, rules, fit, for_constraint) -> LeafL
       shape, PartitionSpec(), sharding=named_sharding(mesh, PartitionSpec())
     )
   names = annotation.names
+  try:
+    check_entries(names)
+  except InvalidNamesError as e:
+    return _names_layout(shape, e)
   if len(names) != len(shape):
     if annotation.optimizer_state:
       # Documented rule: optimizer leaves whose rank differs from their
@@ -107,6 +127,8 @@ def _layout_cached(shape, annotation, mesh, rules, fit, for_constraint) -> LeafL
     return LeafLayout(shape, None, (rank_issue(len(names), len(shape)),))
   try:
     entries = resolve_names(annotation, mesh, rules)
+  except InvalidNamesError as e:
+    return _names_layout(shape, e)
   except FlaxShardmetaError as e:
     return LeafLayout(
       shape, None, ((str(e).rstrip('.'), 'fix the names or the rules', ()),)
@@ -137,7 +159,10 @@ def _layout_cached(shape, annotation, mesh, rules, fit, for_constraint) -> LeafL
       )
     elif open_dims is not None:
       issues += (open_dims,)
-  spec = PartitionSpec(*entries)
+  # A moment is stored reduced, whatever its parameter's gradient is.
+  reductions = None if annotation.optimizer_state else annotation.reductions
+  issues += _set_issues(entries, reductions, mesh)
+  spec = make_spec(entries, None if issues else reductions)
   unmapped = () if annotation.optimizer_state else unmapped_of(annotation, mesh, rules)
   return LeafLayout(
     shape,
@@ -146,6 +171,64 @@ def _layout_cached(shape, annotation, mesh, rules, fit, for_constraint) -> LeafL
     adjustments,
     None if issues else named_sharding(mesh, spec),
     unmapped,
+  )
+
+
+def _set_issues(
+  entries: tuple[Any, ...], reductions: Any, mesh: AnyMesh
+) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+  """Problems with a spec's unreduced / reduced axes, which jax checks too."""
+  if reductions is None:
+    return ()
+  unreduced, reduced = spec_sets(reductions)
+  issues = []
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+  used = {a for e in entries for a in mesh_axes_of(e)}
+  for kind, axes in (('unreduced', unreduced), ('reduced', reduced)):
+    for axis in sorted(axes):
+      if axis not in kinds:
+        reason = f'{kind} axis {axis!r} is not a mesh axis {tuple(kinds)}'
+      elif kinds[axis] != AxisType.Explicit:
+        reason = f'{kind} axis {axis!r} is {kinds[axis].name}; jax needs it Explicit'
+      elif axis in used:
+        reason = f'{kind} axis {axis!r} also shards a dimension'
+      else:
+        continue
+      hint = f'make {axis!r} an Explicit mesh axis, or drop it from {kind}'
+      issues.append((reason, hint, ()))
+  return tuple(issues)
+
+
+def _names_layout(
+  shape: tuple[int, ...] | None, error: InvalidNamesError
+) -> LeafLayout:
+  return LeafLayout(
+    shape,
+    None,
+    (
+      (
+        str(error).rstrip('.'),
+        'fix the annotation where the parameter is made',
+        (),
+      ),
+    ),
+    names_error=True,
+  )
+
+
+@functools.lru_cache(maxsize=4096)
+def spec_layout(spec: PartitionSpec, mesh: AnyMesh) -> LeafLayout:
+  """A bare PartitionSpec leaf (as ``match_partition_rules`` gives): mesh axes,
+  checked against the mesh (the array's shape is unknown here)."""
+  entries = tuple(spec)
+  try:
+    check_entries(entries)
+  except InvalidNamesError as e:
+    return _names_layout(None, e)
+  # A shape as large as needed makes only the mesh-axis checks bite.
+  issues = check_spec((0,) * len(entries), entries, mesh)
+  return LeafLayout(
+    None, spec, issues, sharding=None if issues else named_sharding(mesh, spec)
   )
 
 
@@ -221,6 +304,9 @@ def layout_tree(
   memo: dict[Any, LeafLayout] = {}
   layouts = []
   for lf in leaves:
+    if isinstance(lf.value, PartitionSpec):
+      layouts.append(spec_layout(lf.value, mesh))
+      continue
     key = (leaf_shape(lf.value), lf.annotation)
     layout = memo.get(key)
     if layout is None:
@@ -243,11 +329,14 @@ def get_sharding(
   ``composite_rules(rules or context rules, box.rules)``. Plain arrays are
   replicated, non-array leaves map to None. Works on ``jax.eval_shape``
   output, TrainStates, optax states (see :func:`get_partition_spec` for the
-  optimizer-state rule) and flax's own boxes.
+  optimizer-state rule) and flax's own boxes. A bare ``PartitionSpec`` leaf
+  (a tree of them, as :func:`match_partition_rules` gives) is read as mesh
+  axes and checked against the mesh only, its array being unknown.
 
   A logical name no rule maps is replicated; if it is also a mesh-axis name
   an :class:`UnmappedMeshAxisNameWarning` says so (once per name, listing the
-  parameters).
+  parameters), and so does an :class:`UnmappedNameWarning` if it is close to a
+  rule's name or if no rules are given or set at all.
 
   Args:
     tree: the (abstract) variables, train state or NNX state.
@@ -264,6 +353,8 @@ def get_sharding(
 
   Raises:
     ShardingError: listing every leaf that cannot be sharded, by path.
+    InvalidNamesError: listing every leaf whose names are malformed.
+    NoMeshError: ``mesh`` is None or not a mesh.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -273,8 +364,11 @@ def get_sharding(
     >>> fsm.get_sharding(tree, mesh, [('mlp', 'model')])['w'].spec
     P(None, 'model')
   """
-  leaves, layouts, build = layout_tree(tree, mesh, rules, fit)
+  mesh = check_mesh(mesh, 'get_sharding')
+  rules_t, source = rules_and_source(rules)
+  leaves, layouts, build = layout_tree(tree, mesh, rules_t, fit)
   problems: list[ShardingProblem] = []
+  bad_names: list[ShardingProblem] = []
   adjusted: list[tuple[ann_lib.Leaf, tuple[str, ...]]] = []
   unmapped: list[unmapped_lib.Unmapped] = []
   results: list[Any] = []
@@ -282,11 +376,15 @@ def get_sharding(
     if lay.adjustments:
       adjusted.append((lf, lay.adjustments))
     if lay.issues:
-      problems.extend(problems_of(lf.path, lf, lay))
+      (bad_names if lay.names_error else problems).extend(problems_of(lf.path, lf, lay))
     if lay.unmapped:
-      unmapped.append(unmapped_record(lf, lay))
+      unmapped.append(unmapped_record(lf, lay, rules_t))
     results.append(lay.sharding)
-  problems += unmapped_lib.report(unmapped, mesh.axis_names, strict)
+  if bad_names:
+    raise InvalidNamesError(problems=bad_names)
+  problems += unmapped_lib.report(
+    unmapped, mesh.axis_names, strict, no_rules=source == SOURCE_NONE
+  )
   if problems:
     raise ShardingError(problems)
   if adjusted:
@@ -294,11 +392,20 @@ def get_sharding(
   return build(results)
 
 
-def unmapped_record(lf: ann_lib.Leaf, lay: LeafLayout) -> unmapped_lib.Unmapped:
-  """The leaf's unmapped names, its path made only if reported."""
-  names = lf.annotation.names if lf.annotation is not None else ()
+def unmapped_record(
+  lf: ann_lib.Leaf, lay: LeafLayout, rules: tuple[tuple[str, Any], ...]
+) -> unmapped_lib.Unmapped:
+  """The leaf's unmapped names, its path (and rules) made only if reported."""
+  ann = lf.annotation
+  names = ann.names if ann is not None else ()
+  local = ann.rules if ann is not None else None
   return unmapped_lib.Unmapped(
-    lambda: lf.path, lay.shape, names, lay.spec, lay.unmapped
+    lambda: lf.path,
+    lay.shape,
+    names,
+    lay.spec,
+    lay.unmapped,
+    lambda: composite_rules(rules, local),
   )
 
 
@@ -416,7 +523,7 @@ def _logical_to_mesh(
   strict: bool,
   mesh_axis_names: tuple[str, ...],
 ) -> PyTree:
-  rules_t = effective_rules(rules)
+  rules_t, source = rules_and_source(rules)
   flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_spec)
   out: list[Any] = []
   unmapped: list[unmapped_lib.Unmapped] = []
@@ -424,18 +531,21 @@ def _logical_to_mesh(
     if not _is_spec(x):
       out.append(x)
       continue
-    names = tuple(x)
+    names = spec_entries(x)
     resolved = resolve(names, rules_t)
-    spec = PartitionSpec(*(None if r is UNASSIGNED else r for r in resolved))
+    # Unreduced / reduced axes are mesh axes already: they stay as written.
+    spec = make_spec(unassigned_to_none(resolved), reductions_of(x))
     missing = unmapped_lib.unmapped_names(names, resolved, UNASSIGNED)
     if missing:
       unmapped.append(
         unmapped_lib.Unmapped(
-          functools.partial(_spec_path, tree, i), None, names, spec, missing
+          functools.partial(_spec_path, tree, i), None, names, spec, missing, rules_t
         )
       )
     out.append(spec)
-  problems = unmapped_lib.report(unmapped, mesh_axis_names, strict, stacklevel=4)
+  problems = unmapped_lib.report(
+    unmapped, mesh_axis_names, strict, stacklevel=4, no_rules=source == SOURCE_NONE
+  )
   if problems:
     raise ShardingError(problems)
   return jax.tree_util.tree_unflatten(treedef, out)
@@ -468,6 +578,7 @@ def logical_to_mesh_sharding(
     >>> fsm.logical_to_mesh_sharding(P('batch'), mesh, [('batch', 'data')]).spec
     P('data',)
   """
+  mesh = check_mesh(mesh, 'logical_to_mesh_sharding')
   specs = _logical_to_mesh(tree, rules, strict, tuple(mesh.axis_names))
   flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
   problems = []
@@ -477,7 +588,9 @@ def logical_to_mesh_sharding(
       out.append(spec)
       continue
     # A shape as large as needed makes only the mesh-axis checks bite.
-    issues = check_spec((0,) * len(spec), tuple(spec), mesh)
+    entries = spec_entries(spec)
+    issues = check_spec((0,) * len(entries), entries, mesh)
+    issues += _set_issues(entries, reductions_of(spec), mesh)
     problems += [
       ShardingProblem(ann_lib.path_str(path), None, None, spec, r, h, d)
       for r, h, d in issues

@@ -11,7 +11,12 @@ import functools
 import math
 from typing import Any
 
-from flax_shardmeta._specs import UNCONSTRAINED, format_entry, mesh_axes_of
+from flax_shardmeta._specs import (
+  UNCONSTRAINED,
+  format_entry,
+  mesh_axes_of,
+  spec_entries,
+)
 
 Issue = tuple[str, str, tuple[int, ...]]
 """(reason, hint, dims concerned)."""
@@ -31,7 +36,7 @@ def check_spec(
   shape: tuple[int, ...], spec: tuple[Any, ...], mesh: Any
 ) -> tuple[Issue, ...]:
   """All problems of ``spec`` (entries per dimension) for ``shape`` on ``mesh``."""
-  return _check(tuple(shape), tuple(spec), mesh_key(mesh))
+  return _check(tuple(shape), spec_entries(spec), mesh_key(mesh))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -89,10 +94,11 @@ def _check(
     factor = math.prod(sizes[a] for a in axis_names)
     if factor and shape[dim] % factor:
       over = ' x '.join(f"'{a}'={sizes[a]}" for a in axis_names)
+      if len(axis_names) > 1:  # one axis: its size is the factor already
+        over += f' (= {factor})'
       issues.append(
         (
-          f'dimension {dim} of size {shape[dim]} is not divisible by {over} '
-          f'(= {factor})',
+          f'dimension {dim} of size {shape[dim]} is not divisible by {over}',
           f'make the size a multiple of {factor}, shard it over other mesh '
           f'axes, or replicate this dimension with {FIT_CALLS}',
           (dim,),
@@ -125,7 +131,7 @@ def fit_spec(
   Returns:
     ``(entries, issues left, changes)``, one sentence per change.
   """
-  return _fit(tuple(shape), tuple(spec), mesh_key(mesh))
+  return _fit(tuple(shape), spec_entries(spec), mesh_key(mesh))
 
 
 @functools.lru_cache(maxsize=65536)

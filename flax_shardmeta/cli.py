@@ -1,4 +1,4 @@
-"""Command-line interface: ``flax-shardmeta plan`` and ``flax-shardmeta demo``.
+"""Command-line interface: ``flax-shardmeta plan``, ``fit``, ``suggest``, ``demo``.
 
 ``plan`` lays a model out on a mesh of any size without devices: the mesh is a
 ``jax.sharding.AbstractMesh`` and the model is only traced by
@@ -34,9 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-_BUILTIN_MODELS = ('mlp', 'llama3-8b', 'llama3-70b', 'llama3-405b')
-# Kept in step with examples.linen.MODEL_NAMES by a test; duplicated so that argument
-# errors are reported before jax and flax are imported.
+from flax_shardmeta.examples import state as example_state
 
 
 class UsageError(Exception):
@@ -50,33 +48,80 @@ class _Parser(argparse.ArgumentParser):
     raise UsageError(message)
 
 
+class _HelpFormatter(
+  argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter
+):
+  """Descriptions kept as written; every option's help ends with its default."""
+
+  def _get_help_string(self, action: argparse.Action) -> str:
+    text = action.help or ''
+    if 'default' in text or action.default in (None, argparse.SUPPRESS):
+      return text  # said in the text, or required
+    if action.nargs == 0:  # a flag
+      return f'{text} (default: off)'
+    return f'{text} (default: %(default)s)'
+
+
+def _plain(text: str) -> str:
+  """Docstring text as --help shows it: no reStructuredText markup."""
+  return text.replace('``', '')
+
+
+def _positive(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f'expected a positive integer, got {text!r}')
+  return value
+
+
 def _parser() -> argparse.ArgumentParser:
-  parser = _Parser(prog='flax-shardmeta', description=(__doc__ or '').split('\n')[0])
-  sub = parser.add_subparsers(dest='command', required=True, parser_class=_Parser)
+  parser = _Parser(
+    prog='flax-shardmeta',
+    description='Lay Flax models out on device meshes: plan a layout without '
+    'devices, see whether a training step fits a TPU pod, search for the best '
+    'layout, or run the demo on 8 simulated CPU devices.',
+    formatter_class=_HelpFormatter,
+  )
+  sub = parser.add_subparsers(
+    dest='command',
+    required=True,
+    parser_class=_Parser,
+    metavar='{plan,fit,suggest,demo}',
+  )
   demo = sub.add_parser(
     'demo',
-    help='plan, init and train a small model on 8 '
-    'simulated devices, checking every sharding',
+    help='plan, init and train a small model on 8 simulated devices, checking '
+    'every sharding',
+    description='Plan, initialize and train a small model on 8 simulated CPU '
+    'devices, and check every array against the planned layout.',
+    formatter_class=_HelpFormatter,
   )
-  demo.add_argument('--steps', type=int, default=5)
+  demo.add_argument(
+    '--steps', type=_positive, default=5, metavar='N', help='training steps to run'
+  )
   demo.add_argument(
     '--processes',
     type=int,
     default=1,
     metavar='N',
-    help='run across N local processes (8/N CPU devices each) '
-    'under jax.distributed, then compare with 1 process',
+    help='run across N local processes (8/N CPU devices each) under '
+    'jax.distributed, then compare with 1 process',
   )
   demo.add_argument('--out', type=Path, help=argparse.SUPPRESS)
   p = sub.add_parser(
     'plan',
     help="show every array's layout, memory per device and problems",
     description='Lay a model out on a mesh without devices.',
-    epilog=(__doc__ or '').split('\n\n', 2)[2],
-    formatter_class=argparse.RawDescriptionHelpFormatter,
+    epilog=_plain((__doc__ or '').split('\n\n', 2)[2]),
+    formatter_class=_HelpFormatter,
   )
   which = p.add_mutually_exclusive_group(required=True)
-  which.add_argument('--model', help=f'a built-in model: {", ".join(_BUILTIN_MODELS)}')
+  which.add_argument(
+    '--model', help=f'a built-in model: {", ".join(example_state.MODEL_NAMES)}'
+  )
   which.add_argument(
     '--module', metavar='PKG.MOD:FACTORY', help='your own model (see below)'
   )
@@ -84,17 +129,42 @@ def _parser() -> argparse.ArgumentParser:
     '--mesh',
     required=True,
     metavar='AXIS=SIZE,...',
-    help='mesh axes and sizes, e.g. data=32,model=8',
+    help='mesh axes and sizes, e.g. data=32,model=8 (required)',
   )
-  p.add_argument('--api', choices=('linen', 'nnx'), default='linen')
+  p.add_argument(
+    '--axis-types',
+    choices=('auto', 'explicit'),
+    default='auto',
+    help="the mesh axes' type (jax.sharding.AxisType); unreduced and reduced "
+    'axes need explicit',
+  )
+  p.add_argument(
+    '--api', choices=('linen', 'nnx'), default='linen', help='the Flax front end'
+  )
   p.add_argument(
     '--rules',
-    metavar='t5x|t5x-2d|FILE.json|FILE.toml',
-    help="logical axis rules (default: the built-in model's own, or t5x for --module)",
+    metavar='t5x|t5x-2d|JSON|FILE.json|FILE.toml',
+    help='logical axis rules: a preset, an inline JSON list of [name, target] '
+    "pairs or a file (default: the built-in model's own rules, t5x for --module)",
   )
-  p.add_argument('--optimizer', choices=('adam', 'adafactor', 'none'), default='adam')
-  p.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32')
-  p.add_argument('--format', choices=('table', 'json'), default='table')
+  p.add_argument(
+    '--optimizer',
+    choices=('adam', 'adafactor', 'none'),
+    default='adam',
+    help='optimizer state planned with the parameters',
+  )
+  p.add_argument(
+    '--dtype',
+    choices=('float32', 'bfloat16'),
+    default='float32',
+    help="the parameters' dtype",
+  )
+  p.add_argument(
+    '--format',
+    choices=('table', 'json'),
+    default='table',
+    help='output: a table grouped by module, or JSON',
+  )
   p.add_argument(
     '--allow-problems',
     action='store_true',
@@ -110,6 +180,10 @@ def _parser() -> argparse.ArgumentParser:
     action='store_true',
     help='a logical name no rule maps is a problem instead of being replicated',
   )
+  from flax_shardmeta import cli_fit, cli_suggest
+
+  cli_fit.add_parser(sub, example_state.MODEL_NAMES)
+  cli_suggest.add_parser(sub, example_state.MODEL_NAMES)
   return parser
 
 
@@ -146,15 +220,19 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 
 def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
-  """Rules from ``t5x``, ``t5x-2d`` or a JSON / TOML file.
+  """Rules from ``t5x``, ``t5x-2d``, inline JSON or a JSON / TOML file.
 
-  JSON: a list of ``[name, target]`` pairs. TOML: ``rules = [[name, target],
-  ...]``. A target is a mesh axis, a list of mesh axes, or null for
-  replicated; TOML has no null, so an empty list ``[]`` means replicated there
-  (and in JSON too).
+  JSON: a list of ``[name, target]`` pairs, given inline (``'[["batch",
+  "data"]]'``) or in a file. TOML: ``rules = [[name, target], ...]``. A target
+  is a mesh axis, a list of mesh axes, or null for replicated; TOML has no
+  null, so an empty list ``[]`` means replicated there (and in JSON too).
 
   Raises:
-    UsageError: if the file cannot be read or does not hold valid rules.
+    UsageError: if the text or file does not hold valid rules.
+
+  Example:
+    >>> load_rules('[["batch", "data"], ["embed", null]]')
+    (('batch', 'data'), ('embed', None))
   """
   if spec in ('t5x', 't5x-2d'):
     from flax_shardmeta._rules import standard_logical_axis_rules
@@ -162,6 +240,12 @@ def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
     if spec == 't5x-2d':
       return standard_logical_axis_rules(1, 2)
     return standard_logical_axis_rules()
+  if spec.lstrip().startswith('['):  # inline JSON: a file name never starts so
+    try:
+      data = json.loads(spec)
+    except ValueError as e:
+      raise UsageError(f'cannot parse --rules {spec!r} as JSON: {e}') from None
+    return _rule_pairs(data, f'--rules {spec!r}')
   try:
     with open(spec, 'rb') as f:
       raw = f.read()
@@ -174,9 +258,13 @@ def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
       data = json.loads(raw)
   except (ValueError, UnicodeDecodeError) as e:
     raise UsageError(f'cannot parse rules file {spec!r}: {e}') from None
+  return _rule_pairs(data, f'rules file {spec!r}')
+
+
+def _rule_pairs(data: Any, where: str) -> tuple[tuple[str, Any], ...]:
   if not isinstance(data, list):
     raise UsageError(
-      f'rules file {spec!r} must hold a list of [name, target] pairs '
+      f'{where} must hold a list of [name, target] pairs '
       '(TOML: rules = [[name, target], ...])'
     )
   # An empty list target means replicated, the only way to say None in TOML.
@@ -190,128 +278,7 @@ def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
   try:
     return normalize_rules(pairs)
   except ValueError as e:
-    raise UsageError(f'rules file {spec!r}: {e}') from None
-
-
-# The planning entry point: abstract state of a built-in or user model
-# ------------------------------------------------------------------------------
-
-OPTIMIZERS = ('adam', 'adafactor', 'none')
-"""Names ``--optimizer`` accepts."""
-
-
-def default_rules(name: str) -> tuple[tuple[str, Any], ...]:
-  """The logical axis rules a built-in model is meant to be planned with."""
-  from flax_shardmeta.examples import _common
-
-  return _common.MLP_RULES if name == 'mlp' else _common.LLAMA_RULES
-
-
-def optimizer(name: str) -> Any:
-  """The optax transformation behind an ``--optimizer`` name (None for 'none')."""
-  import optax  # only when an optimizer is planned
-
-  if name == 'adam':
-    return optax.adam(1e-3)
-  if name == 'adafactor':
-    return optax.adafactor(1e-3)
-  if name == 'none':
-    return None
-  raise UsageError(f'unknown optimizer {name!r}; choose from {", ".join(OPTIMIZERS)}')
-
-
-def abstract_linen_params(module: Any, *inputs: Any) -> Any:
-  """``module``'s annotated parameters as ShapeDtypeStructs; nothing is allocated.
-
-  Example:
-    >>> from flax_shardmeta.examples import linen
-    >>> params = abstract_linen_params(*linen.model('mlp'))
-    >>> params['ScanDotReluDot_0']['W2'].value.shape
-    (4, 1024, 1024)
-  """
-  import jax
-
-  def init(*xs: Any) -> Any:
-    return module.init(jax.random.key(0), *xs)['params']
-
-  return jax.eval_shape(init, *inputs)
-
-
-def abstract_train_state(params: Any, optimizer_name: str = 'adam') -> dict[str, Any]:
-  """``{'params': params, 'opt_state': ...}`` with the optimizer state abstract.
-
-  Optax moments keep their parameter's box, so they are planned like it.
-  """
-  import jax
-
-  tx = optimizer(optimizer_name)
-  if tx is None:
-    return {'params': params}
-  return {'params': params, 'opt_state': jax.eval_shape(tx.init, params)}
-
-
-def abstract_nnx_state(
-  name: str, optimizer_name: str = 'adam', dtype: Any = None
-) -> dict[str, Any]:
-  """``{'params': nnx.State, 'opt_state': nnx.State}`` of a built-in NNX model.
-
-  The moments of ``nnx.Optimizer`` carry their parameter's annotation.
-
-  Example:
-    >>> state = abstract_nnx_state('mlp', 'none')
-    >>> state['params']['layers']['W2'].shape
-    (4, 1024, 1024)
-  """
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from flax_shardmeta.examples import nnx as nnx_models
-
-  tx = optimizer(optimizer_name)
-
-  def create() -> tuple[Any, Any]:
-    m = nnx_models.model(name, dtype or jnp.float32, rngs=nnx.Rngs(0))
-    return m, (nnx.Optimizer(m, tx, wrt=nnx.Param) if tx is not None else None)
-
-  m, opt = nnx.eval_shape(create)
-  state: dict[str, Any] = {'params': nnx.state(m, nnx.Param)}
-  if opt is not None:
-    state['opt_state'] = nnx.state(opt.opt_state)
-  return state
-
-
-def abstract_state(
-  name: str,
-  api: str = 'linen',
-  optimizer_name: str = 'adam',
-  dtype: Any = None,
-) -> dict[str, Any]:
-  """A built-in model's abstract parameters (and optimizer state) for planning.
-
-  Args:
-    name: one of ``examples.linen.MODEL_NAMES``.
-    api: 'linen' or 'nnx'.
-    optimizer_name: one of :data:`OPTIMIZERS`.
-    dtype: the parameters' dtype (float32 by default).
-
-  Returns:
-    ``{'params': ..., 'opt_state': ...}`` (no 'opt_state' for 'none').
-
-  Example:
-    >>> state = abstract_state('mlp', optimizer_name='none')
-    >>> sorted(state)
-    ['params']
-  """
-  import jax.numpy as jnp
-
-  if api == 'linen':
-    from flax_shardmeta.examples import linen
-
-    module, x = linen.model(name, dtype or jnp.float32)
-    return abstract_train_state(abstract_linen_params(module, x), optimizer_name)
-  if api == 'nnx':
-    return abstract_nnx_state(name, optimizer_name, dtype)
-  raise UsageError(f"unknown api {api!r}; choose 'linen' or 'nnx'")
+    raise UsageError(f'{where}: {e}') from None
 
 
 def _user_state(target: str, api: str, optimizer_name: str) -> Any:
@@ -331,7 +298,7 @@ def _user_state(target: str, api: str, optimizer_name: str) -> Any:
 
   made = factory()
   if isinstance(made, tuple) and made and isinstance(made[0], nn.Module):
-    params = abstract_linen_params(made[0], *made[1:])
+    params = example_state.abstract_linen_params(made[0], *made[1:])
   elif callable(made) and api == 'nnx':
     from flax import nnx
 
@@ -346,36 +313,66 @@ def _user_state(target: str, api: str, optimizer_name: str) -> Any:
       'expected (linen_module, *example_inputs) or a function with no '
       'arguments building the variables'
     )
-  return abstract_train_state(params, optimizer_name)
+  return example_state.abstract_train_state(params, optimizer_name)
+
+
+def _check_mesh_axis_names(
+  text: str, axis_names: tuple[str, ...], rules: tuple[tuple[str, Any], ...]
+) -> None:
+  """A mesh axis the rules never use, spelled like one they use but the mesh
+  lacks, is a typo: say so once, instead of a problem per array."""
+  import difflib
+
+  wanted = []
+  for _, target in rules:
+    for axis in (target,) if isinstance(target, str) else (target or ()):
+      if axis not in axis_names and axis not in wanted:
+        wanted.append(axis)
+  used = {a for _, t in rules for a in ((t,) if isinstance(t, str) else (t or ()))}
+  unused = [a for a in axis_names if a not in used]
+  for axis in wanted:
+    close = difflib.get_close_matches(axis, unused, n=1)
+    if close:
+      raise UsageError(
+        f'--mesh {text!r}: no rule uses mesh axis {close[0]!r}, and the rules '
+        f'shard over {axis!r}, which the mesh lacks: did you mean {axis!r}?'
+      )
 
 
 def run_plan(args: argparse.Namespace) -> int:
   """The ``plan`` subcommand; returns the exit code."""
-  if args.model is not None and args.model not in _BUILTIN_MODELS:
+  names = example_state.MODEL_NAMES
+  if args.model is not None and args.model not in names:
     raise UsageError(
-      f'unknown model {args.model!r}; choose from {", ".join(_BUILTIN_MODELS)} '
+      f'unknown model {args.model!r}; choose from {", ".join(names)} '
       'or pass --module PKG.MOD:FACTORY'
     )
   axis_names, axis_sizes = parse_mesh(args.mesh)
   rules = load_rules(args.rules) if args.rules else None
 
   # Heavy imports only once the arguments are known to be good.
+  if args.model is not None and rules is None:
+    rules = example_state.model_rules(args.model)
+  elif rules is None:
+    rules = load_rules('t5x')
+  _check_mesh_axis_names(args.mesh, axis_names, rules)
+
   import jax
   import jax.numpy as jnp
+  from jax.sharding import AxisType
 
   from flax_shardmeta._planning.plan import plan
 
   dtype = jnp.bfloat16 if args.dtype == 'bfloat16' else jnp.float32
   if args.model is not None:
-    state = abstract_state(args.model, args.api, args.optimizer, dtype)
-    rules = default_rules(args.model) if rules is None else rules
+    state = example_state.abstract_state(args.model, args.api, args.optimizer, dtype)
   else:
     state = _user_state(args.module, args.api, args.optimizer)
-    if rules is None:
-      from flax_shardmeta._rules import standard_logical_axis_rules
-
-      rules = standard_logical_axis_rules()
-  mesh = jax.sharding.AbstractMesh(axis_sizes, axis_names)
+  # Stated, not left to jax: its default changed from Auto to Explicit.
+  kind = AxisType.Explicit if args.axis_types == 'explicit' else AxisType.Auto
+  mesh = jax.sharding.AbstractMesh(
+    axis_sizes, axis_names, axis_types=(kind,) * len(axis_names)
+  )
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
     result = plan(state, mesh, rules, fit=args.fit, strict=args.strict)
@@ -490,8 +487,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == 'demo':
       return run_demo(args)
+    if args.command in ('fit', 'suggest'):
+      from flax_shardmeta import cli_fit, cli_suggest
+
+      names = example_state.MODEL_NAMES
+      if args.model is not None and args.model not in names:
+        raise UsageError(
+          f'unknown model {args.model!r}; choose from {", ".join(names)} '
+          'or pass --module PKG.MOD:FACTORY'
+        )
+      if args.command == 'suggest':
+        return cli_suggest.run(args, UsageError)
+      rules = load_rules(args.rules) if args.rules else None
+      return cli_fit.run(args, parse_mesh(args.mesh), rules, UsageError)
     return run_plan(args)
-  except UsageError as e:
+  except (UsageError, example_state.UnknownNameError) as e:
     print(f'flax-shardmeta: error: {e}', file=sys.stderr)
     return 2
   except SystemExit as e:  # --help

@@ -12,11 +12,16 @@ key flax's ``nnx.vmap`` / ``nnx.scan`` update when ``transform_metadata=
 {nnx.PARTITION_NAME: 'layers'}`` adds an axis, plus ``fsm_logical`` (True:
 logical names resolved by flax_shardmeta's rules; False: mesh axes) and
 ``eager_sharding=False`` so flax does not apply its own, stricter, resolution
-at construction. Variables without ``fsm_logical`` carry flax's own
-annotations; they are read under every key flax has used (``out_sharding``,
-``sharding_names``, ``sharding``, with ``sharding_rules`` and ``mesh``) with
-flax's renaming semantics: a name no rule maps stays itself when it is a mesh
-axis and is replicated otherwise.
+at construction. Logical names also get ``sharding_rules``: an
+:class:`~flax_shardmeta._boxes.FsmRules` through which flax's own functions
+(``nnx.get_partition_spec``, ``nnx.get_named_sharding``, ``nnx.eval_shape``
+under a mesh, ``nnx.get_abstract_model``) rename them exactly as
+``fsm.get_sharding`` lays them out, with the per-variable rules inside it.
+Variables without ``fsm_logical`` carry flax's own annotations; they are read
+under every key flax has used (``out_sharding``, ``sharding_names``,
+``sharding``, with ``sharding_rules`` and ``mesh``) with flax's renaming
+semantics: a name no rule maps stays itself when it is a mesh axis and is
+replicated otherwise.
 
 Optimizer state. ``nnx.Optimizer`` copies each parameter's metadata onto its
 moments (``nnx.OptState`` Variables), so full-rank moments follow their
@@ -29,21 +34,24 @@ layout for its moments, as flax does.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import jax
 import jax.core
 from flax import nnx
+from jax.experimental.layout import Format
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta import _sharding as sharding_lib
-from flax_shardmeta._boxes import as_names
+from flax_shardmeta._boxes import FsmRules, as_names, local_rules_of
 from flax_shardmeta._errors import NoMeshError, ShardingError, ShardingProblem
 from flax_shardmeta._generate import generate
 from flax_shardmeta._placement import apply_spec, context_mesh
 from flax_shardmeta._rules import normalize_rules
+from flax_shardmeta._specs import reductions_of, spec_entries
 from flax_shardmeta._typing import AnyMesh, LogicalNames, LogicalRules, PyTree
 
 N = TypeVar('N')
@@ -73,8 +81,10 @@ def with_partitioning(
   """Wraps an initializer so the Variable it fills is annotated with mesh axes.
 
   Under ``jax.set_mesh(mesh)`` (or with ``mesh=``) the value is created
-  already laid out; with no mesh it stays as is and keeps the annotation; in
-  ``nnx.eval_shape`` only the annotation exists.
+  already laid out; with no mesh, or with flax's eager sharding turned off
+  (``nnx.use_eager_sharding(False)``), it stays as is and keeps the
+  annotation (``shard_module`` lays it out later); in ``nnx.eval_shape`` only
+  the annotation exists.
 
   Args:
     init: any initializer, e.g. ``nnx.initializers.lecun_normal()``.
@@ -146,8 +156,9 @@ def _annotating(init, names, logical, rules, mesh, optimizer_names):
   }
   # Only set keys flax reads when they carry something: flax's helpers
   # (nnx.as_abstract) take a present 'mesh' key at its word, even if None.
-  if rules_t is not None:
-    metadata['sharding_rules'] = rules_t
+  if logical:
+    opt_names = as_names(optimizer_names) if optimizer_names is not None else None
+    metadata['sharding_rules'] = FsmRules(names_t, opt_names, rules_t)
   if mesh is not None:
     metadata['mesh'] = mesh
   if optimizer_names is not None:
@@ -156,15 +167,21 @@ def _annotating(init, names, logical, rules, mesh, optimizer_names):
 
   @functools.wraps(init)
   def wrapper(*args: Any, **kwargs: Any) -> nnx.VariableMetadata[Any]:
-    # Generated directly on its shards when a mesh is set (see
-    # constraints.generate): never the whole parameter on one device.
-    value = generate(init, args, kwargs, names_t, mesh, logical=logical, rules=rules_t)
+    eager = nnx.using_eager_sharding()  # flax's switch, nnx.use_eager_sharding
+    if eager:
+      # Generated directly on its shards when a mesh is set (see
+      # _generate.generate): never the whole parameter on one device.
+      value = generate(
+        init, args, kwargs, names_t, mesh, logical=logical, rules=rules_t
+      )
+    else:
+      value = init(*args, **kwargs)
     extra: dict[str, Any] = {}
     if isinstance(value, nnx.VariableMetadata):  # another metadata wrapper
       extra, value = dict(value.metadata), value.raw_value
-    return nnx.VariableMetadata(
-      _place(value, annotation), metadata={**extra, **metadata}
-    )
+    if eager:
+      value = _place(value, annotation)
+    return nnx.VariableMetadata(value, metadata={**extra, **metadata})
 
   return wrapper
 
@@ -219,12 +236,14 @@ def variable_annotation(variable: nnx.Variable[Any]) -> ann_lib.Annotation | Non
   if raw is None:
     return None
   mesh = metadata.get('mesh')
+  if isinstance(raw, Format):  # a layout with its sharding: the sharding counts
+    raw = raw.sharding
   if isinstance(raw, NamedSharding):  # flax also accepts full shardings
     mesh = mesh if mesh is not None else raw.mesh
     raw = raw.spec
-  names = as_names(raw)
-  rules = metadata.get('sharding_rules')
-  rules = normalize_rules(rules) if rules else None
+  reductions = reductions_of(raw)
+  names = as_names(spec_entries(raw) if isinstance(raw, PartitionSpec) else raw)
+  rules = local_rules_of(metadata.get('sharding_rules'))
   is_optimizer = isinstance(variable, nnx.OptState)
   if FSM_LOGICAL in metadata:
     return ann_lib.Annotation(
@@ -233,6 +252,7 @@ def variable_annotation(variable: nnx.Variable[Any]) -> ann_lib.Annotation | Non
       rules,
       mesh,
       optimizer_state=is_optimizer,
+      reductions=reductions,
     )
   # flax's own annotation: renamed through rules, unmapped mesh axes kept.
   return ann_lib.Annotation(
@@ -242,6 +262,7 @@ def variable_annotation(variable: nnx.Variable[Any]) -> ann_lib.Annotation | Non
     mesh,
     keep_mesh_names=True,
     optimizer_state=is_optimizer,
+    reductions=reductions,
   )
 
 
@@ -340,12 +361,12 @@ def eval_shape(
 ) -> N:
   """``nnx.eval_shape(create)`` whose abstract arrays carry fsm's shardings.
 
-  Plain ``nnx.eval_shape`` works on fsm-annotated modules outside any mesh,
-  and under an Explicit mesh. Under an Auto mesh flax then attaches shardings
-  itself, by its own renaming of ``out_sharding`` (ignoring flax_shardmeta's
-  rules), and fails on any logical name that is not a mesh axis. This runs
-  ``create`` abstractly with no mesh set and attaches the validated shardings
-  of :func:`flax_shardmeta.get_sharding` instead (if a mesh is given or set).
+  Plain ``nnx.eval_shape`` under ``jax.set_mesh`` gives fsm-annotated
+  modules the same layout (their ``sharding_rules`` metadata hands flax fsm's
+  resolution). This one also takes ``mesh=`` and ``rules=`` explicitly and
+  validates the layout: it runs ``create`` abstractly with no mesh set and
+  attaches the shardings of :func:`flax_shardmeta.get_sharding` (if a mesh is
+  given or set), which names every Variable that cannot be sharded.
 
   Args:
     create: builds the module (or any graph node), e.g.
@@ -376,18 +397,30 @@ def eval_shape(
     abstract = nnx.eval_shape(create)
   if mesh is None:
     return abstract
-  nnx.update(abstract, abstract_with_sharding(nnx.state(abstract), mesh, rules))
+  nnx.update(abstract, as_abstract(nnx.state(abstract), mesh, rules))
   return abstract
 
 
-def abstract_with_sharding(
-  state: PyTree, mesh: AnyMesh, rules: LogicalRules | None = None
-) -> PyTree:
-  """``state`` with every array leaf a ``ShapeDtypeStruct`` carrying its sharding.
+def as_abstract(
+  tree: N, mesh: AnyMesh | None = None, rules: LogicalRules | None = None
+) -> N:
+  """``tree`` with every array a ``ShapeDtypeStruct`` carrying its sharding.
 
-  The NNX counterpart of feeding ``fsm.get_sharding`` to
-  ``jax.ShapeDtypeStruct``: the result can be given to checkpoint restoring or
-  ``jax.jit(...).lower``. Raises ShardingError like ``fsm.get_sharding``.
+  flax_shardmeta's ``nnx.as_abstract``: the sharding comes from the
+  annotation, resolved by fsm's rules and validated like ``fsm.get_sharding``
+  (flax's own renames ``out_sharding`` alone and fails on a logical name that
+  is not a mesh axis). The result can be given to checkpoint restoring or
+  ``jax.jit(...).lower``.
+
+  Args:
+    tree: an ``nnx.Module`` (a new abstract module is returned, the module
+      itself is not changed), an ``nnx.State`` or any tree of Variables.
+    mesh: the mesh; None uses the one set by ``jax.set_mesh``.
+    rules: logical axis rules; None uses the context rules.
+
+  Raises:
+    NoMeshError: no mesh was given or set.
+    ShardingError: naming the path of every Variable that cannot be sharded.
 
   Example:
     >>> import jax, flax_shardmeta as fsm
@@ -396,17 +429,52 @@ def abstract_with_sharding(
     ...     kernel_init=fsm.nnx.with_partitioning(
     ...         nnx.initializers.lecun_normal(), (None, 'model'))))
     >>> mesh = jax.sharding.AbstractMesh((2,), ('model',))
-    >>> fsm.nnx.abstract_with_sharding(nnx.state(model), mesh)['kernel'].sharding.spec
+    >>> fsm.nnx.as_abstract(model, mesh).kernel.get_value().sharding.spec
     P(None, 'model')
   """
-  shardings = sharding_lib.get_sharding(state, mesh, rules)
+  mesh = mesh if mesh is not None else context_mesh()
+  if mesh is None:
+    raise NoMeshError(
+      'as_abstract needs a mesh: pass mesh=... or call it inside '
+      '`with jax.set_mesh(mesh):`.'
+    )
+  if isinstance(tree, nnx.Module):
+    graphdef, state = nnx.split(tree)
+    return nnx.merge(graphdef, as_abstract(state, mesh, rules))
+  shardings = sharding_lib.get_sharding(tree, mesh, rules)
 
   def attach(value: Any, sharding: Any) -> Any:
     if sharding is None or not hasattr(value, 'shape'):
       return value
     return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
 
-  return jax.tree.map(attach, state, shardings, is_leaf=lambda x: x is None)
+  return jax.tree.map(attach, tree, shardings, is_leaf=lambda x: x is None)
+
+
+def abstract_with_sharding(
+  state: PyTree, mesh: AnyMesh, rules: LogicalRules | None = None
+) -> PyTree:
+  """Deprecated: use :func:`as_abstract` (flax 0.12.7 renamed
+  ``nnx.abstract_with_sharding`` to ``nnx.as_abstract``; so does fsm.nnx).
+
+  Example:
+    >>> import warnings, jax, flax_shardmeta as fsm
+    >>> from flax import nnx
+    >>> model = nnx.eval_shape(lambda: nnx.Linear(4, 8, rngs=nnx.Rngs(0)))
+    >>> mesh = jax.sharding.AbstractMesh((2,), ('model',))
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter('always')
+    ...   _ = fsm.nnx.abstract_with_sharding(nnx.state(model), mesh)
+    >>> caught[0].category.__name__
+    'DeprecationWarning'
+  """
+  warnings.warn(
+    'fsm.nnx.abstract_with_sharding is deprecated: use fsm.nnx.as_abstract, '
+    "the name flax's nnx.as_abstract took over from nnx.abstract_with_sharding.",
+    DeprecationWarning,
+    stacklevel=2,
+  )
+  return as_abstract(state, mesh, rules)
 
 
 __all__ = [
@@ -414,6 +482,7 @@ __all__ = [
   'NAME_KEYS',
   'OPTIMIZER_NAMES',
   'abstract_with_sharding',
+  'as_abstract',
   'eval_shape',
   'shard_module',
   'variable_annotation',

@@ -1,6 +1,11 @@
 """Test set-up: 8 simulated CPU devices, and rule/mesh state restored per test."""
 
 import os
+import tempfile
+
+# Compiled figures cached by fsm.fit stay inside this test session, shared by
+# its tests, never in the user's ~/.cache.
+os.environ['FLAX_SHARDMETA_CACHE'] = tempfile.mkdtemp(prefix='fsm-fit-cache-')
 
 # Must happen before jax is imported anywhere in the test session.
 os.environ['XLA_FLAGS'] = (

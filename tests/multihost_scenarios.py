@@ -97,7 +97,9 @@ def _round_trips(state, abstract, mesh, ckpt_dir: Path) -> float:
   for a, b in zip(
     jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)
   ):
-    if a.sharding != b.sharding:
+    # Auto axes: jit's outputs carry XLA's spec (trailing Nones dropped), the
+    # restore target fsm's full-length one; the layout is what must agree.
+    if not a.sharding.is_equivalent_to(b.sharding, a.ndim):
       raise AssertionError(f'restored with {b.sharding}, saved with {a.sharding}')
   host = jax.tree_util.tree_map(_Recorder, fsm.gather_tree(state))
   again = fsm.shard_tree(host, target)
@@ -239,10 +241,51 @@ def _report(
   return report
 
 
+def disagreeing_batch(outdir: Path) -> dict:
+  """Process 0 passes 8 rows, the others 6: every process must get the error."""
+  mesh = fsm.make_mesh(
+    (2, 4), ('data', 'model'), dcn_axis_sizes=(jax.process_count(), 1)
+  )
+  rows = 8 if jax.process_index() == 0 else 6
+  local = {'x': np.ones((rows, WIDTH), np.float32), 'y': np.zeros(rows, np.int32)}
+  try:
+    names = {'x': ('batch', None), 'y': ('batch',)}
+    batch = fsm.host_local_to_global(local, mesh, names, RULES)
+  except fsm.BatchLayoutError as e:
+    (outdir / f'error-{jax.process_index()}.txt').write_text(str(e))
+  else:
+    shapes = {k: v.shape for k, v in batch.items()}
+    raise AssertionError(f'no error; this process built global arrays {shapes}')
+  # Rows one process cannot split (its devices hold 2 of the 4 'data' shards):
+  # it raises why, every other process is told so.
+  wide = fsm.make_mesh(
+    (4, 2), ('data', 'model'), dcn_axis_sizes=(jax.process_count(), 1)
+  )
+  try:
+    fsm.host_local_to_global(
+      np.ones((7 if jax.process_index() == 1 else 8, WIDTH), np.float32),
+      wide,
+      ('batch', None),
+      RULES,
+    )
+  except (fsm.ShardingError, fsm.BatchLayoutError) as e:
+    name = f'split-error-{jax.process_index()}.txt'
+    (outdir / name).write_text(f'{type(e).__name__}: {e}')
+  else:
+    raise AssertionError('no error for 7 rows on 1 device')
+  # Agreeing processes still get their global batch, after the failed calls.
+  layout, same = _local_rows(mesh)
+  good = fsm.host_local_to_global(same, mesh, ('batch', None), RULES)
+  if good.shape != (BATCH, WIDTH) or layout.batch_size != BATCH // 2:
+    raise AssertionError(f'global batch {good.shape}, local {layout.batch_size}')
+  return {}
+
+
 SCENARIOS = {
   'linen': linen,
   'linen-model-across-hosts': lambda out: linen(out, dcn='model'),
   'nnx': nnx_eager,
+  'disagreeing-batch': disagreeing_batch,
 }
 
 

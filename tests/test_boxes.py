@@ -277,3 +277,9 @@ def test_flax_own_boxes_fail_under_remat_scan():
     flax.errors.PartitioningUnspecifiedError, match='"partition_name" is not specified'
   ):
     RematStack(box='flax').init(jax.random.key(0), jnp.ones((2, 4)))
+
+
+def test_boxes_refuse_reduced_axes_by_name():
+  spec = P('data', None, reduced={'model'})
+  with pytest.raises(fsm.InvalidNamesError, match='out_sharding or in match_partition'):
+    fsm.Partitioned(jnp.ones((8, 4)), spec)

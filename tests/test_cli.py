@@ -1,5 +1,6 @@
 """The command line: ``plan`` output, formats, exit codes, rules files, ``demo``."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import flax_shardmeta as fsm
-from flax_shardmeta import cli
+from flax_shardmeta import cli, examples
 from flax_shardmeta.examples import linen as models
 
 MLP = ['plan', '--model', 'mlp', '--mesh', 'data=2,model=4']
@@ -23,7 +24,7 @@ def run(capsys, *argv):
 
 
 def test_builtin_model_names_match_the_registry():
-  assert cli._BUILTIN_MODELS == models.MODEL_NAMES
+  assert examples.MODEL_NAMES == models.MODEL_NAMES
 
 
 def test_plan_table(capsys):
@@ -158,6 +159,13 @@ def test_mesh_axis_name_warning_goes_to_stderr(capsys, tmp_path):
     (['--mesh', 'data=2'], 'one of the arguments --model --module is required'),
     (['--module', 'nocolon', '--mesh', 'data=2'], 'PKG.MOD:FACTORY'),
     (['--module', 'no_such_pkg_xyz:f', '--mesh', 'data=2'], 'no_such_pkg_xyz'),
+    (
+      ['--model', 'mlp', '--mesh', 'data=2,modle=4'],
+      "no rule uses mesh axis 'modle', and the rules shard over 'model', which "
+      "the mesh lacks: did you mean 'model'?",
+    ),
+    (['--model', 'mlp', '--mesh', 'data=2', '--rules', '[["a"'], 'as JSON'),
+    (['--model', 'mlp', '--mesh', 'data=2', '--rules', '[["a"]]'], '--rules'),
   ],
 )
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
@@ -173,6 +181,8 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
   [
     ['plan', '--help'],
     ['--help'],
+    ['fit', '--help'],
+    ['suggest', '--help'],
     ['plan', '--model', 'gpt5', '--mesh', 'data=2'],
     ['plan', '--model', 'mlp', '--mesh', 'data=0'],
     ['plan', '--model', 'mlp', '--mesh', 'data=2', '--rules', 'missing.json'],
@@ -204,6 +214,19 @@ def test_bad_rules_file_exits_2(capsys, tmp_path, text):
   path.write_text(text)
   code, _, err = run(capsys, *MLP, '--rules', str(path))
   assert code == 2 and err.count('\n') == 1 and 'rules file' in err
+
+
+def test_a_mesh_without_a_rule_axis_is_no_typo(capsys):
+  # A 1-D mesh: 'model' is missing, but no axis is spelled like it.
+  code, out, _ = run(capsys, 'plan', '--model', 'mlp', '--mesh', 'data=8')
+  assert code == 1 and "mesh axis 'model' (dimension 2) is not in the mesh" in out
+
+
+def test_inline_json_rules(capsys):
+  rules = json.dumps([['hidden', ['data', 'model']], ['embed', None]])
+  code, out, _ = run(capsys, *MLP, '--rules', rules, '--format', 'json')
+  assert code == 0
+  assert json.loads(out)['entries'][-1]['spec'] == [None, ['data', 'model'], None]
 
 
 def test_rules_from_json_and_toml(capsys, tmp_path):
@@ -262,6 +285,12 @@ FACTORIES = textwrap.dedent("""
           kernel_init=fsm.nnx.with_logical_partitioning(
               nnx.initializers.lecun_normal(), ('embed', 'mlp')))
 
+    def nnx_reduced():
+      # jax accepts reduced axes only on Explicit mesh axes.
+      return lambda: nnx.Linear(8, 16, rngs=nnx.Rngs(0), kernel_metadata={
+          'out_sharding': jax.P(None, 'model', reduced={'data'}),
+          'eager_sharding': False})
+
     def wrong():
       return 42
 """)
@@ -294,6 +323,23 @@ def test_user_module(capsys, tmp_path, monkeypatch, factory, api, path):
   entries = {e['path']: e['spec'] for e in json.loads(out)['entries']}
   # t5x rules by default: 'mlp' goes to 'model', 'embed' is replicated.
   assert entries[path] == [None, 'model']
+
+
+@pytest.mark.parametrize('types, problems', [('auto', 1), ('explicit', 0)])
+def test_the_mesh_has_the_axis_types_asked_for(
+  capsys, tmp_path, monkeypatch, types, problems
+):
+  (tmp_path / 'my_models.py').write_text(FACTORIES)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  argv = ['plan', '--module', 'my_models:nnx_reduced', '--api', 'nnx']
+  argv += ['--mesh', 'data=2,model=4', '--format', 'json', '--allow-problems']
+  code, out, err = run(capsys, *argv, '--axis-types', types)
+  assert code == 0, err
+  d = json.loads(out)
+  assert len(d['problems']) == problems
+  if not problems:
+    kernel = next(e for e in d['entries'] if e['path'] == 'params/kernel')
+    assert kernel['reduced'] == ['data']
 
 
 def test_user_module_with_a_wrong_factory(capsys, tmp_path, monkeypatch):
@@ -340,6 +386,42 @@ def test_demo_across_two_processes():
   assert not any(line.startswith('[Gloo]') for line in lines)
 
 
+@pytest.mark.parametrize('steps', ['0', '-3', 'two'])
+def test_demo_steps_must_be_positive(capsys, steps):
+  code, out, err = run(capsys, 'demo', '--steps', steps)
+  assert code == 2 and out == '' and err.count('\n') == 1
+  assert f"argument --steps: expected a positive integer, got '{steps}'" in err
+
+
+MODEL_FLAGS = ('--model', '--module')
+
+
+def _actions(parser):
+  for action in parser._actions:
+    if isinstance(action, argparse._SubParsersAction):
+      for sub in action.choices.values():
+        yield from _actions(sub)
+    elif (
+      not isinstance(action, argparse._HelpAction) and action.help != argparse.SUPPRESS
+    ):
+      yield parser.prog, action
+
+
+@pytest.mark.parametrize('command', [[], ['plan'], ['demo']])
+def test_help_shows_every_default_and_no_markup(capsys, command):
+  code, out, _ = run(capsys, *command, '--help')
+  assert code == 0
+  assert '``' not in out and ':func:' not in out
+  options = out[out.index('options:') :]
+  for prog, action in _actions(cli._parser()):
+    if prog == ' '.join(['flax-shardmeta', *command]) and action.option_strings:
+      flag = action.option_strings[0]
+      assert action.help, f'{prog} {flag} has no help'
+      shown = options[options.index(f'  {flag}') :].split('\n  -')[0]
+      # --model / --module: one of the two is required, neither has a default.
+      assert 'default' in shown or 'required' in shown or flag in MODEL_FLAGS, shown
+
+
 def test_demo_processes_must_divide_the_devices(capsys):
   code, _, err = run(capsys, 'demo', '--processes', '3')
   assert code == 2 and 'use 1, 2, 4 or 8' in err
@@ -382,3 +464,9 @@ def test_python_dash_m_in_a_subprocess():
     check=False,
   )
   assert bad.returncode == 2 and bad.stderr.count('\n') == 1
+
+
+def test_the_model_names_the_command_line_lists_are_the_models():
+  from flax_shardmeta.examples import _common, _names
+
+  assert _names.MODEL_NAMES == ('mlp', *_common.LLAMA_CONFIGS)

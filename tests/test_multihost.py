@@ -96,6 +96,28 @@ def test_nnx_eager_model_across_processes(tmp_path):
   assert_same_training(tmp_path / 'single', tmp_path / 'multi')
 
 
+@pytest.mark.slow
+def test_processes_that_disagree_on_the_batch_all_get_a_named_error(tmp_path):
+  # Process 0 passes 8 rows, process 1 passes 6: without a check each would
+  # build a "global" array of its own shape, (16, 32) and (12, 32).
+  run_processes('disagreeing-batch', tmp_path)
+  messages = [(tmp_path / f'error-{i}.txt').read_text() for i in range(2)]
+  for i, message in enumerate(messages):
+    assert f'seen from process {i} of 2' in message
+    assert (
+      'x: process 0 passed shape (8, 32) (a global (16, 32)); '
+      'process 1 passed shape (6, 32) (a global (12, 32))'
+    ) in message
+    assert 'y: process 0 passed shape (8,) (a global (16,))' in message
+    assert 'fsm.data_layout(mesh, global_batch_size)' in message
+  # 7 rows cannot be split over process 1's devices: it says why, process 0
+  # (whose 8 rows were fine) is told so instead of waiting forever.
+  first, second = [(tmp_path / f'split-error-{i}.txt').read_text() for i in range(2)]
+  assert first.startswith('BatchLayoutError: process(es) [1] could not split')
+  assert second.startswith('ShardingError: 1 leaf cannot be sharded')
+  assert 'dimension 0: this process passed 7, and its devices hold 2 of the 4' in second
+
+
 def _alive(pid):
   try:
     os.kill(pid, 0)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -285,9 +287,204 @@ def test_bridge_to_nnx_keeps_fsm_box_annotations(mesh):
   assert linen_vars.names == ('embed', 'mlp')
 
 
-def test_mixed_axis_types_raise_at_construction():
+def test_mixed_axis_types_at_construction():
+  # 'data' Auto, 'model' Explicit: laid out as jax allows (device_put eagerly).
   mesh = jax.make_mesh(
     (2, 4), ('data', 'model'), axis_types=(AxisType.Auto, AxisType.Explicit)
   )
-  with jax.set_mesh(mesh), pytest.raises(ValueError, match='mixes axis types'):
-    nnx.Param(fsm.nnx.with_partitioning(lambda: jnp.ones((8, 4)), ('model', None))())
+  with jax.set_mesh(mesh):
+    p = nnx.Param(
+      fsm.nnx.with_partitioning(lambda: jnp.ones((8, 4)), ('model', 'data'))()
+    )
+  assert p.get_value().sharding.spec == P('model', 'data')
+
+
+# flax's current NNX API: as_abstract, eager-sharding switch, Format, optimizer
+# ------------------------------------------------------------------------------
+
+
+def test_as_abstract_on_a_module_and_on_its_state():
+  # Abstract mesh with Auto axes; the layout comes from fsm's rules.
+  mesh = jax.sharding.AbstractMesh(
+    (2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2
+  )
+  abstract = nnx.eval_shape(lambda: Mlp(8, 16, nnx.Rngs(0)))
+  with fsm.logical_axis_rules(RULES):
+    module = fsm.nnx.as_abstract(abstract, mesh)
+    state = fsm.nnx.as_abstract(nnx.state(abstract), mesh)
+  assert module.up.kernel.get_value().sharding.spec == P(None, 'model')
+  assert state['up']['kernel'].get_value().sharding.spec == P(None, 'model')
+  assert abstract.up.kernel.get_value().sharding is None  # not changed in place
+  concrete = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2)
+  with jax.set_mesh(concrete), fsm.logical_axis_rules(RULES):  # the context mesh
+    down = fsm.nnx.as_abstract(abstract).down.kernel.get_value()
+  assert down.sharding.spec == P('model', None)
+
+
+def test_as_abstract_needs_a_mesh():
+  abstract = nnx.eval_shape(lambda: Mlp(8, 16, nnx.Rngs(0)))
+  with pytest.raises(fsm.NoMeshError, match='as_abstract needs a mesh'):
+    fsm.nnx.as_abstract(abstract)
+
+
+def test_abstract_with_sharding_is_deprecated_for_as_abstract():
+  mesh = jax.sharding.AbstractMesh(
+    (2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2
+  )
+  state = nnx.state(nnx.eval_shape(lambda: Mlp(8, 16, nnx.Rngs(0))))
+  with pytest.warns(DeprecationWarning, match='use fsm.nnx.as_abstract'):
+    old = fsm.nnx.abstract_with_sharding(state, mesh, RULES)
+  new = fsm.nnx.as_abstract(state, mesh, RULES)
+  assert jax.tree.map(lambda x: x.sharding, old) == jax.tree.map(
+    lambda x: x.sharding, new
+  )
+
+
+def test_eager_sharding_switch_is_honoured(mesh):
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    with nnx.use_eager_sharding(False):
+      lazy = Mlp(8, 16, nnx.Rngs(0))
+    eager = Mlp(8, 16, nnx.Rngs(0))
+  # Created as is: replicated (typed so on an Explicit mesh).
+  assert all(e is None for e in spec_of(lazy.up.kernel))
+  assert spec_of(eager.up.kernel) == P(None, 'model')
+  assert fsm.nnx.variable_annotation(lazy.up.kernel).names == ('embed', 'mlp')
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    fsm.nnx.shard_module(lazy)  # laid out when asked
+  assert spec_of(lazy.up.kernel) == P(None, 'model')
+  assert (lazy.up.kernel.get_value() == eager.up.kernel.get_value()).all()
+
+
+def test_format_metadata_is_read_through_to_its_sharding():
+  from jax.experimental.layout import Format, Layout
+
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)
+  sharding = NamedSharding(mesh, P('model', None))
+  var = nnx.Param(
+    jnp.ones((8, 4)),
+    out_sharding=Format(Layout((1, 0)), sharding),
+    eager_sharding=False,
+  )
+  assert fsm.nnx.variable_annotation(var).mesh == mesh
+  assert fsm.get_sharding(var, mesh).get_value().spec == P('model', None)
+  assert fsm.plan({'w': var}, mesh).entry('w').spec == P('model', None)
+
+
+def test_reduced_axes_of_metadata_stay_in_the_layout():
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)
+  spec = P('data', None, reduced={'model'})
+  for written in (spec, NamedSharding(mesh, spec)):
+    var = nnx.Param(jnp.ones((8, 4)), out_sharding=written, eager_sharding=False)
+    assert fsm.get_sharding(var, mesh).get_value().spec == spec
+
+
+def test_flax_optimizer_sharding_metadata_lays_out_the_moments():
+  # flax's own metadata, no fsm initializer: nnx.Optimizer moves a parameter's
+  # optimizer_sharding into its moments' out_sharding, and fsm reads that.
+  mesh = jax.sharding.AbstractMesh(
+    (2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2
+  )
+
+  def create():
+    model = nnx.Linear(
+      8,
+      16,
+      rngs=nnx.Rngs(0),
+      kernel_metadata={
+        'out_sharding': ('embed', 'mlp'),
+        'optimizer_sharding': ('mlp', None),
+        'eager_sharding': False,
+      },
+    )
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+  model, optimizer = nnx.eval_shape(create)
+  with fsm.logical_axis_rules([('mlp', 'model'), ('embed', 'data')]):
+    p = fsm.plan(nnx.state(optimizer), mesh)
+    params = fsm.plan(nnx.state(model, nnx.Param), mesh)
+  assert params.entry('kernel').spec == P('data', 'model')
+  assert p.entry('opt_state/0/mu/kernel').spec == P('model', None)
+  assert p.entry('opt_state/0/nu/kernel').spec == P('model', None)
+
+
+def test_flax_own_nnx_functions_lay_fsm_variables_out_as_fsm_does(mesh):
+  # Item 7: flax read fsm's logical names in out_sharding as mesh axes and
+  # raised "Resource axis: embed of P('embed', 'mlp') is not found in mesh".
+  rules = [('embed', 'data'), ('mlp', 'model')]
+
+  def create():
+    return Mlp(8, 16, nnx.Rngs(0))
+
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(rules):
+    abstract = nnx.eval_shape(create)  # flax's own, under its documented idiom
+    state = nnx.state(abstract)
+    want = fsm.get_sharding(state, mesh)
+    flax_specs = nnx.get_partition_spec(state)
+    flax_named = nnx.get_named_sharding(state, mesh)
+    _, abstract_state = nnx.get_abstract_model(create, mesh)
+  expected = {
+    k: tuple(v.get_value().spec)
+    for k, v in jax.tree_util.tree_flatten_with_path(
+      want, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )[0]
+    for k in ['/'.join(str(getattr(p, 'key', p)) for p in k)]
+  }
+  assert expected == {
+    'down/kernel': ('model', 'data'),
+    'up/bias': ('model',),
+    'up/kernel': ('data', 'model'),
+  }
+  assert spec_of(abstract.up.kernel) == P('data', 'model')
+  assert spec_of(abstract.down.kernel) == P('model', 'data')
+  assert flax_specs['up']['kernel'].get_value() == P('data', 'model')
+  assert flax_named['down']['kernel'].get_value().spec == P('model', 'data')
+  assert abstract_state['up']['bias'].get_value().sharding.spec == P('model')
+
+
+def test_flax_own_functions_replicate_unmapped_names_and_follow_any_context(mesh):
+  state = nnx.state(nnx.eval_shape(lambda: Mlp(8, 16, nnx.Rngs(0))))
+  # No rule for 'embed': replicated, as fsm does (flax kept it as a mesh axis).
+  with fsm.logical_axis_rules([('mlp', 'model')]):
+    assert nnx.get_partition_spec(state)['up']['kernel'].get_value() == P(None, 'model')
+  # No rules at all: everything replicated, no error.
+  assert nnx.get_partition_spec(state)['up']['kernel'].get_value() == P(None, None)
+  # Under flax's own rule context, flax and fsm agree too.
+  with nn.logical_axis_rules([('embed', 'data'), ('mlp', 'model')]):
+    assert nnx.get_partition_spec(state)['up']['kernel'].get_value() == P(
+      'data', 'model'
+    )
+    fsm_spec = fsm.get_sharding(state, mesh)['up']['kernel'].get_value().spec
+    assert fsm_spec == P('data', 'model')
+  # Rule priority, as fsm resolves it: 'mlp' takes 'model' first, so 'embed'
+  # falls back to 'data' (flax's own renaming would give 'model' twice).
+  with fsm.logical_axis_rules(
+    [('mlp', 'model'), ('embed', 'model'), ('embed', 'data')]
+  ):
+    assert nnx.get_partition_spec(state)['up']['kernel'].get_value() == P(
+      'data', 'model'
+    )
+
+
+def test_flax_functions_on_stacked_layers_and_optimizer_state(mesh):
+  rules = [('layers', 'data'), ('mlp', 'model'), ('embed', None)]
+
+  @nnx.vmap(in_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+  def stack(key):
+    return nnx.Linear(8, 16, rngs=nnx.Rngs(key), kernel_init=logical(('embed', 'mlp')))
+
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(rules):
+    layers = fsm.nnx.shard_module(stack(jax.random.split(jax.random.key(0), 2)))
+    state = nnx.state(layers)
+    assert nnx.get_partition_spec(state)['kernel'].get_value() == P(
+      'data', None, 'model'
+    )
+    assert spec_of(layers.kernel) == P('data', None, 'model')
+    optimizer = nnx.Optimizer(
+      nnx.Linear(8, 16, rngs=nnx.Rngs(0), kernel_init=logical(('embed', 'mlp'))),
+      optax.adam(1e-3),
+      wrt=nnx.Param,
+    )
+    opt_specs = nnx.get_partition_spec(nnx.state(optimizer))
+    fsm_specs = fsm.get_sharding(nnx.state(optimizer), mesh)
+  assert opt_specs['opt_state'][0]['mu']['kernel'].get_value() == P(None, 'model')
+  assert fsm_specs['opt_state'][0]['mu']['kernel'].get_value().spec == P(None, 'model')

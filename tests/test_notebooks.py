@@ -18,6 +18,7 @@ import nbformat
 import pytest
 
 import flax_shardmeta
+from flax_shardmeta._planning import topology
 
 ROOT = pathlib.Path(flax_shardmeta.__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / 'notebooks'
@@ -53,7 +54,34 @@ def _run(name: str) -> list[str]:
         if 'image/png' in out.data:
           text.append('<image/png>')
     outputs.append(''.join(text))
+  _check_line_lengths(name, outputs)
   return outputs
+
+
+ANSI = re.compile(r'\x1b\[[0-9;]*m')
+WIDEST = 150  # a plan table with long names; no more
+
+
+def _check_line_lengths(name: str, outputs: list[str]) -> None:
+  """Text outputs stay readable: no line wider than a wide terminal."""
+  for i, text in enumerate(outputs):
+    for line in ANSI.sub('', text).splitlines():
+      assert len(line) <= WIDEST, f'{name}, code cell {i}: {len(line)} columns'
+
+
+def test_notebooks_use_only_the_public_api():
+  # Public: flax_shardmeta's top level, fsm.nnx and flax_shardmeta.examples.
+  private = re.compile(r'flax_shardmeta\.(_|cli)|import cli\b|\bfsm\._|\bcli\.')
+  for path in sorted(NOTEBOOKS.glob('*.ipynb')):
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+      found = private.search(cell.source)
+      assert not found, f'{path.name}: {found.group(0)!r} is not public'
+
+
+def _markdown(name: str) -> str:
+  nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+  return '\n'.join(c.source for c in nb.cells if c.cell_type == 'markdown')
 
 
 def _losses(text: str) -> list[float]:
@@ -62,7 +90,12 @@ def _losses(text: str) -> list[float]:
 
 def test_notebooks_are_committed_without_outputs():
   names = sorted(p.name for p in NOTEBOOKS.glob('*.ipynb'))
-  assert names == ['01_linen_scale_up.ipynb', '02_nnx.ipynb', '03_plan_a_pod.ipynb']
+  assert names == [
+    '01_linen_scale_up.ipynb',
+    '02_nnx.ipynb',
+    '03_plan_a_pod.ipynb',
+    '04_will_it_fit.ipynb',
+  ]
   for name in names:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(nb)
@@ -108,6 +141,12 @@ def test_plan_a_pod():
   assert [row[0] for row in table] == ['T5X 1-D', 'T5X 2-D', 'FSDP']
   totals = {name: float(total) for name, _, _, total, _ in table}
   assert totals['T5X 1-D'] > totals['T5X 2-D'] > totals['FSDP'] > 0
+  # FSDP shards every 'embed' dimension 256 ways; only the norms stay whole.
+  whole = float(re.search(r'unsharded: ([0-9.]+) GiB in all', out).group(1))
+  assert totals['FSDP'] == pytest.approx(whole / 256, rel=0.01)
+  assert totals['T5X 2-D'] == pytest.approx(totals['T5X 1-D'] / 32, rel=0.01)
+  prose = _markdown('03_plan_a_pod.ipynb')
+  assert 'within 1% of a 256th' in prose and 'divides that by\n32' in prose
   for _, params, opt, total, problems in table:
     # adam keeps two moments per parameter.
     assert float(opt) == pytest.approx(2 * float(params), abs=0.02)
@@ -118,3 +157,32 @@ def test_plan_a_pod():
   assert "wk: P(None, 'data', 'model', None) -> P(None, 'data', None, None)" in out
   assert "dim 3 'head_dim' -> None: no rule names it, so replicated" in out
   assert 'Sharding plan: 37 arrays on mesh data=32 x model=8 (256 devices)' in cells[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+  not topology.libtpu_available(),
+  reason="libtpu is not installed (pip install 'flax_shardmeta[tpu]'; CI has it)",
+)
+def test_will_it_fit():
+  cells = _run('04_will_it_fit.ipynb')
+  out = '\n'.join(cells)
+  assert "{'data': 32, 'model': 4} TPU v5 128 chips" in out
+  assert 'Will it fit: compiled for TPU v5, 128 devices in 32 hosts' in out
+  sweep = re.findall(r'batch +(\d+): +([0-9.]+) GiB per chip, fits=(\w+)', out)
+  assert [b for b, _, _ in sweep][:2] == ['64', '128']
+  sizes = [float(x) for _, x, _ in sweep]
+  assert sizes == sorted(sizes)  # activations grow with the batch
+  assert sweep[-1][2] == 'False'  # the sweep ran until it stopped fitting
+  remat = re.search(r'remat full: +([0-9.]+) GiB, fits=(\w+)', out)
+  assert remat is not None and float(remat.group(1)) < sizes[-1]
+  assert '<image/png>' in out  # the stacked bars
+  assert re.search(r'all-gather +over data', out)
+  assert re.search(r'estimate [0-9.]+ GiB vs compiled [0-9.]+ GiB', out)
+  assert 'exit code 0' in out
+  ranked = re.findall(
+    r'^(\d)  +(data=\S+(?: \S+=\d+)*)  +(fsdp\+tp|fsdp|tp) ', out, re.M
+  )
+  assert ranked and ranked[0][0] == '1'
+  assert 'mesh and rules for the training script:' in out
+  assert out.count('<image/png>') == 2  # the stacked bars and the candidates

@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta import cli
+from flax_shardmeta import examples
 from flax_shardmeta.examples import linen as models
 from flax_shardmeta.examples import nnx as models_nnx
 from flax_shardmeta.examples.linen import LLAMA_RULES, MLP, MLP_RULES, LlamaConfig
@@ -31,10 +31,10 @@ def _sds(shape, dtype=jnp.float32):
 
 
 def _mlp_state(use_scan=True, num_layers=4, depth=1024, optimizer='adam'):
-  params = cli.abstract_linen_params(
+  params = examples.abstract_linen_params(
     MLP(num_layers=num_layers, depth=depth, use_scan=use_scan), _sds((8, depth))
   )
-  return cli.abstract_train_state(params, optimizer)
+  return examples.abstract_train_state(params, optimizer)
 
 
 def test_plan_on_abstract_64x16_mesh():
@@ -61,7 +61,7 @@ def test_plan_on_abstract_64x16_mesh():
 
 def test_llama3_70b_has_the_published_parameter_count():
   mesh = AbstractMesh((32, 8), ('data', 'model'))
-  state = cli.abstract_state('llama3-70b', optimizer_name='none')
+  state = examples.abstract_state('llama3-70b', optimizer_name='none')
   p = fsm.plan(state, mesh, LLAMA_RULES)
   assert p.num_elements('params/') == 70_553_706_496
   assert not p.problems
@@ -78,13 +78,13 @@ def test_nnx_and_linen_models_give_the_same_plan():
 
   def linen():
     module = models.Llama(TINY_LLAMA)
-    return cli.abstract_train_state(
-      cli.abstract_linen_params(module, _sds((1, 4), jnp.int32)), 'adam'
+    return examples.abstract_train_state(
+      examples.abstract_linen_params(module, _sds((1, 4), jnp.int32)), 'adam'
     )
 
   def create():
     m = models_nnx.Llama(TINY_LLAMA, rngs=nnx.Rngs(0))
-    return m, nnx.Optimizer(m, cli.optimizer('adam'), wrt=nnx.Param)
+    return m, nnx.Optimizer(m, examples.optimizer('adam'), wrt=nnx.Param)
 
   def nnx_state():
     m, opt = nnx.eval_shape(create)
@@ -197,10 +197,12 @@ def test_moments_keep_the_dimensions_that_divide():
   # wk; adam's moments of wk must do the same and keep 'embed' over 'data'
   # (not fall back to whole copies, 16x the memory).
   mesh = AbstractMesh((4, 16), ('data', 'model'))
-  params = cli.abstract_linen_params(models.Llama(TINY_LLAMA), _sds((1, 1), jnp.int32))
+  params = examples.abstract_linen_params(
+    models.Llama(TINY_LLAMA), _sds((1, 1), jnp.int32)
+  )
   wk = params['layers']['wk']
   params['layers']['wk'] = fsm.LogicalPartitioned(_sds((3, 64, 8, 16)), wk.names)
-  state = cli.abstract_train_state(params, 'adam')
+  state = examples.abstract_train_state(params, 'adam')
   with pytest.warns(fsm.ShardingFitWarning, match='params/layers/wk'):
     p = fsm.plan(state, mesh, LLAMA_RULES, fit=True)
   assert p.entry('params/layers/wk').spec == P(None, 'data', None, None)
@@ -386,3 +388,45 @@ def test_verify_prints_a_diff_table():
   # An array the plan does not know shows '-' as its planned layout.
   missing = str(fsm.verify(tree, {'b': same['b']})).splitlines()[3].split()
   assert missing == ['a', '8x2', '-', 'P()']
+
+
+# PartitionSpecs with unreduced / reduced axes
+# ------------------------------------------------------------------------------
+
+
+def _reduced_state(spec):
+  return {'w': nnx.Param(jnp.ones((8, 4)), out_sharding=spec, eager_sharding=False)}
+
+
+def test_reduced_axes_pass_through_plan_verify_and_actual_shardings():
+  # Explicit axes: jax allows unreduced / reduced axes only there.
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)
+  spec = P('data', None, reduced={'model'})
+  p = fsm.plan(_reduced_state(spec), mesh)
+  assert p.entry('w').spec == spec and not p.problems
+  assert "P('data', None, reduced={'model'})" in str(p)
+  assert p.to_dict()['entries'][0]['reduced'] == ['model']
+  arrays = {'w': jax.device_put(jnp.ones((8, 4)), jax.NamedSharding(mesh, spec))}
+  assert fsm.actual_shardings(arrays)['w'].spec == spec
+  assert not fsm.verify(arrays, p)
+  plain = {'w': jax.device_put(jnp.ones((8, 4)), jax.NamedSharding(mesh, P('data')))}
+  assert [m.path for m in fsm.verify(plain, p)] == ['w']
+
+
+def test_unreduced_axes_pass_through_regex_rules_and_shardings():
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)
+  spec = P('data', None, unreduced={'model'})
+  specs = fsm.match_partition_rules([('w$', spec)], {'w': jnp.ones((8, 4))})
+  assert specs['w'] == spec  # the same object, unreduced kind included
+  logical = P('batch', None, unreduced={'model'})  # sets hold mesh axes as they are
+  sharding = fsm.logical_to_mesh_sharding(logical, mesh, [('batch', 'data')])
+  assert sharding.spec == spec
+  assert fsm.plan(_reduced_state(spec), mesh).entry('w').spec == spec
+
+
+def test_reduced_axes_on_auto_axes_are_a_problem():
+  mesh = AbstractMesh((2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2)
+  p = fsm.plan(_reduced_state(P('data', None, reduced={'model'})), mesh)
+  assert [problem.reason for problem in p.problems] == [
+    "reduced axis 'model' is Auto; jax needs it Explicit"
+  ]

@@ -21,7 +21,11 @@ import flax_shardmeta as fsm
 PUBLIC_API = {
   'Annotation',
   'BatchLayoutError',
+  'Candidate',
   'DataLayout',
+  'FitError',
+  'FitReport',
+  'ExplicitShardingError',
   'FlaxShardmetaError',
   'InvalidNamesError',
   'InvalidRulesError',
@@ -35,20 +39,28 @@ PUBLIC_API = {
   'PARTITION_NAME',
   'Partitioned',
   'PlanEntry',
+  'RULE_PRESETS',
+  'RulePreset',
   'RuleConflictError',
+  'RuleContextError',
   'RulesFallback',
   'ShardingError',
   'ShardingFitWarning',
   'ShardingPlan',
   'ShardingProblem',
+  'Suggestions',
+  'TopologyError',
   'UnmappedMeshAxisNameWarning',
+  'UnmappedNameWarning',
   '__version__',
   'as_abstract',
   'clear_caches',
   'actual_shardings',
   'composite_rules',
   'data_layout',
+  'explain_sharding_type_errors',
   'explain_resolution',
+  'fit',
   'gather_tree',
   'get_logical_axis_rules',
   'get_partition_spec',
@@ -57,6 +69,7 @@ PUBLIC_API = {
   'host_local_to_global',
   'jit',
   'logical_axis_rules',
+  'logical_out_sharding',
   'logical_to_mesh',
   'logical_to_mesh_axes',
   'logical_to_mesh_sharding',
@@ -71,6 +84,7 @@ PUBLIC_API = {
   'shard_value',
   'sharded_init',
   'standard_logical_axis_rules',
+  'suggest',
   'unbox',
   'verify',
   'with_logical_constraint',
@@ -219,7 +233,8 @@ def test_library_code_raises_no_bare_value_error():
   ]
   assert not offenders, offenders
   assert issubclass(fsm.ShardingFitWarning, UserWarning)
-  assert issubclass(fsm.UnmappedMeshAxisNameWarning, UserWarning)
+  assert issubclass(fsm.UnmappedMeshAxisNameWarning, fsm.UnmappedNameWarning)
+  assert issubclass(fsm.UnmappedNameWarning, UserWarning)
 
 
 def test_package_is_typed():

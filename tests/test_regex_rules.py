@@ -144,3 +144,43 @@ def test_min_size_none_means_no_threshold():
   specs = fsm.match_partition_rules(rules, PARAMS, min_size=None)
   assert specs == fsm.match_partition_rules(rules, PARAMS)
   assert specs['encoder']['attn']['query']['bias'] == P('model')  # 16 elements
+
+
+def test_a_spec_may_be_written_short_and_bad_rules_are_named():
+  # Item 6: ('bias$', 'model') gave P('m') (the string split into letters),
+  # ('bias$', None) a TypeError, a dict a raw unpacking error.
+  params = {'dense': {'kernel': jnp.zeros((4, 8)), 'bias': jnp.zeros(8)}}
+  specs = fsm.match_partition_rules(
+    [('bias$', 'model'), ('kernel$', ['data', None]), ('.*', None)], params
+  )
+  assert specs == {'dense': {'bias': P('model'), 'kernel': P('data', None)}}
+  assert fsm.match_partition_rules([('.*', None)], params)['dense']['bias'] == P()
+  with pytest.raises(fsm.InvalidRulesError, match='got a dict.*a list keeps the order'):
+    fsm.match_partition_rules({'bias$': P()}, params)
+  with pytest.raises(
+    fsm.InvalidRulesError, match=r"partition rule #0 is \('bias\$',\); expected a pair"
+  ):
+    fsm.match_partition_rules([('bias$',)], params)
+  with pytest.raises(
+    fsm.InvalidRulesError, match=r'partition rule #0 .*: dimension 0 .*int 3 is no name'
+  ):
+    fsm.match_partition_rules([('bias$', (3,))], params)
+
+
+def test_get_sharding_takes_match_partition_rules_output():
+  # Item 6: a tree of PartitionSpecs used to give a tree of None, silently.
+  mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+  params = {'dense': {'kernel': jnp.zeros((4, 8)), 'bias': jnp.zeros(8)}}
+  specs = fsm.match_partition_rules(
+    [('kernel$', P(None, 'model')), ('.*', P())], params
+  )
+  shardings = fsm.get_sharding(specs, mesh)
+  assert shardings['dense']['kernel'] == jax.sharding.NamedSharding(
+    mesh, P(None, 'model')
+  )
+  assert shardings['dense']['bias'].spec == P()
+  bad = fsm.match_partition_rules([('.*', P('expert'))], params)
+  with pytest.raises(
+    fsm.ShardingError, match=r"dense/bias: .*mesh axis 'expert' \(dimension 0\) is not"
+  ):
+    fsm.get_sharding(bad, mesh)

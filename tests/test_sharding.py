@@ -140,9 +140,14 @@ def test_get_sharding_uses_context_rules(mesh):
   with fsm.logical_axis_rules([('hidden', 'data')]):
     explicit = fsm.get_sharding(variables, mesh, RULES)
   assert explicit['params']['DotReluDot_0']['W2'].spec == P('model', None)
-  # No rules at all: logical names are replicated.
-  none = fsm.get_sharding(variables, mesh)
+  # No rules at all: logical names are replicated, with one warning saying so.
+  with pytest.warns(fsm.UnmappedNameWarning, match='2 array.* no logical axis rules'):
+    none = fsm.get_sharding(variables, mesh)
   assert none['params']['DotReluDot_0']['W2'].spec == P(None, None)
+  # Rules given as empty on purpose: replicated without a word.
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    fsm.get_sharding(variables, mesh, ())
 
 
 def test_get_sharding_composes_per_variable_rules(mesh):
@@ -181,8 +186,11 @@ def test_duplicate_logical_name_is_reported_by_path(mesh):
       )
     }
   }
-  with pytest.raises(fsm.ShardingError, match="'embed' appears more than once"):
+  with pytest.raises(
+    fsm.InvalidNamesError, match="layer/w: .*'embed' appears more than once"
+  ) as info:
     fsm.get_sharding(tree, mesh, RULES)
+  assert [p.path for p in info.value.problems] == ['layer/w']
 
 
 def test_get_sharding_with_abstract_mesh():
@@ -528,8 +536,13 @@ def test_mesh_axis_name_as_logical_name_warns_once_per_name(mesh):
 
 def test_issue_example_logical_to_mesh_sharding_warns(mesh):
   with pytest.warns(fsm.UnmappedMeshAxisNameWarning, match="'data'.*Concerned: w"):
-    out = fsm.logical_to_mesh_sharding({'w': P('data', None)}, mesh)
+    out = fsm.logical_to_mesh_sharding({'w': P('data', None)}, mesh, [('x', None)])
   assert out['w'].spec == P(None, None)
+  # With no rules at all, one warning says that, and names the mesh axis too.
+  with pytest.warns(
+    fsm.UnmappedNameWarning, match="no logical axis rules.*'data' is also a mesh"
+  ):
+    fsm.logical_to_mesh_sharding({'w': P('data', None)}, mesh)
 
 
 def test_strict_get_sharding_lists_every_unmapped_name(mesh):
@@ -633,3 +646,100 @@ def test_error_header_counts_leaves_not_problems():
   with pytest.raises(fsm.ShardingError, match='^1 leaf cannot be sharded') as info:
     fsm.get_sharding(tree, mesh)
   assert len(info.value.problems) == 2  # both dimensions, one leaf
+
+
+# Names and meshes that are not what they should be: named errors
+# ------------------------------------------------------------------------------
+
+
+def test_integer_and_nested_names_are_invalid_names_naming_the_parameter(mesh):
+  # Item 5: (0, 'model') was silently replicated, (1, 'model') raised jax's
+  # "Resource axis: 1 ... is not found in mesh" with no path. Item 10: a
+  # nested tuple raised jax's "cannot contain a nested tuple".
+  sds = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+  tree = {
+    'a': {'kernel': nn.Partitioned(sds, (0, 'model'))},  # flax's boxes take anything
+    'b': nn.LogicallyPartitioned(sds, ((('data',), 'model'), None)),
+    'ok': fsm.Partitioned(sds, ('data', None)),
+  }
+  with pytest.raises(fsm.InvalidNamesError) as info:
+    fsm.get_sharding(tree, mesh)
+  assert [p.path for p in info.value.problems] == ['a/kernel', 'b']
+  message = str(info.value)
+  assert "a/kernel: shape (8, 8), names (0, 'model')" in message
+  assert 'int 0 is no name' in message and 'not another tuple' in message
+  plan = fsm.plan(tree, mesh)  # a plan lists them instead of raising
+  assert {p.path for p in plan.problems} == {'a/kernel', 'b'}
+  # fsm's own boxes and initializers refuse them at once.
+  with pytest.raises(fsm.InvalidNamesError, match='int 1 is no name'):
+    fsm.Partitioned(sds, (1, 'model'))
+  with pytest.raises(fsm.InvalidNamesError, match='int 3 is no name'):
+    fsm.with_logical_partitioning(nn.initializers.zeros, ('embed', 3))
+  with pytest.raises(fsm.InvalidNamesError, match=r"dimension 1 of names \('a', 3\)"):
+    fsm.logical_to_mesh_axes(('a', 3), [('a', 'data')])
+
+
+def test_get_sharding_without_a_mesh_is_a_named_error():
+  tree = {'a': jnp.ones(3)}
+  with pytest.raises(fsm.NoMeshError, match='get_sharding needs a mesh, got None'):
+    fsm.get_sharding(tree, None)  # type: ignore[arg-type]
+  with pytest.raises(fsm.NoMeshError, match='looks like logical axis rules'):
+    fsm.get_sharding(tree, [('batch', 'data')])  # type: ignore[arg-type]
+  with pytest.raises(fsm.NoMeshError, match='plan needs a mesh, got None'):
+    fsm.plan(tree, None)  # type: ignore[arg-type]
+
+
+def test_no_rules_at_all_is_said_once_per_call(mesh):
+  # Issue 15: logical annotations with no rules anywhere were replicated
+  # without a word.
+  tree = _logical_tree(3, ('embed', 'mlp'))
+  with pytest.warns(fsm.UnmappedNameWarning) as record:
+    out = fsm.get_sharding(tree, mesh)
+  assert len(record) == 1
+  message = str(record[0].message)
+  assert message.startswith("3 array(s) have logical names ('embed', 'mlp') but no")
+  assert 'fsm.logical_axis_rules' in message and 'strict=True' in message
+  assert 'Concerned: layer_0/w, layer_1/w, layer_2/w.' in message
+  assert out['layer_0']['w'].spec == P(None, None)
+  with pytest.raises(fsm.ShardingError, match='no logical axis rules are given or set'):
+    fsm.get_sharding(tree, mesh, strict=True)
+  with pytest.warns(fsm.UnmappedNameWarning, match='no logical axis rules'):
+    plan = fsm.plan(tree, mesh)
+  assert 'no rules are given or set' in str(plan.entries[0].explain[0])
+
+
+def test_a_name_close_to_a_rules_name_asks_did_you_mean(mesh):
+  # Issue 15: 'mpl' for 'mlp' was replicated silently.
+  tree = _logical_tree(2, ('embed', 'mpl'))
+  rules = [('embed', 'data'), ('mlp', 'model')]
+  with pytest.warns(
+    fsm.UnmappedNameWarning,
+    match=r"'mpl' is not mapped by any rule, so it was replicated; did you mean "
+    r"'mlp' \(rule \('mlp', 'model'\)\)\? Concerned: layer_0/w, layer_1/w\.",
+  ):
+    fsm.get_sharding(tree, mesh, rules)
+  with pytest.raises(fsm.ShardingError, match=r"Fix: did you mean 'mlp'"):
+    fsm.get_sharding(tree, mesh, rules, strict=True)
+  # A name that is no slip of a rule's name stays silent, as documented.
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    fsm.get_sharding(_logical_tree(1, ('embed', 'baz')), mesh, [('bar', 'model')])
+
+
+def test_a_rule_whose_axis_is_taken_is_not_called_missing(mesh):
+  # Item 14: the rule ('model', 'model') exists; dimension 0 has its axis.
+  rules = [('embed', 'model'), ('model', 'model')]
+  tree = _logical_tree(1, ('embed', 'model'))
+  with pytest.warns(fsm.UnmappedMeshAxisNameWarning) as record:
+    fsm.get_sharding(tree, mesh, rules)
+  message = str(record[0].message)
+  assert (
+    "'model' was replicated: every rule for it was skipped (rule #1 ('model', "
+    "'model'): mesh axis 'model' is already used by dimension 0 ('embed'))"
+  ) in message
+  assert 'not mapped by any rule' not in message and 'or a rule' not in message
+  with pytest.raises(fsm.ShardingError) as info:
+    fsm.get_sharding(tree, mesh, rules, strict=True)
+  (problem,) = info.value.problems
+  assert "every rule for logical name 'model' was skipped" in problem.reason
+  assert 'add a rule' not in problem.hint and 'put the rule first' in problem.hint

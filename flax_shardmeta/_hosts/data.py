@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax_shardmeta._annotation import path_str
 from flax_shardmeta._errors import BatchLayoutError, ShardingError, ShardingProblem
+from flax_shardmeta._placement import check_mesh
 from flax_shardmeta._rules import get_logical_axis_rules, logical_to_mesh_axes
 from flax_shardmeta._specs import mesh_axes_of
 from flax_shardmeta._typing import LogicalRules, PyTree
-from flax_shardmeta._validate import check_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,7 @@ def data_layout(
     DataLayout(batch_size=32, shard_id=0, num_shards=1,
                is_first_host_in_replica_set=True)
   """
+  mesh = cast(Mesh, check_mesh(mesh, 'data_layout'))
   axes = _batch_axes(mesh, batch_axes, rules)
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing:
@@ -160,7 +163,10 @@ def host_local_to_global(
 
   Every process calls this with the rows :func:`data_layout` assigned to it;
   the result is one global array per leaf (on
-  ``jax.make_array_from_process_local_data``).
+  ``jax.make_array_from_process_local_data``). With several processes, the
+  processes compare the global shapes their rows imply (one small collective
+  per call), so processes that disagree on the batch all get a
+  :class:`BatchLayoutError` rather than arrays of a different shape each.
 
   Args:
     tree: host-local arrays (numpy or jax), leading dimension = local rows.
@@ -173,6 +179,10 @@ def host_local_to_global(
   Returns:
     ``tree`` with global ``jax.Array`` leaves.
 
+  Raises:
+    ShardingError: this process's rows cannot be split over its devices.
+    BatchLayoutError: the processes passed rows of different shapes.
+
   Example:
     >>> import jax, numpy as np, flax_shardmeta as fsm
     >>> mesh = jax.make_mesh((2, 4), ('data', 'model'))
@@ -181,71 +191,195 @@ def host_local_to_global(
     >>> x.shape, x.sharding.spec
     ((8, 3), P('data', None))
   """
-  specs = _spec_tree(tree, names_or_specs, rules)
-
-  def one(path: Any, x: Any, spec: PartitionSpec) -> jax.Array:
+  mesh = cast(Mesh, check_mesh(mesh, 'host_local_to_global'))
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  per_leaf = _specs_and_names(tree, names_or_specs, rules)
+  leaves: list[tuple[str, np.ndarray, PartitionSpec, tuple[int, ...]]] = []
+  problems: list[ShardingProblem] = []
+  for (path, x), (spec, names) in zip(flat, per_leaf):
+    where = path_str(path) or '<value>'
     local = np.asarray(x)
-    issues = check_spec(_global_shape(local.shape, spec, mesh), tuple(spec), mesh)
-    if issues:
-      raise ShardingError(
-        [
-          ShardingProblem(path_str(path), local.shape, None, spec, r, h, d)
-          for r, h, d in issues
-        ]
-      )
-    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local)
-
-  return jax.tree_util.tree_map_with_path(one, tree, specs)
+    global_shape, issues = _global_shape(local.shape, spec, mesh)
+    problems += [
+      ShardingProblem(where, local.shape, names, spec, r, h, d) for r, h, d in issues
+    ]
+    leaves.append((where, local, spec, global_shape))
+  # Compared before raising: a process left alone in the collective would hang.
+  failed = _processes_agree([(w, x.shape, g) for w, x, _, g in leaves], problems)
+  if problems:
+    raise ShardingError(problems, context=f' (in process {jax.process_index()})')
+  if failed:
+    raise BatchLayoutError(
+      f'process(es) {failed} could not split their rows over their devices '
+      '(each raised a ShardingError saying why), so no global array is made '
+      f'in process {jax.process_index()} either.'
+    )
+  out = [
+    jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local, shape)
+    for _, local, spec, shape in leaves
+  ]
+  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _global_shape(
   local: tuple[int, ...], spec: PartitionSpec, mesh: Mesh
-) -> tuple[int, ...]:
-  """The global shape implied by local rows (for checking; jax infers it too)."""
+) -> tuple[tuple[int, ...], list[tuple[str, str, tuple[int, ...]]]]:
+  """The global shape this process's rows imply, and what stops them.
+
+  Along a sharded dimension this process's devices hold ``mine`` of the
+  ``total`` shards, so its rows are ``mine`` shards' worth of the global
+  dimension.
+  """
   out = list(local)
+  issues: list[tuple[str, str, tuple[int, ...]]] = []
+  entries = tuple(spec)
+  if len(entries) > len(local):
+    issues.append(
+      (
+        f'{len(entries)} spec entries for a rank-{len(local)} array',
+        'give at most one entry per dimension',
+        (),
+      )
+    )
   devices = np.asarray(mesh.devices)
   names = list(mesh.axis_names)
-  for dim, entry in enumerate(tuple(spec)[: len(local)]):
-    axes = [a for a in mesh_axes_of(entry) if a in names]
+  here = jax.process_index()
+  for dim, entry in enumerate(entries[: len(local)]):
+    axes = mesh_axes_of(entry)
+    missing = [a for a in axes if a not in names]
+    if missing:
+      issues.append(
+        (
+          f'mesh axes {missing} (dimension {dim}) are not in the mesh '
+          f'{dict(mesh.shape)}',
+          'use axes the mesh has, or a rule that maps the name to them',
+          (dim,),
+        )
+      )
+      continue
     if not axes:
       continue
     # How many distinct positions along these axes this process covers.
-    here = jax.process_index()
-    mine = {
-      tuple(c[names.index(a)] for a in axes)
-      for c in np.ndindex(devices.shape)
-      if _process_of(devices[c]) == here
-    }
-    out[dim] = local[dim] * math.prod(mesh.shape[a] for a in axes) // max(len(mine), 1)
-  return tuple(out)
+    mine = len(
+      {
+        tuple(c[names.index(a)] for a in axes)
+        for c in np.ndindex(devices.shape)
+        if _process_of(devices[c]) == here
+      }
+    )
+    total = math.prod(mesh.shape[a] for a in axes)
+    if local[dim] % max(mine, 1):
+      shown = ' x '.join(f"'{a}'={mesh.shape[a]}" for a in axes)
+      issues.append(
+        (
+          f'dimension {dim}: this process passed {local[dim]}, and its devices '
+          f'hold {mine} of the {total} shards over {shown}: '
+          f'{local[dim] / mine:g} each',
+          f'pass a multiple of {mine} per process; for the batch, the '
+          'fsm.data_layout(mesh, global_batch_size).batch_size rows that '
+          f'data_layout assigns each process (a global batch divisible by {total})',
+          (dim,),
+        )
+      )
+      continue
+    out[dim] = local[dim] * total // max(mine, 1)
+  return tuple(out), issues
 
 
-def _process_of(device: Any) -> int:
-  return device.process_index
+def _processes_agree(
+  leaves: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
+  problems: list[ShardingProblem],
+) -> list[int]:
+  """Every process must imply the same global shapes; else all of them raise.
 
+  A digest of the global shapes is compared first (one small allgather); only
+  when the processes disagree is more gathered, to say who passed what. Every
+  process sees the same gathered data, so all take the same branch.
 
-def _spec_tree(tree: PyTree, names_or_specs: Any, rules: LogicalRules | None) -> PyTree:
-  def to_spec(n: Any) -> PartitionSpec:
-    if isinstance(n, PartitionSpec):
-      return n
-    return logical_to_mesh_axes(tuple(n), rules)
-
-  if _is_names(names_or_specs):
-    spec = to_spec(names_or_specs)
-    return jax.tree_util.tree_map(lambda _: spec, tree)
-  return jax.tree_util.tree_map(
-    lambda _, n: to_spec(n), tree, names_or_specs, is_leaf=_is_names
+  Returns:
+    The processes whose own rows had ``problems`` (each raises them).
+  """
+  if jax.process_count() == 1:
+    return []
+  flat = [n for _, _, g in leaves for n in (len(g), *g)]
+  digest = zlib.crc32(np.asarray(flat, np.int64).tobytes()) & 0x7FFFFFFF
+  head = np.asarray([len(leaves), len(flat), digest, len(problems)], np.int32)
+  heads = np.asarray(multihost_utils.process_allgather(head))
+  failed = [p for p, h in enumerate(heads) if h[3]]
+  if failed:
+    return failed
+  if (heads == heads[0]).all():
+    return []
+  counts = {p: int(h[0]) for p, h in enumerate(heads)}
+  if len(set(counts.values())) > 1 or len({int(h[1]) for h in heads}) > 1:
+    detail = ', '.join(
+      f'process {p} passed {n} array(s)' for p, n in sorted(counts.items())
+    )
+  else:
+    mine = np.asarray([n for _, local, g in leaves for n in (*local, *g)], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    lines = []
+    pos = 0
+    for where, local, g in leaves:
+      width = len(local) + len(g)
+      block = every[:, pos : pos + width]
+      pos += width
+      if (block == block[0]).all():
+        continue
+      said = '; '.join(
+        f'process {p} passed shape {tuple(int(v) for v in row[: len(local)])} '
+        f'(a global {tuple(int(v) for v in row[len(local) :])})'
+        for p, row in enumerate(block)
+      )
+      lines.append(f'{where}: {said}')
+    detail = '\n  '.join(lines)
+  raise BatchLayoutError(
+    f'the processes passed host_local_to_global rows that do not form one '
+    f'global array (seen from process {jax.process_index()} of '
+    f'{jax.process_count()}):\n  {detail}\nEvery process must pass the rows '
+    'fsm.data_layout(mesh, global_batch_size) assigns it (batch_size rows '
+    'each, the same shape everywhere); otherwise each process would build a '
+    'global array of another shape.'
   )
+
+
+def _specs_and_names(
+  tree: PyTree, names_or_specs: Any, rules: LogicalRules | None
+) -> list[tuple[PartitionSpec, Any]]:
+  """Per leaf of ``tree`` (in flattening order): its spec and names as given."""
+
+  def one(n: Any) -> tuple[PartitionSpec, Any]:
+    if isinstance(n, PartitionSpec):
+      return n, n
+    return logical_to_mesh_axes(tuple(n), rules), tuple(n)
+
+  n_leaves = len(jax.tree_util.tree_leaves(tree))
+  if _is_names(names_or_specs):
+    return [one(names_or_specs)] * n_leaves
+  treedef = jax.tree_util.tree_structure(tree)
+  try:
+    given = treedef.flatten_up_to(names_or_specs)
+  except (ValueError, TypeError):
+    raise BatchLayoutError(
+      'names_or_specs must be one PartitionSpec / names tuple for every leaf, '
+      f'or a tree of them with the structure of the rows ({treedef.num_leaves} '
+      'leaves)'
+    ) from None
+  return [one(n) for n in given]
 
 
 def _is_names(x: Any) -> bool:
   return isinstance(x, PartitionSpec) or (
-    type(x) is tuple
+    type(x) in (tuple, list)
     and all(e is None or isinstance(e, (str, tuple)) for e in x)
     and not any(
       isinstance(e, tuple) and not all(isinstance(a, str) for a in e) for e in x
     )
   )
+
+
+def _process_of(device: Any) -> int:
+  return device.process_index
 
 
 def global_to_host_local(tree: PyTree) -> PyTree:

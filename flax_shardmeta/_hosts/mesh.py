@@ -1,4 +1,4 @@
-"""Meshes from axis sizes, laid out over hosts: ``make_mesh``.
+"""Meshes from axis sizes, laid out over hosts or over a TPU pod: ``make_mesh``.
 
 On a pod every process (host) sees only its own devices, and traffic between
 hosts (DCN) is far slower than inside one (ICI). ``dcn_axis_sizes`` says how
@@ -9,7 +9,7 @@ host, so collectives over it never leave the machine.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -18,68 +18,149 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from flax_shardmeta._errors import MeshShapeError
+from flax_shardmeta._planning.topology import topology_devices
 
 
 def make_mesh(
-  axis_sizes: Sequence[int],
-  axis_names: Sequence[str],
+  axis_sizes: Sequence[int] | Mapping[str, int],
+  axis_names: Sequence[str] | None = None,
   *,
   axis_types: Sequence[AxisType] | None = None,
   devices: Sequence[Any] | None = None,
   dcn_axis_sizes: Sequence[int] | None = None,
+  topology: str | None = None,
+  num_slices: int = 1,
 ) -> Mesh:
-  """A ``Mesh`` of ``axis_sizes`` over all devices of all processes.
+  """A ``Mesh`` of ``axis_sizes`` over all devices of all processes, or over the
+  devices of a TPU pod described by ``topology``.
 
   Args:
     axis_sizes: one size per axis; at most one may be ``-1``, meaning "all
-      the devices the other axes leave".
+      the devices the other axes leave". A mapping ``{'data': -1, 'model':
+      4}`` gives names and sizes at once (then leave ``axis_names`` out).
     axis_names: one name per axis.
-    axis_types: as for ``jax.make_mesh`` (its default when None).
+    axis_types: one ``jax.sharding.AxisType`` per axis; None gives every
+      axis ``Auto`` (``jax.make_mesh`` now defaults to ``Explicit``).
+      flax_shardmeta's annotations place the parameters and
+      ``with_logical_constraint`` the chosen activations, and Auto axes let
+      the compiler propagate the layout in between, which is what flax's
+      layers are written for: on Explicit axes every matmul contracting a
+      sharded dimension needs an ``out_sharding`` (Linen's ``nn.Dense`` takes
+      none; see :func:`flax_shardmeta.logical_out_sharding`). Pass
+      ``(AxisType.Explicit,) * n`` for sharding in types.
     devices: the devices to use (default: ``jax.devices()``, every process's).
     dcn_axis_sizes: how many hosts (processes; slices where devices report
       several ``slice_index`` values) each axis spans. Their product is the
       number of hosts; each axis size must be a multiple of its entry. The
       remaining factor of each axis stays inside one host.
+    topology: a TPU pod to lay the mesh over instead of this machine's
+      devices, e.g. ``'v5p:8x8x16'`` (needs libtpu: ``pip install
+      'flax_shardmeta[tpu]'``). The mesh lowers and compiles (``fsm.fit``)
+      but cannot run here.
+    num_slices: with ``topology``, that many slices joined over the
+      data-centre network. Unless ``dcn_axis_sizes`` says otherwise, the
+      first axis spans the slices (data parallelism across slices).
 
   Returns:
     The mesh, with devices ordered so that each host's devices form
-    contiguous blocks along the axes that span hosts.
+    contiguous blocks along the axes that span hosts, and (on a topology)
+    neighbouring mesh positions are neighbouring chips.
 
   Raises:
     MeshShapeError: the sizes do not fit the devices or the hosts; the
       message names both counts and a factorisation that would fit.
+    TopologyError: libtpu is missing or the topology name is unknown.
 
   Example:
     >>> import jax, flax_shardmeta as fsm
     >>> mesh = fsm.make_mesh((-1, 4), ('data', 'model'))
     >>> dict(mesh.shape)
     {'data': 2, 'model': 4}
+    >>> dict(fsm.make_mesh({'data': 2, 'model': -1}).shape)
+    {'data': 2, 'model': 4}
     >>> dict(fsm.make_mesh((2, 4), ('data', 'model'), dcn_axis_sizes=(1, 1)).shape)
     {'data': 2, 'model': 4}
   """
+  axis_sizes, names = _sizes_and_names(axis_sizes, axis_names)
+  if topology is not None:
+    if devices is not None:
+      raise MeshShapeError('give devices= or topology=, not both.')
+    devices = topology_devices(topology, num_slices=num_slices)
+    if num_slices > 1 and dcn_axis_sizes is None:
+      dcn_axis_sizes = (num_slices,) + (1,) * (len(names) - 1)
+  elif num_slices != 1:
+    raise MeshShapeError(
+      f'num_slices={num_slices} needs topology=...; on real devices the slices '
+      'are those the devices report (their slice_index).'
+    )
   devices = list(jax.devices() if devices is None else devices)
-  names = tuple(axis_names)
   if len(names) != len(axis_sizes):
     raise MeshShapeError(
       f'{len(axis_sizes)} axis sizes {tuple(axis_sizes)} for {len(names)} axis '
       f'names {names}; give one size per name.'
     )
   hosts = _hosts(devices)
-  sizes = _fill_wildcard(
-    tuple(int(s) for s in axis_sizes), names, len(devices), len(hosts)
-  )
-  types = tuple(axis_types) if axis_types is not None else None
+  sizes = _fill_wildcard(_as_ints(axis_sizes, names), names, len(devices), len(hosts))
+  # Auto unless told otherwise (jax.make_mesh's own default is Explicit): see
+  # the axis_types argument above for why.
+  types = tuple(axis_types) if axis_types is not None else (AxisType.Auto,) * len(names)
   if dcn_axis_sizes is None:
-    return jax.make_mesh(sizes, names, axis_types=types, devices=devices)
-  dcn = tuple(int(s) for s in dcn_axis_sizes)
+    try:
+      return jax.make_mesh(sizes, names, axis_types=types, devices=devices)
+    except NotImplementedError:
+      # A TPU torus whose axes no product of mesh sizes matches (64 on
+      # 4x4x8): jax refuses to split a physical axis unless asked to.
+      grid = mesh_utils.create_device_mesh(
+        sizes, devices, allow_split_physical_axes=True
+      )
+      return Mesh(np.asarray(grid), names, axis_types=types)
+  dcn = _as_ints(dcn_axis_sizes, names, what='dcn_axis_sizes')
   ici = _split(sizes, dcn, names, len(devices), len(hosts))
   by_slice = len({getattr(d, 'slice_index', 0) for d in devices}) > 1
   grid = mesh_utils.create_hybrid_device_mesh(
     ici, dcn, devices, process_is_granule=not by_slice, allow_split_physical_axes=True
   )
-  # jax.make_mesh's default, which it does not export.
-  types = types if types is not None else (AxisType.Explicit,) * len(names)
   return Mesh(np.asarray(grid), names, axis_types=types)
+
+
+def _sizes_and_names(
+  axis_sizes: Sequence[int] | Mapping[str, int], axis_names: Sequence[str] | None
+) -> tuple[Sequence[Any], tuple[str, ...]]:
+  """The two accepted forms (sizes + names, or one mapping) -> sizes, names."""
+  if isinstance(axis_sizes, Mapping):
+    if axis_names is not None:
+      raise MeshShapeError(
+        f'axis sizes given as a mapping {dict(axis_sizes)} and axis_names '
+        f'{tuple(axis_names)} too; the mapping already names the axes, so leave '
+        'axis_names out.'
+      )
+    return tuple(axis_sizes.values()), tuple(axis_sizes)
+  if axis_names is None:
+    raise MeshShapeError(
+      f'axis sizes {tuple(axis_sizes)} without axis_names; pass the names, e.g. '
+      "make_mesh((2, 4), ('data', 'model')), or a mapping {'data': 2, 'model': 4}."
+    )
+  if isinstance(axis_names, str):
+    raise MeshShapeError(
+      f'axis_names={axis_names!r} is one string; give a tuple of names, e.g. '
+      f'({axis_names!r},).'
+    )
+  return axis_sizes, tuple(axis_names)
+
+
+def _as_ints(
+  sizes: Sequence[Any], names: tuple[str, ...], what: str = 'axis sizes'
+) -> tuple[int, ...]:
+  out = []
+  for i, size in enumerate(sizes):
+    name = names[i] if i < len(names) else f'#{i}'
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+      raise MeshShapeError(
+        f'{what} {tuple(sizes)} for {names}: the size of {name!r} is {size!r}; '
+        'sizes are integers (-1 for "the devices the other axes leave").'
+      )
+    out.append(int(size))
+  return tuple(out)
 
 
 def _hosts(devices: Sequence[Any]) -> list[Any]:

@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._errors import FlaxShardmetaError
-from flax_shardmeta._rules import RuleStep, composite_rules, explain
+from flax_shardmeta._rules import RuleStep, explain
+from flax_shardmeta._specs import spec_entries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +50,15 @@ def explain_entry(
   rules: tuple[tuple[str, Any], ...],
   mesh_axis_names: tuple[str, ...],
   spec: PartitionSpec | None,
+  source: str = '',
 ) -> tuple[ExplainedDim, ...]:
   """Per dimension of one entry: the rule steps and the outcome in words.
 
   ``spec`` is the final (possibly fitted) spec, so a dimension the rules gave
-  mesh axes to but that ended up replicated says why.
+  mesh axes to but that ended up replicated says why. ``source`` says where
+  ``rules`` come from (``''`` for rules passed explicitly).
   """
-  given = tuple(spec) if spec is not None else ()
+  given = spec_entries(spec) if spec is not None else ()
   final = given + (None,) * (len(shape) - len(given))
   if ann is None:
     return tuple(
@@ -87,7 +90,7 @@ def explain_entry(
       for d, n in enumerate(ann.names)
     )
   try:
-    dims = explain(ann.names, composite_rules(rules, ann.rules))
+    dims = explain(ann.names, rules, local_rules=ann.rules, source=source)
   except FlaxShardmetaError as e:
     return tuple(
       ExplainedDim(d, n, final[d], (), f'not resolved: {e}')
@@ -101,6 +104,8 @@ def explain_entry(
     elif resolved is None and ann.keep_mesh_names and x.name in mesh_axis_names:
       note = 'no rule gave it mesh axes; kept as the mesh axis of that name'
       resolved = x.name
+    elif x.no_rules:
+      note = 'no rules are given or set, so replicated'
     elif not x.steps:
       note = 'no rule names it, so replicated'
     elif not any(s.applied for s in x.steps):

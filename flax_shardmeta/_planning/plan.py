@@ -21,18 +21,25 @@ from jax.sharding import PartitionSpec, Sharding
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._errors import ShardingError, ShardingProblem
+from flax_shardmeta._placement import check_mesh
 from flax_shardmeta._planning import format as plan_format
 from flax_shardmeta._planning.explain import ExplainedDim, explain_entry
+from flax_shardmeta._rules import SOURCE_NONE, rules_and_source
 from flax_shardmeta._sharding import (
   LeafLayout,
-  effective_rules,
   layout_tree,
   named_sharding,
   problems_of,
   unmapped_record,
   warn_adjustments,
 )
-from flax_shardmeta._specs import format_spec, json_entry, mesh_axes_of
+from flax_shardmeta._specs import (
+  format_spec,
+  json_entry,
+  mesh_axes_of,
+  spec_entries,
+  spec_sets,
+)
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 from flax_shardmeta._unmapped import Unmapped
 from flax_shardmeta._unmapped import report as report_unmapped
@@ -81,6 +88,7 @@ class PlanEntry:
   mesh_axis_names: tuple[str, ...] = dataclasses.field(
     default=(), repr=False, compare=False
   )
+  rules_source: str = dataclasses.field(default='', repr=False, compare=False)
 
   @property
   def size(self) -> int:
@@ -99,7 +107,12 @@ class PlanEntry:
     Computed on first read, not when the plan is made.
     """
     return explain_entry(
-      self.shape, self.annotation, self.rules, self.mesh_axis_names, self.spec
+      self.shape,
+      self.annotation,
+      self.rules,
+      self.mesh_axis_names,
+      self.spec,
+      self.rules_source,
     )
 
   def to_dict(self) -> dict[str, Any]:
@@ -112,6 +125,12 @@ class PlanEntry:
       'spec': _json_entries(self.spec),
       'shard_shape': list(self.shard_shape),
       'bytes_per_device': self.bytes_per_device,
+      # Only present when the spec has them, as PartitionSpec shows them.
+      **{
+        kind: sorted(axes)
+        for kind, axes in zip(('unreduced', 'reduced'), spec_sets(self.spec))
+        if axes
+      },
     }
 
   def __treescope_repr__(self, path: str, subtree_renderer: Any) -> Any:
@@ -217,6 +236,7 @@ class ShardingPlan:
   __slots__ = (
     '_mesh',
     '_rules',
+    '_source',
     '_problems',
     '_leaves',
     '_layouts',
@@ -231,6 +251,7 @@ class ShardingPlan:
     self,
     mesh: AnyMesh,
     rules: tuple[tuple[str, Any], ...],
+    source: str,
     problems: tuple[ShardingProblem, ...],
     leaves: list[ann_lib.Leaf],
     layouts: list[LeafLayout],
@@ -240,6 +261,7 @@ class ShardingPlan:
     """Made by :func:`plan`; not meant to be called directly."""
     self._mesh = mesh
     self._rules = rules
+    self._source = source
     self._problems = problems
     self._leaves = leaves
     self._layouts = layouts
@@ -268,7 +290,9 @@ class ShardingPlan:
   def entries(self) -> tuple[PlanEntry, ...]:
     """One :class:`PlanEntry` per array leaf, in tree order (made on first read)."""
     if self._entries is None:
-      self._entries = _entries(self._leaves, self._layouts, self._mesh, self._rules)
+      self._entries = _entries(
+        self._leaves, self._layouts, self._mesh, self._rules, self._source
+      )
     return self._entries
 
   @property
@@ -392,7 +416,8 @@ class ShardingPlan:
     return treescope.render_to_html(self._treescope_view())
 
   def show(self) -> None:
-    """Displays the plan as an interactive treescope tree in a notebook.
+    """Displays the plan as an interactive treescope tree in a notebook (the
+    table where only text can be shown).
 
     Outside a running IPython shell (where treescope has nowhere to display)
     prints the table instead. Whether IPython is merely installed does not
@@ -401,9 +426,11 @@ class ShardingPlan:
     if _ipython_shell() is None:
       print(self)
       return
-    import treescope
+    from IPython.display import display
 
-    treescope.show(self._treescope_view())
+    # The table is the plain-text fallback: treescope's own would put whole
+    # modules on one line of several hundred characters.
+    display({'text/html': self._repr_html_(), 'text/plain': str(self)}, raw=True)
 
 
 def _ipython_shell() -> Any:
@@ -450,7 +477,9 @@ def plan(
     >>> p.entries[0].spec, p.entries[0].shard_shape, p.bytes_per_device
     (P('data', 'model'), (16, 256), 16384)
   """
-  leaves, layouts, build = layout_tree(tree, mesh, rules, fit)
+  mesh = check_mesh(mesh, 'plan')
+  rules_t, source = rules_and_source(rules)
+  leaves, layouts, build = layout_tree(tree, mesh, rules_t, fit)
   problems: list[ShardingProblem] = []
   adjusted: list[tuple[ann_lib.Leaf, tuple[str, ...]]] = []
   unmapped: list[Unmapped] = []
@@ -460,13 +489,15 @@ def plan(
       adjusted.append((lf, lay.adjustments))
     if lay.issues:
       problems.extend(problems_of(lf.path, lf, lay))
-    if lay.unmapped:
-      unmapped.append(unmapped_record(lf, lay))
-  problems += report_unmapped(unmapped, tuple(mesh.axis_names), strict)
+    if lay.unmapped and lf.annotation is not None:  # only annotations map names
+      unmapped.append(unmapped_record(lf, lay, rules_t))
+  problems += report_unmapped(
+    unmapped, tuple(mesh.axis_names), strict, no_rules=source == SOURCE_NONE
+  )
   if adjusted:
     warn_adjustments(adjusted)
   return ShardingPlan(
-    mesh, effective_rules(rules), tuple(problems), leaves, layouts, adjusted, build
+    mesh, rules_t, source, tuple(problems), leaves, layouts, adjusted, build
   )
 
 
@@ -514,9 +545,16 @@ def verify(arrays: PyTree, plan_or_shardings: ShardingPlan | PyTree) -> Mismatch
     checked += 1
     want = expected.get(lf.path)
     have = getattr(lf.value, 'sharding', None)
-    if want is None or have is None or not have.is_equivalent_to(want, len(shape)):
+    if want is None or have is None or not _same(have, want, len(shape)):
       out.append(Mismatch(lf.path, want, have, tuple(shape)))
   return Mismatches(out, checked)
+
+
+def _same(have: Sharding, want: Sharding, rank: int) -> bool:
+  # is_equivalent_to compares device layouts, where unreduced / reduced axes
+  # do not show; the plan holds them, so they are compared too.
+  sets = (spec_sets(getattr(s, 'spec', None)) for s in (have, want))
+  return have.is_equivalent_to(want, rank) and next(sets) == next(sets)
 
 
 def actual_shardings(tree: PyTree) -> PyTree:
@@ -563,6 +601,7 @@ def _entries(
   layouts: list[LeafLayout],
   mesh: AnyMesh,
   rules: tuple[tuple[str, Any], ...],
+  source: str,
 ) -> tuple[PlanEntry, ...]:
   """One PlanEntry per array leaf; what does not depend on the path is made
   once per distinct (layout, dtype, annotation)."""
@@ -596,6 +635,7 @@ def _entries(
         ann,
         rules,
         axis_names,
+        source,
       )
     out.append(PlanEntry(path, *fields))
   return tuple(out)
@@ -610,9 +650,10 @@ def _shard_shape(
   sizes = dict(mesh_sizes)
   if spec is None:
     return shape
+  entries = spec_entries(spec)
   out = []
   for dim, n in enumerate(shape):
-    entry = spec[dim] if dim < len(spec) else None
+    entry = entries[dim] if dim < len(entries) else None
     factor = math.prod(sizes.get(a, 1) for a in mesh_axes_of(entry))
     # Uneven shards (only in plans with problems) hold the padded size.
     out.append(-(-n // factor))
@@ -620,7 +661,7 @@ def _shard_shape(
 
 
 def _json_entries(spec: Any) -> list[Any] | None:
-  return None if spec is None else [json_entry(e) for e in tuple(spec)]
+  return None if spec is None else [json_entry(e) for e in spec_entries(spec)]
 
 
 def _spec_of(s: Sharding | None) -> str:

@@ -3,31 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from flax_shardmeta._placement import context_mesh
-
-MLP_RULES = (('batch', 'data'), ('hidden', 'model'), ('embed', None), ('layers', None))
-"""Rules for the notebook MLP over a ('data', 'model') mesh."""
-
-
-LLAMA_RULES = (
-  ('batch', 'data'),
-  ('vocab', 'model'),
-  ('heads', 'model'),
-  ('kv_heads', 'model'),
-  ('mlp', 'model'),
-  ('embed', 'data'),
-  ('head_dim', None),
-  ('length', None),
-  ('layers', None),
-  ('norm', None),
-)
-"""Rules for the Llama models over a ('data', 'model') mesh: tensor parallelism
-over 'model' for heads and MLP, parameters' embed dimension sharded over
-'data' (FSDP)."""
+from flax_shardmeta.examples._names import LLAMA_RULES as LLAMA_RULES  # re-exported
+from flax_shardmeta.examples._names import MLP_RULES as MLP_RULES  # re-exported
+from flax_shardmeta.examples._names import MODEL_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +48,44 @@ LLAMA_CONFIGS = {
 }
 """The published Llama-3 / 3.1 shapes."""
 
-MODEL_NAMES = ('mlp', *LLAMA_CONFIGS)
-"""The built-in models: the notebook MLP and the Llama-3 shapes."""
+REMAT_POLICIES = ('none', 'full', 'dots')
+"""Rematerialisation of each layer: ``'none'`` keeps every activation the
+backward pass needs; ``'full'`` keeps only the layer's input and recomputes the
+rest (``jax.checkpoint_policies.nothing_saveable``); ``'dots'`` keeps the
+matmul results (``checkpoint_dots``). Any other name of
+``jax.checkpoint_policies`` is accepted too."""
+
+
+def remat_policy(name: str) -> tuple[bool, Any]:
+  """``(rematerialise?, jax.checkpoint policy)`` for a policy name.
+
+  Example:
+    >>> remat_policy('none'), remat_policy('full')[0]
+    ((False, None), True)
+  """
+  if name == 'none':
+    return False, None
+  if name == 'full':
+    return True, jax.checkpoint_policies.nothing_saveable
+  if name == 'dots':
+    return True, jax.checkpoint_policies.checkpoint_dots
+  policy = getattr(jax.checkpoint_policies, name, None)
+  if policy is None or name.startswith('_'):
+    raise ValueError(
+      f'Unknown remat policy {name!r}; choose from {", ".join(REMAT_POLICIES)} '
+      'or a name of jax.checkpoint_policies.'
+    )
+  return True, policy
+
+
+def llama_config(name: str, num_layers: int | None = None) -> LlamaConfig:
+  """A built-in Llama config, optionally with another number of layers."""
+  if name not in LLAMA_CONFIGS:
+    raise ValueError(f'Unknown model {name!r}; choose from {", ".join(MODEL_NAMES)}.')
+  config = LLAMA_CONFIGS[name]
+  return (
+    config if num_layers is None else dataclasses.replace(config, num_layers=num_layers)
+  )
 
 
 def out_sharding(spec: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec | None:

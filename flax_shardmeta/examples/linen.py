@@ -22,9 +22,12 @@ from flax_shardmeta.examples._common import (
   LLAMA_RULES,
   MLP_RULES,
   MODEL_NAMES,
+  REMAT_POLICIES,
   LlamaConfig,
   attend,
+  llama_config,
   out_sharding,
+  remat_policy,
   rms_norm,
   rope,
 )
@@ -91,12 +94,14 @@ class MLP(nn.Module):
   use_scan: bool = True
   param_dtype: Any = jnp.float32
   mesh_axes: bool = False
+  remat: str = 'none'
 
   @nn.compact
   def __call__(self, x):
+    layer = _rematted(DotReluDot, self.remat)
     if self.use_scan:
       x, _ = nn.scan(
-        DotReluDot,
+        layer,
         length=self.num_layers,
         variable_axes={'params': 0},
         split_rngs={'params': True},
@@ -104,7 +109,7 @@ class MLP(nn.Module):
       )(self.depth, param_dtype=self.param_dtype, mesh_axes=self.mesh_axes)(x)
     else:
       for _ in range(self.num_layers):
-        x, _ = DotReluDot(
+        x, _ = layer(
           self.depth, param_dtype=self.param_dtype, mesh_axes=self.mesh_axes
         )(x)
     return x
@@ -174,10 +179,14 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
-  """Llama-3 decoder with its layers stacked by ``nn.scan`` on a 'layers' axis."""
+  """Llama-3 decoder with its layers stacked by ``nn.scan`` on a 'layers' axis.
+
+  ``remat`` rematerialises each layer (see ``REMAT_POLICIES``).
+  """
 
   config: LlamaConfig
   param_dtype: Any = jnp.float32
+  remat: str = 'none'
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -190,7 +199,7 @@ class Llama(nn.Module):
     )
     x = jnp.take(embedding, tokens, axis=0)
     x, _ = nn.scan(
-      LlamaBlock,
+      _rematted(LlamaBlock, self.remat),
       length=c.num_layers,
       variable_axes={'params': 0},
       split_rngs={'params': True},
@@ -206,22 +215,45 @@ class Llama(nn.Module):
     return x @ lm_head
 
 
-def model(name: str, dtype: Any = jnp.float32) -> tuple[nn.Module, Any]:
+def _rematted(layer: type[nn.Module], policy_name: str) -> Any:
+  remat, policy = remat_policy(policy_name)
+  # prevent_cse=False: inside a scan the loop already keeps XLA from merging
+  # the recomputation away, and the barrier would cost speed.
+  return nn.remat(layer, policy=policy, prevent_cse=False) if remat else layer
+
+
+def model(
+  name: str,
+  dtype: Any = jnp.float32,
+  *,
+  remat: str = 'none',
+  num_layers: int | None = None,
+) -> tuple[nn.Module, Any]:
   """A built-in Linen model and an abstract example input for its ``init``.
 
+  Args:
+    name: one of ``MODEL_NAMES``.
+    dtype: the parameters' dtype.
+    remat: the rematerialisation policy of each layer (``REMAT_POLICIES``).
+    num_layers: another depth than the model's own.
+
   Example:
-    >>> module, x = model('llama3-8b')
-    >>> module.config.num_layers, x.shape
-    (32, (1, 1))
+    >>> module, x = model('llama3-8b', remat='full', num_layers=2)
+    >>> module.config.num_layers, module.remat, x.shape
+    (2, 'full', (1, 1))
   """
+  remat_policy(remat)  # unknown policies fail here, not deep inside init
   if name == 'mlp':
     # The notebook's sizes: 4 layers of depth 1024 on a batch of 8.
     return MLP(
-      num_layers=4, depth=1024, use_scan=True, param_dtype=dtype
+      num_layers=num_layers or 4,
+      depth=1024,
+      use_scan=True,
+      param_dtype=dtype,
+      remat=remat,
     ), jax.ShapeDtypeStruct((8, 1024), jnp.float32)
-  if name not in LLAMA_CONFIGS:
-    raise ValueError(f'Unknown model {name!r}; choose from {", ".join(MODEL_NAMES)}.')
-  return Llama(LLAMA_CONFIGS[name], dtype), jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  config = llama_config(name, num_layers)
+  return Llama(config, dtype, remat), jax.ShapeDtypeStruct((1, 1), jnp.int32)
 
 
 __all__ = [
@@ -230,6 +262,7 @@ __all__ = [
   'MLP',
   'MLP_RULES',
   'MODEL_NAMES',
+  'REMAT_POLICIES',
   'DotReluDot',
   'Llama',
   'LlamaBlock',

@@ -16,11 +16,11 @@ from flax import nnx
 from flax_shardmeta._constraints import with_logical_constraint
 from flax_shardmeta._rules import logical_to_mesh_axes
 from flax_shardmeta.examples._common import (
-  LLAMA_CONFIGS,
-  MODEL_NAMES,
   LlamaConfig,
   attend,
+  llama_config,
   out_sharding,
+  remat_policy,
   rms_norm,
   rope,
 )
@@ -69,7 +69,10 @@ class MLP(nnx.Module):
     dtype: Any = jnp.float32,
     *,
     rngs: nnx.Rngs,
+    remat: str = 'none',
   ):
+    self.remat = remat
+
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata=_STACK)
     def make(rngs: nnx.Rngs) -> DotReluDot:
@@ -78,11 +81,10 @@ class MLP(nnx.Module):
     self.layers = make(rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_STACK)
     def body(x: jax.Array, layer: DotReluDot) -> jax.Array:
       return layer(x)
 
-    return body(x, self.layers)
+    return _scan(body, self.remat)(x, self.layers)
 
 
 class RMSNorm(nnx.Module):
@@ -133,13 +135,25 @@ class LlamaBlock(nnx.Module):
     v = jnp.einsum('bse,ehd->bshd', h, self.wv[...])
     x = x + jnp.einsum('bshd,hde->bse', attend(q, k, v), self.wo[...])
     h = self.ffn_norm(x)
-    return x + (jax.nn.silu(h @ self.w1[...]) * (h @ self.w3[...])) @ self.w2[...]
+    x = x + (jax.nn.silu(h @ self.w1[...]) * (h @ self.w3[...])) @ self.w2[...]
+    return with_logical_constraint(x, ('batch', 'length', 'embed'))
 
 
 class Llama(nnx.Module):
-  """Llama-3 decoder; layers stacked with ``nnx.vmap`` on a 'layers' axis."""
+  """Llama-3 decoder; layers stacked with ``nnx.vmap`` on a 'layers' axis.
 
-  def __init__(self, c: LlamaConfig, dtype: Any = jnp.float32, *, rngs: nnx.Rngs):
+  ``remat`` rematerialises each layer (see ``REMAT_POLICIES``).
+  """
+
+  def __init__(
+    self,
+    c: LlamaConfig,
+    dtype: Any = jnp.float32,
+    *,
+    rngs: nnx.Rngs,
+    remat: str = 'none',
+  ):
+    self.remat = remat
     self.embedding = _param(rngs, (c.vocab_size, c.dim), ('vocab', 'embed'), dtype)
 
     @nnx.split_rngs(splits=c.num_layers)
@@ -154,23 +168,46 @@ class Llama(nnx.Module):
   def __call__(self, tokens: jax.Array) -> jax.Array:
     x = jnp.take(self.embedding[...], tokens, axis=0)
 
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_STACK)
     def body(x: jax.Array, layer: LlamaBlock) -> jax.Array:
       return layer(x)
 
-    return self.norm(body(x, self.layers)) @ self.lm_head[...]
+    x = _scan(body, self.remat)(x, self.layers)
+    return self.norm(x) @ self.lm_head[...]
 
 
-def model(name: str, dtype: Any = jnp.float32, *, rngs: nnx.Rngs) -> nnx.Module:
+def _scan(body: Any, policy_name: str) -> Any:
+  """``body`` over the stacked layers, each rematerialised as ``policy_name`` says."""
+  remat, policy = remat_policy(policy_name)
+  if remat:
+    body = nnx.remat(body, policy=policy, prevent_cse=False)
+  return nnx.scan(
+    in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_STACK
+  )(body)
+
+
+def model(
+  name: str,
+  dtype: Any = jnp.float32,
+  *,
+  rngs: nnx.Rngs,
+  remat: str = 'none',
+  num_layers: int | None = None,
+) -> nnx.Module:
   """A built-in NNX model (call inside ``nnx.eval_shape`` to stay abstract).
+
+  Args:
+    name: one of ``MODEL_NAMES``.
+    dtype: the parameters' dtype.
+    rngs: the random streams.
+    remat: the rematerialisation policy of each layer (``REMAT_POLICIES``).
+    num_layers: another depth than the model's own.
 
   Example:
     >>> m = nnx.eval_shape(lambda: model('mlp', rngs=nnx.Rngs(0)))
     >>> m.layers.W1.shape
     (4, 1024, 1024)
   """
+  remat_policy(remat)  # unknown policies fail here, not deep inside the model
   if name == 'mlp':
-    return MLP(4, 1024, 1024, dtype, rngs=rngs)
-  if name not in LLAMA_CONFIGS:
-    raise ValueError(f'Unknown model {name!r}; choose from {", ".join(MODEL_NAMES)}.')
-  return Llama(LLAMA_CONFIGS[name], dtype, rngs=rngs)
+    return MLP(num_layers or 4, 1024, 1024, dtype, rngs=rngs, remat=remat)
+  return Llama(llama_config(name, num_layers), dtype, rngs=rngs, remat=remat)

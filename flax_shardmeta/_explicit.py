@@ -1,0 +1,302 @@
+"""Explicit mesh axes: out_sharding by logical names; jax's type errors explained.
+
+Under Explicit axes every array's type carries its sharding, and jax refuses,
+while tracing, an operation whose output sharding it cannot infer: a matmul
+contracting a sharded dimension raises ``ShardingTypeError: Contracting
+dimensions are sharded and it is ambiguous how the output should be sharded``.
+There are two fixes: Auto axes (the compiler chooses), or an ``out_sharding=``
+at that operation. :func:`logical_out_sharding` gives the latter by logical
+names, and is None wherever the axes are not Explicit, so the same model code
+runs on Auto meshes and under ``fsm.sharded_init`` (which traces with Auto
+axes). :func:`explain_sharding_type_errors` re-raises jax's error as
+:class:`ExplicitShardingError` naming the operation's source line, its operands'
+shardings and both fixes; ``fsm.jit`` and ``fsm.sharded_init`` trace inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+import sys
+import sysconfig
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, PartitionSpec
+
+from flax_shardmeta._errors import ExplicitShardingError
+from flax_shardmeta._placement import context_mesh
+from flax_shardmeta._rules import logical_to_mesh_axes
+from flax_shardmeta._specs import mesh_axes_of
+from flax_shardmeta._typing import LogicalNames, LogicalRules
+
+
+class _NeverRaised(Exception):
+  """Stands in for jax's ShardingTypeError if a future jax moves it."""
+
+
+def _jax_sharding_type_error() -> type[Exception]:
+  # jax raises it but does not export it; if it moves, its errors simply pass
+  # through unchanged.
+  try:
+    from jax._src.core import ShardingTypeError
+  except ImportError:  # pragma: no cover - depends on the installed jax
+    return _NeverRaised
+  return ShardingTypeError
+
+
+_JaxShardingTypeError = _jax_sharding_type_error()
+
+# jax's messages refusing a PartitionSpec out_sharding that names Auto axes, or
+# is given with no mesh set. fsm.sharded_init traces first with no mesh, then
+# with Auto axes, so a spec written for Explicit ones meets both there.
+_REFUSED_OUT_SHARDING = (
+  'cannot contain axis names that are of type Auto',
+  'PartitionSpec when you are not under a mesh context',
+)
+
+
+def logical_out_sharding(
+  names: LogicalNames, *, rules: LogicalRules | None = None
+) -> PartitionSpec | None:
+  """An ``out_sharding=`` for jax and flax operations, by logical names.
+
+  The names resolve through the rules like any annotation, and only the
+  context mesh's Explicit axes are kept: Auto axes are the compiler's to
+  choose (jax refuses them in ``out_sharding``), Manual ones belong to
+  ``shard_map``. With no mesh set, or no Explicit axis, it is None, which
+  every ``out_sharding`` argument accepts; so one model runs on Auto and
+  Explicit meshes and under ``fsm.sharded_init`` alike. Call it while the
+  model is traced (inside ``fsm.jit``, or under ``jax.set_mesh`` and the
+  rules), where it is needed: NNX layers take ``layer(x, out_sharding=...)``,
+  ``jnp.dot`` / ``jnp.einsum`` / ``jax.lax.dot_general`` take
+  ``out_sharding=``, and a Linen ``nn.Dense`` takes
+  ``dot_general=functools.partial(jax.lax.dot_general, out_sharding=...)``.
+
+  Args:
+    names: one logical name (or None) per dimension of the output.
+    rules: logical axis rules; None uses the context rules.
+
+  Returns:
+    A ``PartitionSpec`` of Explicit mesh axes, or None.
+
+  Example:
+    >>> import jax, flax_shardmeta as fsm
+    >>> from jax.sharding import AxisType
+    >>> rules = [('batch', 'data'), ('embed', 'model')]
+    >>> explicit = jax.make_mesh((2, 4), ('data', 'model'),
+    ...                          axis_types=(AxisType.Explicit,) * 2)
+    >>> with jax.set_mesh(explicit):
+    ...   fsm.logical_out_sharding(('batch', 'embed'), rules=rules)
+    P('data', 'model')
+    >>> auto = jax.make_mesh((2, 4), ('data', 'model'),
+    ...                      axis_types=(AxisType.Auto,) * 2)
+    >>> with jax.set_mesh(auto):
+    ...   print(fsm.logical_out_sharding(('batch', 'embed'), rules=rules))
+    None
+  """
+  mesh = context_mesh()
+  if mesh is None:
+    return None
+  explicit = {
+    name
+    for name, kind in zip(mesh.axis_names, mesh.axis_types)
+    if kind == AxisType.Explicit
+  }
+  if not explicit:
+    return None
+  spec = logical_to_mesh_axes(names, rules)
+  kept = []
+  for entry in spec:
+    axes = tuple(a for a in mesh_axes_of(entry) if a in explicit)
+    kept.append(axes[0] if len(axes) == 1 else (axes or None))
+  return PartitionSpec(*kept)
+
+
+@contextlib.contextmanager
+def explain_sharding_type_errors(operation: str) -> Iterator[None]:
+  """Re-raises jax's sharding type errors as :class:`ExplicitShardingError`.
+
+  Enter it inside the function being traced (as ``fsm.jit`` does around the
+  jitted function): there the traceback still holds jax's own frames, so the
+  error names the primitive and its operands' types (``float32[8,16@model]``:
+  dimension 1 sharded over ``'model'``). Entered around a ``jax.jit`` call
+  instead, jax has already filtered its frames out and the operands are read
+  from the local variables of the operation's frame. Other exceptions pass
+  through unchanged. Also explained: jax's refusal of an ``out_sharding``
+  naming Auto axes or given with no mesh set, which code written for
+  Explicit axes meets under ``fsm.sharded_init``.
+
+  Args:
+    operation: what was being traced, for the message, e.g. ``'fsm.jit'``.
+
+  Raises:
+    ExplicitShardingError: with ``.source`` (the operation's ``file:line``),
+      ``.operands`` and ``.jax_message``; the original error is its cause.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ('model',), axis_types=(AxisType.Explicit,))
+    >>> x = jax.device_put(jnp.ones((4, 16)), NamedSharding(mesh, P(None, 'model')))
+    >>> w = jax.device_put(jnp.ones((16, 2)), NamedSharding(mesh, P('model', None)))
+    >>> def f(x, w):
+    ...   with fsm.explain_sharding_type_errors('my_step'):
+    ...     return x @ w
+    >>> try:
+    ...   with jax.set_mesh(mesh):
+    ...     jax.jit(f)(x, w)
+    ... except fsm.ExplicitShardingError as e:
+    ...   print(e.operands)
+    ('float32[4,16@model]', 'float32[16@model,2]')
+  """
+  try:
+    yield
+  except _JaxShardingTypeError as e:
+    raise _explained(e, operation, auto_out_sharding=False) from e
+  except ValueError as e:
+    refused = any(m in str(e) for m in _REFUSED_OUT_SHARDING)
+    if isinstance(e, ExplicitShardingError) or not refused:
+      raise
+    raise _explained(e, operation, auto_out_sharding=True) from e
+
+
+def _explained(
+  error: Exception, operation: str, *, auto_out_sharding: bool
+) -> ExplicitShardingError:
+  frames = _frames(error.__traceback__)
+  primitive, operands = _primitive_and_operands(frames)
+  outside_jax = [i for i, f in enumerate(frames) if not _in(f, _JAX_DIRS)]
+  op_frame = frames[outside_jax[-1]] if outside_jax else None
+  if primitive is None and outside_jax and outside_jax[-1] + 1 < len(frames):
+    primitive = frames[outside_jax[-1] + 1][0].f_code.co_name  # the jax function
+  user_frame = next((f for f in reversed(frames) if not _in(f, _library_dirs())), None)
+  source = _where(op_frame) if op_frame is not None else '<unknown>'
+  if not operands and op_frame is not None:
+    operands = _local_arrays(op_frame[0])
+  what = primitive or 'an operation'
+  if auto_out_sharding:
+    head = f'{operation}: {what} was given an out_sharding it cannot take here'
+  else:
+    head = f'{operation}: jax cannot infer the sharding of {what} on Explicit mesh axes'
+  lines = [head]
+  if user_frame is not None and user_frame is not op_frame:
+    lines.append(f'  at {_where(user_frame)}')
+    lines.append(f'  inside {source}')
+  else:
+    lines.append(f'  at {source}')
+  if operands:
+    lines.append(f'  operands: {", ".join(operands)}')
+  lines.append(f'  jax: {str(error).splitlines()[0] if str(error) else type(error)}')
+  if auto_out_sharding:
+    lines.append(
+      'Fix: pass out_sharding=fsm.logical_out_sharding(names): it keeps only '
+      'Explicit axes and is None with no mesh or on Auto axes (fsm.sharded_init '
+      'traces with both), so the same code runs everywhere.'
+    )
+  else:
+    lines += [
+      'Fix, either:',
+      '  - Auto axes, so the compiler chooses: '
+      'fsm.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names)); or',
+      "  - the output's sharding at that line: out_sharding="
+      "fsm.logical_out_sharding(('batch', 'embed')) (jnp.dot, jnp.einsum, "
+      'jax.lax.dot_general, NNX layers as layer(x, out_sharding=...); a Linen '
+      'nn.Dense takes dot_general=functools.partial(jax.lax.dot_general, '
+      'out_sharding=...)).',
+    ]
+  return ExplicitShardingError(
+    '\n'.join(lines),
+    operation=operation,
+    source=source,
+    operands=tuple(operands),
+    jax_message=str(error),
+  )
+
+
+_Frame = tuple[types.FrameType, int]
+
+
+def _frames(tb: types.TracebackType | None) -> list[_Frame]:
+  """(frame, line) from the outermost to the innermost."""
+  out = []
+  while tb is not None:
+    out.append((tb.tb_frame, tb.tb_lineno))
+    tb = tb.tb_next
+  return out
+
+
+def _package_dir(name: str) -> str | None:
+  module = sys.modules.get(name)
+  file = getattr(module, '__file__', None)
+  return os.path.dirname(file) + os.sep if file else None
+
+
+_JAX_DIRS = tuple(d for d in (_package_dir('jax'), _package_dir('jaxlib')) if d)
+
+
+def _library_dirs() -> tuple[str, ...]:
+  """Where frames are not the user's: jax, flax, optax, this package, Python."""
+  dirs = [*_JAX_DIRS, sysconfig.get_paths()['stdlib'] + os.sep]
+  dirs += [d for d in map(_package_dir, ('flax', 'optax', 'flax_shardmeta')) if d]
+  return tuple(dirs)
+
+
+def _in(frame: _Frame, dirs: tuple[str, ...]) -> bool:
+  file = frame[0].f_code.co_filename
+  if os.sep + 'flax_shardmeta' + os.sep + 'examples' + os.sep in file:
+    return False  # the example models are user code
+  return file.startswith(dirs) or file.startswith('<frozen')
+
+
+def _where(frame: _Frame) -> str:
+  code, line = frame[0].f_code, frame[1]
+  text = linecache.getline(code.co_filename, line).strip()
+  return f'{_short(code.co_filename)}:{line} in {code.co_name}' + (
+    f': {text}' if text else ''
+  )
+
+
+def _short(file: str) -> str:
+  """A file relative to the working directory, or an installed package's
+  relative to its site-packages directory."""
+  roots = [os.getcwd()] + [e for e in sys.path if e and 'site-packages' in e]
+  for root in roots:
+    if file.startswith(root + os.sep):
+      return file[len(root) + 1 :]
+  return file
+
+
+def _primitive_and_operands(frames: list[_Frame]) -> tuple[str | None, list[str]]:
+  """The primitive being bound and its operands' types, from jax's own frames."""
+  for frame, _ in reversed(frames):
+    local = frame.f_locals
+    avals = local.get('avals')
+    prim: Any = local.get('prim', local.get('primitive', local.get('self')))
+    if isinstance(avals, (list, tuple)) and avals and isinstance(prim, _primitive()):
+      return str(prim.name), [_type_of(a) for a in avals]
+  return None, []
+
+
+def _primitive() -> type:
+  from jax.extend.core import Primitive
+
+  return Primitive
+
+
+def _type_of(value: Any) -> str:
+  aval = getattr(value, 'aval', value)
+  short = getattr(aval, 'str_short', None)
+  return str(short()) if callable(short) else str(aval)
+
+
+def _local_arrays(frame: types.FrameType) -> list[str]:
+  """``name: type`` of the arrays among a frame's local variables."""
+  return [
+    f'{name}: {_type_of(value)}'
+    for name, value in frame.f_locals.items()
+    if isinstance(value, jax.Array)  # tracers are jax.Arrays too
+  ]

@@ -1,0 +1,212 @@
+"""Training steps of the built-in models, abstract, for ``fsm.fit``.
+
+``train_step(name, mesh, ...)`` returns ``(step, state, batch)``: an
+``fsm.jit`` training step (forward, backward, optimizer update, the state
+donated) and its arguments as ``jax.eval_shape`` trees. Nothing is allocated,
+so the mesh may be a pod's: ``fsm.fit(*train_step('llama3-8b', mesh,
+batch=256, seq=2048))``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+from flax_shardmeta._hosts.jit import JitWithContext, jit
+from flax_shardmeta._rules import logical_axis_rules
+from flax_shardmeta._typing import AnyMesh, LogicalRules
+from flax_shardmeta.examples.state import UnknownNameError, model_rules
+
+OPTIMIZERS = ('adamw', 'adam', 'adafactor', 'sgd')
+"""Optimizers the built-in steps take (optax, learning rate 1e-4)."""
+
+
+def optimizer(name: str) -> optax.GradientTransformation:
+  """The optax transformation behind an optimizer name.
+
+  Example:
+    >>> type(optimizer('adamw')).__name__
+    'GradientTransformationExtraArgs'
+  """
+  if name == 'adamw':
+    return optax.adamw(1e-4)
+  if name == 'adam':
+    return optax.adam(1e-4)
+  if name == 'adafactor':
+    return optax.adafactor(1e-4)
+  if name == 'sgd':
+    return optax.sgd(1e-4)
+  raise UnknownNameError(
+    f'unknown optimizer {name!r}; choose from {", ".join(OPTIMIZERS)}'
+  )
+
+
+def _loss(name: str, apply: Any, batch: jax.Array) -> jax.Array:
+  if name == 'mlp':
+    return jnp.mean((apply(batch) - jnp.tanh(batch)) ** 2)
+  logits = apply(batch[:, :-1]).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def abstract_batch(name: str, batch: int, seq: int) -> jax.ShapeDtypeStruct:
+  """The batch a built-in model trains on: tokens (with the next-token target)
+  for Llama, ``(batch, 1024)`` features for the MLP."""
+  if name == 'mlp':
+    return jax.ShapeDtypeStruct((batch, 1024), jnp.float32)
+  return jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+
+
+def train_step(
+  name: str,
+  mesh: AnyMesh,
+  *,
+  rules: LogicalRules | None = None,
+  batch: int = 8,
+  seq: int = 2048,
+  api: str = 'linen',
+  remat: str = 'none',
+  optimizer_name: str = 'adamw',
+  dtype: Any = jnp.bfloat16,
+  num_layers: int | None = None,
+) -> tuple[JitWithContext, Any, jax.ShapeDtypeStruct]:
+  """A built-in model's training step on ``mesh``, with abstract arguments.
+
+  Args:
+    name: one of ``MODEL_NAMES``.
+    mesh: the mesh (a pod's, from ``fsm.make_mesh(..., topology=...)``, or an
+      ``AbstractMesh`` for an estimate).
+    rules: logical axis rules (the model's own by default).
+    batch: global batch size (sequences, or rows for the MLP).
+    seq: tokens per sequence (Llama).
+    api: ``'linen'`` (a ``TrainState``) or ``'nnx'`` (model and
+      ``nnx.Optimizer``).
+    remat: rematerialisation of each layer (``REMAT_POLICIES``).
+    optimizer_name: one of :data:`OPTIMIZERS`.
+    dtype: the parameters' dtype.
+    num_layers: another depth than the model's own.
+
+  Returns:
+    ``(step, state, batch)``: ``step(state, batch) -> (state, loss)`` from
+    ``fsm.jit`` (state donated, shardings by the rules), and the abstract
+    arguments.
+
+  Example:
+    >>> import jax, flax_shardmeta as fsm
+    >>> from flax_shardmeta.examples import train
+    >>> mesh = jax.make_mesh((2, 4), ('data', 'model'))
+    >>> step, state, batch = train.train_step('mlp', mesh, batch=16)
+    >>> batch.shape, step.in_shardings[1].spec
+    ((16, 1024), P('data', None))
+  """
+  rules = model_rules(name) if rules is None else tuple(rules)
+  tx = optimizer(optimizer_name)
+  tokens = abstract_batch(name, batch, seq)
+  if api == 'linen':
+    fn, state = _linen(name, tx, remat, dtype, num_layers, rules)
+  elif api == 'nnx':
+    fn, state = _nnx(name, tx, remat, dtype, num_layers, rules)
+  else:
+    raise UnknownNameError(f"unknown api {api!r}; choose 'linen' or 'nnx'")
+  step = jit(
+    fn,
+    mesh=mesh,  # pyright: ignore[reportArgumentType]
+    rules=rules,
+    in_shardings=(state, ('batch', None)),
+    out_shardings=(state, None),
+    donate_argnums=0,
+  )
+  return step, state, tokens
+
+
+def _linen(
+  name: str, tx: Any, remat: str, dtype: Any, num_layers: int | None, rules: Any
+) -> tuple[Any, Any]:
+  from flax_shardmeta.examples import linen
+
+  module, example = linen.model(name, dtype, remat=remat, num_layers=num_layers)
+
+  def init(key: jax.Array) -> train_state.TrainState:
+    x = jnp.zeros(example.shape, example.dtype)
+    params = module.init(key, x)['params']
+    return train_state.TrainState.create(apply_fn=module.apply, params=params, tx=tx)
+
+  def step(state: Any, batch: jax.Array) -> tuple[Any, jax.Array]:
+    def loss_fn(params: Any) -> jax.Array:
+      return _loss(name, lambda x: state.apply_fn({'params': params}, x), batch)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  with logical_axis_rules(rules):
+    return step, jax.eval_shape(init, jax.random.key(0))
+
+
+def _nnx(
+  name: str, tx: Any, remat: str, dtype: Any, num_layers: int | None, rules: Any
+) -> tuple[Any, Any]:
+  from flax import nnx
+
+  from flax_shardmeta.examples import nnx as nnx_models
+
+  def create() -> tuple[Any, Any]:
+    m = nnx_models.model(
+      name, dtype, rngs=nnx.Rngs(0), remat=remat, num_layers=num_layers
+    )
+    return m, nnx.Optimizer(m, tx, wrt=nnx.Param)
+
+  with logical_axis_rules(rules):
+    graphdef, state = nnx.split(nnx.eval_shape(create))
+
+  def step(state: Any, batch: jax.Array) -> tuple[Any, jax.Array]:
+    model, opt = nnx.merge(graphdef, state)
+
+    def loss_fn(m: Any) -> jax.Array:
+      return _loss(name, m, batch)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    opt.update(model, grads)
+    return nnx.state((model, opt)), loss
+
+  return step, state
+
+
+def builder(
+  name: str,
+  *,
+  batch: int = 8,
+  seq: int = 2048,
+  api: str = 'linen',
+  optimizer_name: str = 'adamw',
+  dtype: Any = jnp.bfloat16,
+  num_layers: int | None = None,
+) -> Any:
+  """``build(mesh, rules, remat) -> (step, state, batch)`` for ``fsm.suggest``.
+
+  Example:
+    >>> import jax
+    >>> build = builder('mlp', batch=16)
+    >>> step, state, batch = build(jax.make_mesh((2, 4), ('data', 'model')),
+    ...                            [('batch', 'data')], 'none')
+    >>> batch.shape
+    (16, 1024)
+  """
+
+  def build(mesh: AnyMesh, rules: LogicalRules, remat: str) -> Any:
+    return train_step(
+      name,
+      mesh,
+      rules=rules,
+      batch=batch,
+      seq=seq,
+      api=api,
+      remat=remat,
+      optimizer_name=optimizer_name,
+      dtype=dtype,
+      num_layers=num_layers,
+    )
+
+  return build

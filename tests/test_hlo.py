@@ -1,0 +1,197 @@
+"""Reading compiled HLO: loop trip counts, collectives and their mesh axes, work."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from flax_shardmeta._planning import hlo
+
+ADD = """
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+"""
+
+
+def loop(limit: int, step: int, start: int = 0, body_op: str = '') -> str:
+  """A module with one while loop ``for i in range(start, limit, step)``."""
+  return (
+    ADD
+    + f"""
+%cond (p: (s32[], f32[8])) -> pred[] {{
+  %p = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant({limit})
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}}
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {{
+  %p = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8] get-tuple-element(%p), index=1
+  %r = f32[8] {body_op or 'all-reduce(%x), replica_groups={{0,1},{2,3}}, to_apply=%add'}
+  %k = s32[] constant({step})
+  %j = s32[] add(%i, %k)
+  ROOT %t = (s32[], f32[8]) tuple(%j, %r)
+}}
+ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {{
+  %x = f32[8] parameter(0)
+  %z = s32[] constant({start})
+  %c = s32[] copy(%z)
+  %t = (s32[], f32[8]) tuple(%c, %x)
+  ROOT %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body
+}}
+"""
+  )
+
+
+@pytest.mark.parametrize(
+  'limit, step, start, trips',
+  [(32, 1, 0, 32), (16, 2, 0, 8), (10, 3, 1, 3), (5, 1, 5, 0)],
+)
+def test_trip_count_from_the_loop_condition_and_step(limit, step, start, trips):
+  summary = hlo.summarize(loop(limit, step, start))
+  assert summary.loops == (('w', trips),)
+  ops = [(o.kind, o.runs, o.bytes, o.group_size) for o in summary.collectives]
+  assert ops == ([('all-reduce', trips, 32, 2)] if trips else [])  # 0 trips: never
+
+
+def test_known_trip_count_wins():
+  text = loop(4, 1).replace(
+    'body=%body', 'body=%body, backend_config={"known_trip_count":{"n":"7"}}'
+  )
+  assert hlo.summarize(text).loops == (('w', 7),)
+
+
+def test_unknown_trip_counts_count_once():
+  text = loop(4, 1).replace('direction=LT', 'direction=NE')
+  summary = hlo.summarize(text)
+  assert summary.loops == (('w', None),)
+  assert summary.collectives[0].runs == 1
+
+
+def test_nested_loops_multiply():
+  inner = loop(3, 1)
+  # The outer body runs the inner loop: rename the inner module's pieces.
+  text = inner.replace('ENTRY %main', '%inner_main')
+  outer = """
+%ocond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+%obody (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8] get-tuple-element(%p), index=1
+  %r = (s32[], f32[8]) call(%x), to_apply=%inner_main
+  %y = f32[8] get-tuple-element(%r), index=1
+  %k = s32[] constant(1)
+  %j = s32[] add(%i, %k)
+  ROOT %t = (s32[], f32[8]) tuple(%j, %y)
+}
+ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {
+  %x = f32[8] parameter(0)
+  %z = s32[] constant(0)
+  %t = (s32[], f32[8]) tuple(%z, %x)
+  ROOT %w = (s32[], f32[8]) while(%t), condition=%ocond, body=%obody
+}
+"""
+  summary = hlo.summarize(text + outer)
+  assert summary.collectives[0].runs == 15
+
+
+@pytest.mark.parametrize(
+  'groups, axes',
+  [
+    ('replica_groups={{0,1,2,3},{4,5,6,7}}', ('model',)),
+    ('replica_groups={{0,4},{1,5},{2,6},{3,7}}', ('data',)),
+    ('replica_groups=[2,4]<=[8]', ('model',)),
+    ('replica_groups=[4,2]<=[2,4]T(1,0)', ('data',)),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", ('data',)),
+    ('replica_groups={{0,1,2,3,4,5,6,7}}', ('data', 'model')),
+  ],
+)
+def test_collective_axes_from_every_replica_group_form(groups, axes):
+  text = loop(2, 1, body_op=f'all-reduce(%x), {groups}, to_apply=%add')
+  grid = np.arange(8).reshape(2, 4)
+  (op,) = hlo.summarize(text, grid, ('data', 'model')).collectives
+  assert op.axes == axes
+  assert op.group_size == (8 if len(axes) == 2 else 2 if axes == ('data',) else 4)
+
+
+def test_async_collectives_count_once_and_permute_pairs_name_their_axis():
+  body = (
+    'collective-permute-start(%x), source_target_pairs={{0,4},{4,0}}'
+    '\n  %rd = f32[8] collective-permute-done(%r)'
+  )
+  text = loop(2, 1, body_op=body).replace('tuple(%j, %r)', 'tuple(%j, %rd)')
+  grid = np.arange(8).reshape(2, 4)
+  ops = hlo.summarize(text, grid, ('data', 'model')).collectives
+  assert [(o.kind, o.runs, o.axes) for o in ops] == [
+    ('collective-permute', 2, ('data',))
+  ]
+
+
+def test_parser_reads_tuples_layouts_and_comments():
+  shape = (
+    '(s32[]{:T(128)}, bf16[2,128,512]{2,1,0:T(8,128)(2,1)S(1)}, /*index=2*/f32[4])'
+  )
+  assert hlo.shape_bytes(shape) == 4 + 2 * 128 * 512 * 2 + 16
+  line = f'  %w = {shape} while(%t), condition=%c, body=%b, metadata={{op_name="x"}}'
+  inst = hlo._parse_instruction(line)
+  assert inst is not None
+  assert (inst.opcode, inst.operands, inst.called()) == (
+    'while',
+    ['t'],
+    [('condition', 'c'), ('body', 'b')],
+  )
+
+
+@pytest.mark.parametrize('length', [3, 5])
+def test_real_scan_collectives_count_every_trip(length):
+  """On XLA's own CPU program: per-step runs = outside + length x inside."""
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2)
+
+  def f(ws, x):
+    def body(h, w):
+      return jnp.tanh(h @ w), None
+
+    return jax.lax.scan(body, x, ws)[0].sum()
+
+  ws = jax.ShapeDtypeStruct(
+    (length, 64, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, 'model'))
+  )
+  x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=NamedSharding(mesh, P()))
+  text = jax.jit(f).lower(ws, x).compile().as_text()
+  summary = hlo.summarize(text, mesh.devices, mesh.axis_names)
+  assert length in [n for _, n in summary.loops]
+  in_text = sum(
+    text.count(f' {kind}(') + text.count(f' {kind}-start(')
+    for kind in hlo.COLLECTIVE_KINDS
+  )
+  runs = sum(op.runs for op in summary.collectives)
+  inside = sum(1 for op in summary.collectives if op.runs == length)
+  assert inside >= 1
+  assert runs == (in_text - inside) + length * inside
+
+
+def test_dot_and_convolution_flops_count_valid_window_positions():
+  # A padded window over a size-1 spatial dimension: half its positions touch
+  # input, as XLA's TPU programs express batched weight gradients.
+  text = (
+    'ENTRY %main (a: bf16[2048,100,1], b: bf16[2048,2,128]) -> bf16[2,128,100] {\n'
+    '  %a = bf16[2048,100,1] parameter(0)\n'
+    '  %b = bf16[2048,2,128] parameter(1)\n'
+    '  ROOT %c = bf16[2,128,100] convolution(%a, %b), '
+    'window={size=2 pad=1_1 rhs_reversal=1}, dim_labels=fb0_i0o->0fb\n'
+    '}\n'
+  )
+  comp = hlo.parse(text)['main']
+  conv = comp.instructions[-1]
+  assert hlo._dot_flops(conv, comp) == 2 * 100 * 2048 * 128 * 2

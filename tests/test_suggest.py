@@ -1,0 +1,229 @@
+"""``fsm.suggest``: presets, candidates, pruning and ranking.
+
+On the 8 simulated CPU devices with v5p figures (``chip='v5p'``) and a small
+``hbm`` to force rejections; the CLI on a TPU topology where libtpu is
+installed. Built-in steps use Auto mesh axes.
+"""
+
+import json
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
+
+import flax_shardmeta as fsm
+from flax_shardmeta import _suggest, cli
+from flax_shardmeta._planning import presets as presets_lib
+from flax_shardmeta._planning import topology
+from flax_shardmeta.examples import train
+
+needs_libtpu = pytest.mark.skipif(
+  not topology.libtpu_available(),
+  reason="libtpu is not installed (pip install 'flax_shardmeta[tpu]'; CI has it)",
+)
+
+
+def llama_specs(preset):
+  """Specs of a few Llama-3-8B parameters under ``preset``, on an abstract mesh."""
+  sizes = {'data': 2, 'fsdp': 4, 'model': 4, 'expert': 4}
+  mesh = AbstractMesh(
+    tuple(sizes[a] for a in preset.axes),
+    preset.axes,
+    axis_types=(AxisType.Auto,) * len(preset.axes),
+  )
+  _, state, _ = train.train_step('llama3-8b', mesh, rules=preset.rules, num_layers=2)
+  plan = fsm.plan(state, mesh, preset.rules)
+  names = ('embedding', 'layers/wq', 'layers/wk', 'layers/w1', 'lm_head')
+  specs = {n: plan.entry(f'params/{n}').spec for n in names}
+  specs['batch'] = fsm.logical_to_mesh_axes(('batch', None), preset.rules)
+  return specs
+
+
+@pytest.mark.parametrize(
+  'name, expected',
+  [
+    (
+      'fsdp',
+      {
+        'embedding': P(None, 'fsdp'),
+        'layers/wq': P(None, 'fsdp', None, None),
+        'layers/w1': P(None, 'fsdp', None),
+        'batch': P(('data', 'fsdp'), None),
+      },
+    ),
+    (
+      'fsdp+tp',
+      {
+        'embedding': P('model', 'fsdp'),
+        'layers/wq': P(None, 'fsdp', 'model', None),
+        'layers/wk': P(None, 'fsdp', 'model', None),
+        'layers/w1': P(None, 'fsdp', 'model'),
+        'lm_head': P('fsdp', 'model'),
+        'batch': P(('data', 'fsdp'), None),
+      },
+    ),
+    (
+      'tp',
+      {
+        'embedding': P('model', None),
+        'layers/wq': P(None, None, 'model', None),
+        'layers/w1': P(None, None, 'model'),
+        'batch': P('data', None),
+      },
+    ),
+    ('t5x-1d', {'layers/w1': P(None, None, 'model'), 'batch': P('data', None)}),
+    ('t5x-2d', {'layers/w1': P(None, 'data', 'model'), 'batch': P('data', None)}),
+    ('ep', {'layers/w1': P(None, None, None), 'batch': P(('data', 'expert'), None)}),
+  ],
+)
+def test_presets_give_their_documented_specs(name, expected):
+  specs = llama_specs(fsm.RULE_PRESETS[name])
+  for param, spec in expected.items():
+    assert specs[param] == spec, (name, param)
+  assert name in presets_lib.__doc__
+
+
+def test_presets_are_validated_and_loaded():
+  with pytest.raises(fsm.InvalidRulesError, match=r"use mesh axes \['model'\]"):
+    fsm.RulePreset('bad', ('data',), [('mlp', 'model')])
+  with pytest.raises(fsm.InvalidRulesError, match="unknown rule preset 'zero3'"):
+    presets_lib.resolve(['fsdp', 'zero3'])
+  (mine,) = presets_lib.load(
+    '[presets.mine]\naxes = ["data", "model"]\n'
+    'rules = [["batch", "data"], ["mlp", "model"], ["embed", []]]'
+  )
+  assert mine.rules == (('batch', 'data'), ('mlp', 'model'), ('embed', None))
+  with pytest.raises(fsm.InvalidRulesError, match='needs axes and rules'):
+    presets_lib.load('{"mine": {"axes": ["data"]}}')
+
+
+def test_candidates_keep_model_axes_inside_a_host():
+  splits = list(_suggest._factorizations(('data', 'fsdp', 'model'), 128, 4, 1))
+  assert (1, 32, 4) in splits and (2, 16, 4) in splits
+  assert all(model in (2, 4) for _, _, model in splits)  # 4 chips a host
+  assert not any(fsdp == 1 for _, fsdp, _ in splits)  # that is the 'tp' preset
+  assert (128, 1) in list(_suggest._factorizations(('data', 'fsdp'), 128, 4, 1))
+  sliced = list(_suggest._factorizations(('data', 'model'), 16, 4, 2))
+  assert all(data % 2 == 0 for data, _ in sliced)  # 'data' spans both slices
+
+
+def grid(**kwargs):
+  options = dict(
+    batch=64,
+    chip='v5p',
+    presets=['fsdp', 'tp'],
+    remat=['none'],
+    max_candidates=20,
+    progress=False,
+  )
+  options.update(kwargs)
+  return fsm.suggest(train.builder('mlp', batch=64), **options)
+
+
+def test_ranking_agrees_with_fit_on_each_candidate():
+  found = grid(hbm='100MiB', max_candidates=4)
+  assert len(found) >= 2 and found[0].fits
+  mesh_of = {}
+  for c in (found[0], found[1]):
+    mesh = jax.make_mesh(
+      tuple(c.shape.values()), tuple(c.shape), axis_types=(AxisType.Auto,) * 2
+    )
+    mesh_of[c.label] = mesh
+    alone = fsm.fit(
+      *train.builder('mlp', batch=64)(mesh, c.preset.rules, c.remat),
+      hbm='100MiB',
+      chip='v5p',
+    )
+    assert alone.total_bytes == c.total_bytes and alone.fits == c.fits
+    assert alone.roofline is not None and c.report is not None
+    assert alone.roofline.step_s == pytest.approx(c.step_s)
+  # Fitting ones first, then by estimated step time.
+  fitting = [c for c in found if c.fits]
+  assert found[: len(fitting)] == fitting
+  steps = [c.step_s for c in fitting]
+  assert steps == sorted(steps)
+  assert found[0].reason and 'vs the next' in found[0].reason
+  explained = found[0].explain()
+  assert 'mesh and rules for the training script:' in explained
+  assert 'fsm.make_mesh(' in explained and 'rules = [' in explained
+
+
+def test_pruning_never_rejects_a_layout_that_compiles_within_the_hbm():
+  # A small HBM rejects the replicated layouts before compiling; compile
+  # every rejected one anyway: none of them fits.
+  found = grid(hbm='10MiB', presets=['fsdp', 'tp', 't5x-1d'])
+  assert found.rejected, 'the grid should reject something'
+  for c in found.rejected:
+    mesh = jax.make_mesh(
+      tuple(c.shape.values()), tuple(c.shape), axis_types=(AxisType.Auto,) * 2
+    )
+    args = train.builder('mlp', batch=64)(mesh, c.preset.rules, c.remat)
+    try:
+      report = fsm.fit(*args, hbm='10MiB')
+    except fsm.ShardingError:
+      assert 'shapes do not divide' in (c.rejected or '')
+      continue
+    assert report.fits is False, c.label
+  assert any('alone need' in (c.rejected or '') for c in found.rejected)
+
+
+def test_batch_that_does_not_divide_is_rejected_with_the_reason():
+  found = fsm.suggest(
+    train.builder('mlp', batch=6),
+    batch=6,
+    chip='v5p',
+    presets=['fsdp'],
+    remat=['none'],
+    progress=False,
+  )
+  reasons = {c.label: c.rejected for c in found.rejected}
+  assert reasons['fsdp data=1 fsdp=8, remat none'] == (
+    'the batch of 6 does not divide over 8 batch shards'
+  )
+
+
+def test_nothing_fits_names_the_closest():
+  found = grid(hbm='1MiB', max_candidates=2)
+  assert found.fitting == [] or all(not c.fits for c in found)
+  text = str(found)
+  if found:
+    assert 'nothing fits; closest:' in text
+  json.dumps(found.to_dict())
+
+
+def test_bad_arguments_are_named():
+  with pytest.raises(fsm.FitError, match='batch=0'):
+    grid(batch=0)
+  with pytest.raises(fsm.FitError, match='max_candidates=0'):
+    grid(max_candidates=0)
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_cli_ranks_and_explains_on_a_topology(capsys):
+  argv = [
+    'suggest',
+    '--model',
+    'mlp',
+    '--topology',
+    'v5p:2x2x1',
+    '--batch',
+    '64',
+    '--presets',
+    'fsdp,tp',
+    '--remat',
+    'none',
+  ]
+  code = cli.main(argv)
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  assert 'compiled layouts fit; best first:' in out
+  assert 'mesh and rules for the training script:' in out
+  code = cli.main([*argv, '--hbm', '1KiB'])
+  out, err = capsys.readouterr()
+  assert code == 1
+  assert 'nothing fits; closest is' in err or 'alone need' in out
+  code = cli.main([*argv, '--presets', 'zero3'])
+  _, err = capsys.readouterr()
+  assert code == 2 and "'zero3' is neither a preset" in err
