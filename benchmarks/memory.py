@@ -33,6 +33,7 @@ import subprocess
 import sys
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # libtpu (the tpu extra) stays quiet
 
 SECTION = '## Memory: sharded initialization'
 LAYERS, ROWS, COLS = 8, 4096, 16384

@@ -24,6 +24,7 @@ Exit codes: 0 success, 1 the plan has problems (0 with ``--allow-problems``),
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import json
 import os
@@ -476,6 +477,19 @@ def _simulate_cpu_devices(n: int) -> None:
     pass  # already started (e.g. under pytest): use the devices that exist
 
 
+def _local_jax_on_cpu() -> None:
+  """Off a TPU VM, jax's own backend is the CPU (unless JAX_PLATFORMS says).
+
+  Every command runs on this machine's CPU (the demo's simulated devices) or
+  compiles for a described pod. With libtpu installed (the tpu extra), jax
+  would otherwise try to start a local TPU first and print several lines of
+  warnings about this machine's missing TPU.
+  """
+  if glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'):
+    return
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point of ``flax-shardmeta`` and ``python -m flax_shardmeta``.
 
@@ -483,6 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     >>> main(['plan', '--model', 'mlp', '--mesh', 'data=0'])
     2
   """
+  _local_jax_on_cpu()
   try:
     args = _parser().parse_args(argv)
     if args.command == 'demo':

@@ -20,6 +20,7 @@ from typing import Any
 from jax.sharding import PartitionSpec, Sharding
 
 from flax_shardmeta import _annotation as ann_lib
+from flax_shardmeta._caches import paused_gc
 from flax_shardmeta._errors import ShardingError, ShardingProblem
 from flax_shardmeta._placement import check_mesh
 from flax_shardmeta._planning import format as plan_format
@@ -290,9 +291,10 @@ class ShardingPlan:
   def entries(self) -> tuple[PlanEntry, ...]:
     """One :class:`PlanEntry` per array leaf, in tree order (made on first read)."""
     if self._entries is None:
-      self._entries = _entries(
-        self._leaves, self._layouts, self._mesh, self._rules, self._source
-      )
+      with paused_gc():  # one entry and one path per leaf
+        self._entries = _entries(
+          self._leaves, self._layouts, self._mesh, self._rules, self._source
+        )
     return self._entries
 
   @property
@@ -363,7 +365,8 @@ class ShardingPlan:
     """
     self._require_valid()
     # Without problems every array's layout holds its NamedSharding.
-    return self._build([lay.sharding for lay in self._layouts])
+    with paused_gc():
+      return self._build([lay.sharding for lay in self._layouts])
 
   def _require_valid(self) -> None:
     if self.problems:
