@@ -56,7 +56,7 @@ VARIANTS = {
 
 SWEEP_MODEL_BYTES = 2**30
 SWEEP_SHARD_MIB = (1, 4, 16, 64)
-TINY_PAIRS = 5
+TINY_PAIRS = 11
 
 
 def _sweep_shape(shard_mib: int) -> tuple[int, int, int]:
