@@ -552,6 +552,10 @@ def _rank_key(c: Candidate) -> tuple[Any, ...]:
   if r is None:
     return (True, math.inf, 0)
   step = c.step_s if c.step_s is not None else math.inf
+  # The step time is an estimate: ones equal to three significant digits (as
+  # printed) are a tie, and the headroom decides.
+  if math.isfinite(step):
+    step = float(f'{step:.3g}')
   return (not r.fits, step, -(r.headroom_bytes or 0))
 
 

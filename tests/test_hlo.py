@@ -114,6 +114,17 @@ ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {
     ('replica_groups=[2,4]<=[8]', ('model',)),
     ('replica_groups=[4,2]<=[2,4]T(1,0)', ('data',)),
     ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", ('data',)),
+    # As libtpu writes it when the devices are not in iota order over its axes.
+    (
+      "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], "
+      "device_ids=([2,4]T(1,0)) {'axis_0'}",
+      ('model',),
+    ),
+    (
+      "replica_groups=mesh['axis_0'=4,'axis_1'=2], "
+      "device_ids=([4,2]<=[2,4]T(1,0)) {'axis_1'}",
+      ('data',),
+    ),
     ('replica_groups={{0,1,2,3,4,5,6,7}}', ('data', 'model')),
   ],
 )

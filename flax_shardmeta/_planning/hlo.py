@@ -456,13 +456,27 @@ def _first_group(attributes: str, grid: np.ndarray | None, axis_names: Sequence[
     if m.group(4):
       ids = ids.transpose([int(x) for x in m.group(4).split(',')])
     return [int(i) for i in ids.reshape(group_shape[0], -1)[0]]
-  m = re.search(r'replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}', attributes)
+  # mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}: the
+  # devices laid out as an iota (reshaped, transposed) over those axes, the
+  # group spanning the named ones. Without device_ids the iota is plain.
+  m = re.search(
+    r'replica_groups=mesh\[([^\]]*)\]'
+    r'(?:,\s*device_ids=\(\[([0-9,]+)\](?:<=\[([0-9,]+)\])?(?:T\(([0-9,]+)\))?\))?'
+    r'\s*\{([^}]*)\}',
+    attributes,
+  )
   if m and grid is not None:
-    positions = [a.strip().strip("'") for a in m.group(2).split(',') if a.strip()]
+    positions = [a.strip().strip("'") for a in m.group(5).split(',') if a.strip()]
     dims = [int(re.sub(r'^.*=', '', a)) for a in m.group(1).split(',') if a.strip()]
     axes = [int(p.split('_')[-1]) for p in positions if p.startswith('axis_')]
     if math.prod(dims) == grid.size:
-      ids = np.arange(grid.size).reshape(dims)
+      ids = np.arange(grid.size)
+      if m.group(2):
+        shape = [int(x) for x in (m.group(3) or m.group(2)).split(',')]
+        ids = ids.reshape(shape)
+        if m.group(4):
+          ids = ids.transpose([int(x) for x in m.group(4).split(',')])
+      ids = ids.reshape(dims)
       index = tuple(slice(None) if i in axes else 0 for i in range(len(dims)))
       return [int(i) for i in ids[index].reshape(-1)]
   m = re.search(r'source_target_pairs=\{\{(\d+),(\d+)\}', attributes)
