@@ -5,12 +5,17 @@ Runs ``python -m flax_shardmeta plan --model llama3-405b --mesh data=512,model=8
 the median wall time of the runs and the largest peak RSS, and records them
 with the machine in BENCHMARKS.md.
 
+Where the time goes is measured too: a fresh process runs the command's steps
+one by one (imports, building the abstract state, the plan, its JSON) and
+times each.
+
 Usage: ``python benchmarks/plan_405b.py [--runs 3] [--no-write]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -50,14 +55,69 @@ def run_once() -> tuple[float, float, int]:
   return wall, cpu, usage.ru_maxrss * 1024  # Linux reports KiB
 
 
+PHASES_SCRIPT = """
+import json, os, sys, time
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+t = [time.perf_counter()]
+import jax, jax.numpy as jnp, flax.linen, optax
+import flax_shardmeta.cli
+from flax_shardmeta.examples import state as example_state
+from flax_shardmeta._planning.plan import plan
+t.append(time.perf_counter())
+state = example_state.abstract_state('llama3-405b', 'linen', 'adam', jnp.float32)
+t.append(time.perf_counter())
+mesh = jax.sharding.AbstractMesh((512, 8), ('data', 'model'),
+    axis_types=(jax.sharding.AxisType.Auto,) * 2)
+result = plan(state, mesh, example_state.model_rules('llama3-405b'))
+t.append(time.perf_counter())
+text = json.dumps(result.to_dict(), indent=1)
+t.append(time.perf_counter())
+print(json.dumps([b - a for a, b in zip(t, t[1:])]))
+"""
+PHASES = (
+  'imports (jax, flax, optax, the command line)',
+  "building the abstract state (tracing the model's init and adam's under "
+  '`jax.eval_shape`)',
+  '`fsm.plan` (layouts, problems)',
+  'the plan as JSON (entries, paths, bytes)',
+)
+
+
+def phases(runs: int) -> list[float]:
+  """Median seconds of each step of the command, each run in a fresh process."""
+  per_run = []
+  for _ in range(runs):
+    out = subprocess.run(
+      [sys.executable, '-c', PHASES_SCRIPT],
+      capture_output=True,
+      text=True,
+      check=True,
+      cwd=ROOT,
+    )
+    per_run.append(json.loads(out.stdout.strip().splitlines()[-1]))
+  return [statistics.median(col) for col in zip(*per_run)]
+
+
+def python_startup() -> float:
+  """Seconds a bare ``python -c pass`` takes here."""
+  start = time.perf_counter()
+  subprocess.run([sys.executable, '-c', 'pass'], check=True)
+  return time.perf_counter() - start
+
+
 def report(
-  walls: list[float], cpus: list[float], rss: list[int], info: dict[str, str]
+  walls: list[float],
+  cpus: list[float],
+  rss: list[int],
+  info: dict[str, str],
+  steps: list[float],
 ) -> str:
   """The BENCHMARKS.md section."""
   median = statistics.median(walls)
   peak = max(rss) / 2**30
   ok = median < TARGET_SECONDS and peak < TARGET_RSS_GIB
   shown = ' '.join(c if c != sys.executable else 'python' for c in COMMAND)
+  steps_python = python_startup()
   return '\n'.join(
     [
       SECTION,
@@ -79,11 +139,21 @@ def report(
       '',
       f'Result: {"within" if ok else "MISSES"} the targets.',
       '',
-      'Where the time goes (pyinstrument, when this was written): importing '
-      "jax and flax is most of it; tracing the model's init under "
-      '`jax.eval_shape` (one scanned layer) about 0.5 s; laying out the 37 '
-      'arrays a few milliseconds, since layouts are cached per distinct '
-      'pattern and explanations are only computed when read.',
+      'Where the time goes: the same steps run one by one in a fresh process '
+      f'(median of {len(walls)}; Python start-up, about '
+      f'{steps_python:.2f} s, comes before them):',
+      '',
+      '| step | seconds | share |',
+      '| --- | --- | --- |',
+      *(
+        f'| {name} | {sec:.2f} | {sec / sum(steps):.0%} |'
+        for name, sec in zip(PHASES, steps)
+      ),
+      '',
+      "flax_shardmeta's own work is the last two rows: "
+      f'{(steps[2] + steps[3]) / sum(steps):.0%} of the steps. Layouts are '
+      'cached per distinct pattern, entries and explanations made when read; '
+      'the rest is importing jax and flax and tracing the example model.',
       '',
       f'Machine: {info["nproc"]} CPUs ({info["cpu"]}); Python {info["python"]}, '
       f'jax {info["jax"]}, flax {info["flax"]}. Load average before the runs: '
@@ -110,7 +180,7 @@ def main() -> int:
     print(
       f'run {i}: {wall:.2f} s wall, {cpu:.2f} s CPU, peak RSS {peak / 2**20:.0f} MiB'
     )
-  section = report(walls, cpus, rss, info)
+  section = report(walls, cpus, rss, info, phases(args.runs))
   if not args.no_write:
     write_section(SECTION, section[len(SECTION) :])
   print(section)

@@ -14,6 +14,8 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = (
   'speed.py',
   'nnx_speed.py',
+  'plan_speed.py',
+  'startup.py',
   'memory.py',
   'plan_405b.py',
   'fit.py',

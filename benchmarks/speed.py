@@ -35,6 +35,7 @@ import sys
 import warnings
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # libtpu (the tpu extra) stays quiet
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -139,6 +140,7 @@ def register_annotation_type(
 def _classify(t: type) -> Any:
   found = _by_type.get(t, _MISSING)
   if found is _MISSING:
+    _load_adapter(t)
     found = _most_specific(t)
     if found is None and _is_optax_state_type(t):
       found = _OPTIMIZER
@@ -147,6 +149,24 @@ def _classify(t: type) -> Any:
 
 
 _MISSING = object()
+
+# Front-end adapters that register their readers when imported, by the module
+# their leaf types come from. ``import flax_shardmeta`` loads no adapter (Linen
+# users should not pay for flax.nnx); the first leaf of such a type loads its
+# adapter, and by then its front end is imported, so only the adapter's own code
+# is loaded. Imported by name: the adapters sit above this layer.
+_ADAPTERS = {'flax.nnx': 'flax_shardmeta.nnx'}
+
+
+def _load_adapter(t: type) -> None:
+  # Once per new leaf type. import_module also waits for an adapter another
+  # thread is importing, so its readers are registered before ``t`` is looked up.
+  for front_end, adapter in _ADAPTERS.items():
+    for klass in t.__mro__:
+      module = getattr(klass, '__module__', None) or ''
+      if module == front_end or module.startswith(front_end + '.'):
+        importlib.import_module(adapter)
+        break
 
 
 def _most_specific(t: type) -> _Entry | None:
@@ -194,15 +214,28 @@ def _is_optax_state_type(t: type) -> bool:
 
 def key_str(key: Any) -> str:
   """One path component as text."""
+  attr = _KEY_ATTRS.get(type(key))
+  if attr is not None:
+    return str(getattr(key, attr))
   for attr in ('key', 'name', 'idx'):
     if hasattr(key, attr):
       return str(getattr(key, attr))
   return str(key)
 
 
+# jax's own key types, whose text is one known attribute: plans of large trees
+# make a path string per leaf, and probing attributes one by one is most of it.
+_KEY_ATTRS: dict[type, str] = {
+  jax.tree_util.DictKey: 'key',
+  jax.tree_util.GetAttrKey: 'name',
+  jax.tree_util.SequenceKey: 'idx',
+  jax.tree_util.FlattenedIndexKey: 'key',
+}
+
+
 def path_str(path: tuple[Any, ...]) -> str:
   """A key path as '/'-joined text, e.g. ``params/Dense_0/kernel``."""
-  return '/'.join(key_str(k) for k in path)
+  return '/'.join(map(key_str, path))
 
 
 class _KeyPaths:
@@ -214,7 +247,7 @@ class _KeyPaths:
   :attr:`DESCENTS` requests every path is computed at once.
   """
 
-  __slots__ = ('_tree', '_treedef', '_keys', '_kids', '_descents')
+  __slots__ = ('_tree', '_treedef', '_keys', '_texts', '_kids', '_descents')
   DESCENTS = 64
 
   def __init__(
@@ -226,6 +259,7 @@ class _KeyPaths:
     self._tree = tree
     self._treedef = treedef
     self._keys = keys
+    self._texts: list[str] | None = None
     self._kids: dict[int, list[tuple[Any, Any, Any, int]]] = {}
     self._descents = 0
 
@@ -237,12 +271,37 @@ class _KeyPaths:
     ):
       self._descents += 1
       return self._descend(i)
+    return self.every_key()[i]
+
+  def every_key(self) -> list[tuple[Any, ...]]:
+    """Every leaf's key path, computed in one pass (then kept)."""
     if self._keys is None:
       flat, _ = jax.tree_util.tree_flatten_with_path(self._tree, is_leaf=_stop)
       self._keys = [k for k, _ in flat]
       self._tree = None
       self._kids = {}  # the full list replaces the partial descents
-    return self._keys[i]
+    return self._keys
+
+  def text(self, i: int) -> str:
+    """Leaf ``i``'s key path as text (see :func:`path_str`)."""
+    if self._texts is not None:
+      return self._texts[i]
+    return path_str(self[i])
+
+  def every_text(self) -> list[str]:
+    """Every leaf's key path as text, in one pass (then kept).
+
+    The key tuples are not kept when they were not made yet: a plan of a
+    large tree needs only the text, and fewer long-lived objects mean fewer
+    collector passes over the whole heap.
+    """
+    if self._texts is None:
+      if self._keys is not None:
+        self._texts = [path_str(k) for k in self._keys]
+      else:
+        flat, _ = jax.tree_util.tree_flatten_with_path(self._tree, is_leaf=_stop)
+        self._texts = [path_str(k) for k, _ in flat]
+    return self._texts
 
   def _descend(self, i: int) -> tuple[Any, ...]:
     node, treedef, keys = self._tree, self._treedef, []
@@ -303,7 +362,7 @@ class Leaf:
   @property
   def path(self) -> str:
     """'/'-joined key path, e.g. ``params/Dense_0/kernel``."""
-    rest = path_str(self.keys)
+    rest = self._paths.text(self._index)
     prefix = str(self._prefix) if self._prefix else ''
     if prefix:
       return f'{prefix}/{rest}' if rest else prefix
@@ -311,6 +370,19 @@ class Leaf:
 
   def __repr__(self) -> str:
     return f'Leaf({self.path!r}, annotation={self.annotation!r})'
+
+
+def paths_of(leaves: list[Leaf]) -> list[str]:
+  """Every leaf's text path, as :attr:`Leaf.path` gives it, made in one pass.
+
+  For callers that need all paths of a walk made without ``every_path``.
+  """
+  seen: set[int] = set()
+  for lf in leaves:
+    if id(lf._paths) not in seen:
+      seen.add(id(lf._paths))
+      lf._paths.every_text()
+  return [lf.path for lf in leaves]
 
 
 def _stop(x: Any) -> bool:
@@ -386,7 +458,7 @@ class _Prefix:
     self._paths, self._index = paths, index
 
   def __str__(self) -> str:
-    return path_str(self._paths[self._index])
+    return self._paths.text(self._index)
 
 
 def _walk_optimizer(node: Any, paths: _KeyPaths, index: int, every_path: bool):

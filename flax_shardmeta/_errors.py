@@ -6,8 +6,6 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from flax_shardmeta._specs import format_spec
-
 
 @dataclasses.dataclass(frozen=True)
 class ShardingProblem:
@@ -42,8 +40,8 @@ class ShardingProblem:
 
   def __str__(self) -> str:
     return (
-      f'{self.path}: shape {self.shape}, names {format_spec(self.names)}, '
-      f'spec {format_spec(self.spec)}: {self.reason}. Fix: {self.hint}'
+      f'{self.path}: shape {self.shape}, names {_format(self.names)}, '
+      f'spec {_format(self.spec)}: {self.reason}. Fix: {self.hint}'
     )
 
   def to_dict(self) -> dict[str, Any]:
@@ -51,8 +49,8 @@ class ShardingProblem:
     return {
       'path': self.path,
       'shape': list(self.shape) if self.shape is not None else None,
-      'names': format_spec(self.names) if self.names is not None else None,
-      'spec': format_spec(self.spec) if self.spec is not None else None,
+      'names': _format(self.names) if self.names is not None else None,
+      'spec': _format(self.spec) if self.spec is not None else None,
       'reason': self.reason,
       'hint': self.hint,
     }
@@ -401,3 +399,11 @@ def unmapped_hint(name: str) -> str:
     f'did you mean mesh-axis annotations (`with_partitioning`) or a rule '
     f'({name!r}, {name!r})?'
   )
+
+
+def _format(spec: Any) -> str:
+  # Imported when a message is made: importing the errors (as the command
+  # line does) must not load jax.
+  from flax_shardmeta._specs import format_spec
+
+  return format_spec(spec)

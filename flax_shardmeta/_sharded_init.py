@@ -1,12 +1,16 @@
-"""Sharded initialization that never materializes more than a chunk of a shard.
+"""Sharded initialization that never materializes more than a few chunks beyond
+the shards.
 
 ``jax.jit(init, out_shardings=...)`` already generates every parameter on its
 own shards (jax's partitionable threefry), but on CPU each generator keeps
 about three shard-sized temporaries (the threefry loop state), and XLA runs
-the generators of independent parameters side by side; on a model of a few
-large matrices peak memory more than doubles. :func:`sharded_init` builds one
-program in which each large parameter is filled chunk by chunk on each device
-(see :mod:`flax_shardmeta.windowed`), so temporaries stay a small, fixed size.
+the generators of independent parameters side by side: peak memory more than
+doubles, whether the model is a few large matrices or many small ones.
+:func:`sharded_init` keeps a program only when XLA's memory analysis says it
+holds at most a few chunks: plain generation for a small model, otherwise one
+program in which every parameter that allows it is filled chunk by chunk on
+each device (see :mod:`flax_shardmeta._windowed`), so temporaries stay a small,
+fixed size.
 """
 
 from __future__ import annotations
@@ -19,25 +23,35 @@ from typing import Any, cast
 
 import jax
 import jax.core
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from flax_shardmeta import _windowed as windowed
 from flax_shardmeta._errors import NoMeshError
 from flax_shardmeta._explicit import explain_sharding_type_errors
 from flax_shardmeta._generate import ArrayCall
+from flax_shardmeta._program_memory import program_memory
 from flax_shardmeta._rules import logical_axis_rules
 from flax_shardmeta._sharding import get_sharding, layout_tree
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 
 CHUNK_BYTES = windowed.CHUNK_BYTES
+Program = tuple[jax.stages.Lowered, jax.stages.Compiled]
+"""A program of the init, lowered and compiled."""
+_WORST_BYTES_PER_ELEMENT = 16
+"""Temporaries of plain generation per element when every generator runs at
+once: jax's threefry holds two 32-bit words per element, its bits and the
+value (measured on CPU: 12 bytes for float32, 16 for bfloat16)."""
+FEW_CHUNKS = 5
+"""Temporaries plain generation may hold, in chunks, before parameters are
+generated chunk by chunk instead: what chunked generation itself holds (about
+four chunks: the random bits, threefry's two words and the piece written)."""
 
 
 class ShardedInit:
   """``init_fn`` as one jitted program producing its output already sharded.
 
   Call it like ``init_fn``; ``lower(*args)`` gives the ``jax.stages.Lowered``
-  program (e.g. for ``.compile().memory_analysis()``).
+  program a call runs (e.g. for ``.compile().memory_analysis()``).
   """
 
   def __init__(
@@ -74,7 +88,10 @@ class ShardedInit:
     stack.enter_context(self._rules())
     return stack
 
-  def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
+  def _build(
+    self, args: tuple[Any, ...], kwargs: dict[str, Any]
+  ) -> tuple[jax.stages.Lowered, jax.stages.Compiled, list[Any], Any]:
+    """The program to run: (lowered, compiled, its arguments, output treedef)."""
     call, arrays = ArrayCall.split(self.init_fn, args, kwargs)
     arrays = [_to_auto(x) for x in arrays]
 
@@ -94,43 +111,85 @@ class ShardedInit:
       )(*arrays)
     out_treedef = jax.tree_util.tree_structure(init_out)
     shardings = _per_array_leaf(init_out, _all_auto(self.mesh), self.rules)
-    graph = windowed._Graph(closed)
-    plans: dict[int, windowed.WindowedOutput] = {}
-    for i, (aval, sharding) in enumerate(zip(out_tree, shardings)):
-      local = (
-        math.prod(sharding.shard_shape(aval.shape)) * np.dtype(aval.dtype).itemsize
-      )
-      if local > self.chunk_bytes:
-        w = windowed.analyse(closed, graph, i)
-        if w is not None:
-          plans[i] = w
     dtypes = [a.dtype for a in out_tree]
 
-    def program(*arrays: Any) -> list[Any]:
-      outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
-      for i, w in plans.items():
-        # The plain result of output i goes unused, so XLA drops it.
-        outs[i] = windowed.generate_sharded(
-          w, list(arrays), shardings[i], dtypes[i], self.chunk_bytes
-        )
-      return outs
+    def compile_program(plans: dict[int, windowed.WindowedOutput]) -> Program:
+      program = _program(closed, plans, shardings, dtypes, self.chunk_bytes)
+      with self._context():
+        lowered = jax.jit(program, out_shardings=shardings).lower(*arrays)
+      return lowered, lowered.compile()
 
-    jitted = jax.jit(program, out_shardings=shardings)
-    return jitted, arrays, out_treedef
+    def compile_chunked() -> Program | None:
+      plans = _windowed_outputs(closed, len(out_tree))
+      return compile_program(plans) if plans else None  # None: nothing to chunk
+
+    # The programs decide, not the parameters' sizes: XLA runs the generators
+    # of independent parameters side by side, so many small shards can hold as
+    # much as one large one. A program is kept when XLA's memory analysis says
+    # it holds at most a few chunks. Tried first is plain generation when even
+    # every generator running at once would hold no more (a tiny model compiles
+    # once and pays nothing), chunked generation otherwise.
+    budget = FEW_CHUNKS * self.chunk_bytes
+    worst = sum(
+      _WORST_BYTES_PER_ELEMENT * math.prod(s.shard_shape(a.shape))
+      for a, s in zip(out_tree, shardings)
+    )
+    plain_first = worst <= budget
+    chosen = compile_program({}) if plain_first else compile_chunked()
+    if chosen is None:
+      return (*compile_program({}), arrays, out_treedef)
+    held = program_memory(chosen[1])
+    if held is not None and held.temporaries > budget:
+      # More than a few chunks: the other program may hold less.
+      other = compile_chunked() if plain_first else compile_program({})
+      other_held = None if other is None else program_memory(other[1])
+      if other is not None and other_held is not None:
+        if other_held.temporaries < held.temporaries:
+          chosen = other
+    return (*chosen, arrays, out_treedef)
 
   def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-    """The lowered single program for these arguments."""
-    jitted, arrays, _ = self._build(args, kwargs)
-    with self._context():
-      return jitted.lower(*arrays)
+    """The lowered single program for these arguments (the one a call runs)."""
+    return self._build(args, kwargs)[0]
 
   def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
-    jitted, arrays, out_treedef = self._build(args, kwargs)
-    with self._context():
-      outs = jitted(*arrays)
+    _, compiled, arrays, out_treedef = self._build(args, kwargs)
+    outs = compiled(*arrays)
     if _all_auto(self.mesh) is not self.mesh:
       outs = [_retype(x, self.mesh) for x in outs]
     return jax.tree_util.tree_unflatten(out_treedef, outs)
+
+
+def _windowed_outputs(closed: Any, n: int) -> dict[int, windowed.WindowedOutput]:
+  """The outputs that can be computed window by window, with their evaluators."""
+  graph = windowed._Graph(closed)
+  plans = {}
+  for i in range(n):
+    w = windowed.analyse(closed, graph, i)
+    if w is not None:
+      plans[i] = w
+  return plans
+
+
+def _program(
+  closed: Any,
+  plans: dict[int, windowed.WindowedOutput],
+  shardings: list[Any],
+  dtypes: list[Any],
+  chunk_bytes: int,
+) -> Callable[..., list[Any]]:
+  """The init as one function; the outputs in ``plans`` are made chunk by chunk."""
+
+  def program(*arrays: Any) -> list[Any]:
+    outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
+    for i, w in plans.items():
+      # The plain result of output i goes unused, so XLA drops it.
+      outs[i] = windowed.generate_sharded(
+        w, list(arrays), shardings[i], dtypes[i], chunk_bytes, buffer_fill=i + 1
+      )
+    return outs
+
+  return program
 
 
 def sharded_init(
@@ -144,17 +203,20 @@ def sharded_init(
 
   Each array leaf is laid out as ``fsm.get_sharding`` plans it (problems raise
   :class:`fsm.ShardingError` before anything runs) and generated where it
-  lives; large parameters are filled chunk by chunk on each device, so no
-  device ever holds more than its shards plus a few chunk-sized
-  temporaries. Values equal ``init_fn``'s (up to floating-point rounding of
-  the last bit in a few initializers).
+  lives. The program is chosen by what XLA's memory analysis says it holds:
+  plain generation when its temporaries are at most :data:`FEW_CHUNKS` chunks,
+  otherwise one in which parameters are filled chunk by chunk on each device,
+  whatever their size. So no device holds more than its shards plus a few
+  chunk-sized temporaries (initializers that cannot be computed chunk by
+  chunk, such as orthogonal, are generated whole). Values equal ``init_fn``'s (up to
+  floating-point rounding of the last bit in a few initializers).
 
   Args:
     init_fn: e.g. ``model.init`` or a function building a TrainState.
     mesh: the device mesh (a concrete ``Mesh``: devices generate the values).
     rules: logical axis rules; None uses the context rules.
-    chunk_bytes: per-device bytes of a parameter generated at once; larger
-      per-device shards are filled chunk by chunk.
+    chunk_bytes: per-device bytes of a parameter generated at once when
+      generating chunk by chunk.
 
   Returns:
     A :class:`ShardedInit` with ``init_fn``'s signature (and ``.lower``).

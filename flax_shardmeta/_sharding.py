@@ -16,6 +16,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta import _unmapped as unmapped_lib
+from flax_shardmeta._caches import paused_gc
 from flax_shardmeta._errors import (
   FlaxShardmetaError,
   InvalidNamesError,
@@ -299,19 +300,20 @@ def layout_tree(
   ``every_path``: the caller reads every leaf's path (see ``walk``).
   """
   rules_t = effective_rules(rules)
-  leaves, build = ann_lib.walk(tree, every_path)
-  # mesh, rules and fit are fixed for this call: memoize on what varies.
-  memo: dict[Any, LeafLayout] = {}
-  layouts = []
-  for lf in leaves:
-    if isinstance(lf.value, PartitionSpec):
-      layouts.append(spec_layout(lf.value, mesh))
-      continue
-    key = (leaf_shape(lf.value), lf.annotation)
-    layout = memo.get(key)
-    if layout is None:
-      layout = memo[key] = layout_of(key[0], key[1], mesh, rules_t, fit)
-    layouts.append(layout)
+  with paused_gc():  # a few objects per leaf: see _caches
+    leaves, build = ann_lib.walk(tree, every_path)
+    # mesh, rules and fit are fixed for this call: memoize on what varies.
+    memo: dict[Any, LeafLayout] = {}
+    layouts = []
+    for lf in leaves:
+      if isinstance(lf.value, PartitionSpec):
+        layouts.append(spec_layout(lf.value, mesh))
+        continue
+      key = (leaf_shape(lf.value), lf.annotation)
+      layout = memo.get(key)
+      if layout is None:
+        layout = memo[key] = layout_of(key[0], key[1], mesh, rules_t, fit)
+      layouts.append(layout)
   return leaves, layouts, build
 
 
@@ -389,7 +391,8 @@ def get_sharding(
     raise ShardingError(problems)
   if adjusted:
     warn_adjustments(adjusted)
-  return build(results)
+  with paused_gc():
+    return build(results)
 
 
 def unmapped_record(

@@ -49,7 +49,7 @@ stop_gradient sub tan tanh xor
 # program places its result itself).
 _LAYOUT = frozenset({'sharding_constraint', 'reshard', 'mesh_cast', 'pvary', 'pcast'})
 
-CHUNK_BYTES = 16 * 2**20
+CHUNK_BYTES = 4 * 2**20
 """Per-device bytes of a parameter generated at once."""
 
 _INLINE_PARAMS = ('jaxpr', 'call_jaxpr', 'fun_jaxpr')
@@ -329,10 +329,15 @@ def analyse(
 def chunk_plan(
   local: tuple[int, ...], itemsize: int, target_bytes: int
 ) -> tuple[int, int]:
-  """(dimension, chunk length) so a chunk is at most ``target_bytes``."""
+  """(dimension, chunk length) so a chunk is at most ``target_bytes``.
+
+  A shard that can be split makes at least two chunks, whatever its size: XLA
+  turns a one-step loop back into plain generation, which it schedules side by
+  side with the others.
+  """
   dim = max(range(len(local)), key=lambda d: local[d])
   row = math.prod(local) // local[dim] * itemsize
-  want = max(1, target_bytes // max(row, 1))
+  want = max(1, min(target_bytes // max(row, 1), local[dim] // 2))
   chunk = max(c for c in range(1, local[dim] + 1) if local[dim] % c == 0 and c <= want)
   return dim, chunk
 
@@ -343,9 +348,16 @@ def generate_sharded(
   sharding: NamedSharding,
   dtype: Any,
   target_bytes: int = CHUNK_BYTES,
+  buffer_fill: int = 0,
 ) -> Any:
   """The output, laid out as ``sharding``, each device filling its own shard
-  chunk by chunk. Call inside ``jit``."""
+  chunk by chunk. Call inside ``jit``.
+
+  ``buffer_fill``: the value the shard's buffer starts from (every element is then
+  overwritten). Give each output of one program its own: XLA merges identical
+  buffers, and copies the merged one into every loop filling it, a temporary
+  as large as the shard.
+  """
   mesh = sharding.mesh
   spec = tuple(sharding.spec) + (None,) * (len(w.shape) - len(sharding.spec))
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -374,7 +386,8 @@ def generate_sharded(
       start[dim] = c * chunk
       return lax.dynamic_update_slice(buf, piece, start)
 
-    buf = jnp.zeros(local, dtype)
+    # Cast as numpy does (wrapping): equal fills only cost that copy.
+    buf = jnp.full(local, np.asarray(buffer_fill).astype(np.dtype(dtype)), dtype)
     varying = tuple(a for e in spec for a in mesh_axes_of(e))
     if varying:  # the loop writes per-device data into it
       buf = lax.pcast(buf, varying, to='varying')

@@ -24,6 +24,7 @@ Exit codes: 0 success, 1 the plan has problems (0 with ``--allow-problems``),
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import json
 import os
@@ -81,11 +82,15 @@ def _parser() -> argparse.ArgumentParser:
   parser = _Parser(
     prog='flax-shardmeta',
     description='Lay Flax models out on device meshes: plan a layout without '
-    'devices, or run the demo on 8 simulated CPU devices.',
+    'devices, see whether a training step fits a TPU pod, search for the best '
+    'layout, or run the demo on 8 simulated CPU devices.',
     formatter_class=_HelpFormatter,
   )
   sub = parser.add_subparsers(
-    dest='command', required=True, parser_class=_Parser, metavar='{demo,plan}'
+    dest='command',
+    required=True,
+    parser_class=_Parser,
+    metavar='{plan,fit,suggest,demo}',
   )
   demo = sub.add_parser(
     'demo',
@@ -230,18 +235,18 @@ def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
     >>> load_rules('[["batch", "data"], ["embed", null]]')
     (('batch', 'data'), ('embed', None))
   """
-  from flax_shardmeta._rules import normalize_rules, standard_logical_axis_rules
+  if spec in ('t5x', 't5x-2d'):
+    from flax_shardmeta._rules import standard_logical_axis_rules
 
-  if spec == 't5x':
+    if spec == 't5x-2d':
+      return standard_logical_axis_rules(1, 2)
     return standard_logical_axis_rules()
-  if spec == 't5x-2d':
-    return standard_logical_axis_rules(1, 2)
   if spec.lstrip().startswith('['):  # inline JSON: a file name never starts so
     try:
       data = json.loads(spec)
     except ValueError as e:
       raise UsageError(f'cannot parse --rules {spec!r} as JSON: {e}') from None
-    return _rule_pairs(data, f'--rules {spec!r}', normalize_rules)
+    return _rule_pairs(data, f'--rules {spec!r}')
   try:
     with open(spec, 'rb') as f:
       raw = f.read()
@@ -254,10 +259,10 @@ def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
       data = json.loads(raw)
   except (ValueError, UnicodeDecodeError) as e:
     raise UsageError(f'cannot parse rules file {spec!r}: {e}') from None
-  return _rule_pairs(data, f'rules file {spec!r}', normalize_rules)
+  return _rule_pairs(data, f'rules file {spec!r}')
 
 
-def _rule_pairs(data: Any, where: str, normalize: Any) -> tuple[tuple[str, Any], ...]:
+def _rule_pairs(data: Any, where: str) -> tuple[tuple[str, Any], ...]:
   if not isinstance(data, list):
     raise UsageError(
       f'{where} must hold a list of [name, target] pairs '
@@ -268,8 +273,11 @@ def _rule_pairs(data: Any, where: str, normalize: Any) -> tuple[tuple[str, Any],
     (r[0], None if r[1] == [] else r[1]) if isinstance(r, list) and len(r) == 2 else r
     for r in data
   ]
+  # The rule engine (and with it jax) only once the file has been read.
+  from flax_shardmeta._rules import normalize_rules
+
   try:
-    return normalize(pairs)
+    return normalize_rules(pairs)
   except ValueError as e:
     raise UsageError(f'{where}: {e}') from None
 
@@ -458,8 +466,8 @@ def _simulate_cpu_devices(n: int) -> None:
   """Asks jax for ``n`` CPU devices, if its backends have not started yet.
 
   ``python -m flax_shardmeta`` sets the XLA flag before jax is imported; the
-  console script imports jax first, but no backend exists until the first
-  device query, so the config option still takes effect here.
+  console script does not, but no backend exists until the first device
+  query, so the config option still takes effect here.
   """
   import jax
 
@@ -469,6 +477,19 @@ def _simulate_cpu_devices(n: int) -> None:
     pass  # already started (e.g. under pytest): use the devices that exist
 
 
+def _local_jax_on_cpu() -> None:
+  """Off a TPU VM, jax's own backend is the CPU (unless JAX_PLATFORMS says).
+
+  Every command runs on this machine's CPU (the demo's simulated devices) or
+  compiles for a described pod. With libtpu installed (the tpu extra), jax
+  would otherwise try to start a local TPU first and print several lines of
+  warnings about this machine's missing TPU.
+  """
+  if glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'):
+    return
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point of ``flax-shardmeta`` and ``python -m flax_shardmeta``.
 
@@ -476,6 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     >>> main(['plan', '--model', 'mlp', '--mesh', 'data=0'])
     2
   """
+  _local_jax_on_cpu()
   try:
     args = _parser().parse_args(argv)
     if args.command == 'demo':

@@ -176,6 +176,38 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
   assert message in err
 
 
+@pytest.mark.parametrize(
+  'argv',
+  [
+    ['plan', '--help'],
+    ['--help'],
+    ['fit', '--help'],
+    ['suggest', '--help'],
+    ['plan', '--model', 'gpt5', '--mesh', 'data=2'],
+    ['plan', '--model', 'mlp', '--mesh', 'data=0'],
+    ['plan', '--model', 'mlp', '--mesh', 'data=2', '--rules', 'missing.json'],
+  ],
+)
+def test_help_and_argument_errors_do_not_import_jax(argv):
+  # What `python -m flax_shardmeta` and the console script import: with jax
+  # left out, help and usage errors answer at once.
+  proc = subprocess.run(
+    [sys.executable, '-X', 'importtime', '-m', 'flax_shardmeta', *argv],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  assert proc.returncode == (0 if '--help' in argv else 2), proc.stderr
+  imported = [
+    line.rsplit('|', 1)[-1].strip()
+    for line in proc.stderr.splitlines()
+    if line.startswith('import time:')
+  ]
+  assert 'flax_shardmeta.cli' in imported
+  assert not [m for m in imported if m.split('.')[0] in ('jax', 'flax', 'numpy')]
+
+
 @pytest.mark.parametrize('text', ['{not json', '[["embed"]]', '{"rules": 1}'])
 def test_bad_rules_file_exits_2(capsys, tmp_path, text):
   path = tmp_path / 'rules.json'
@@ -432,3 +464,9 @@ def test_python_dash_m_in_a_subprocess():
     check=False,
   )
   assert bad.returncode == 2 and bad.stderr.count('\n') == 1
+
+
+def test_the_model_names_the_command_line_lists_are_the_models():
+  from flax_shardmeta.examples import _common, _names
+
+  assert _names.MODEL_NAMES == ('mlp', *_common.LLAMA_CONFIGS)

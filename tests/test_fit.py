@@ -191,7 +191,7 @@ def test_the_cache_returns_the_same_figures(monkeypatch, tmp_path):
   second = fsm.fit(*args)
   assert not first.cached and second.cached and second.compile_seconds == 0
   assert second.rows == first.rows and second.collectives == first.collectives
-  assert len(list(tmp_path.glob('*.json'))) == 1
+  assert len(list(tmp_path.glob('*.json'))) == len(list(tmp_path.glob('*.hlo.gz'))) == 1
   other = fsm.fit(*train.train_step('mlp', mesh, batch=32, dtype=jnp.float32))
   assert not other.cached  # another program, another key
 
@@ -332,6 +332,9 @@ def test_topology_meshes_and_their_errors(monkeypatch):
   assert dict(mesh.shape) == {'data': 32, 'model': 4}
   assert {d.device_kind for d in mesh.devices.flat} == {'TPU v5'}
   assert len({d.process_index for d in mesh.devices.flat}) == 32  # 4 chips a host
+  # 64 is no product of the torus's 4, 4 and 8: a physical axis is split.
+  odd = fsm.make_mesh({'data': 64, 'model': 2}, topology='v5p:4x4x8')
+  assert len({d.id for d in odd.devices.flat}) == 128
   sliced = fsm.make_mesh((4, 4), ('data', 'model'), topology='v5p:2x2x2', num_slices=2)
   by_row = [{d.slice_index for d in row} for row in sliced.devices]
   assert by_row == [{0}, {0}, {1}, {1}]  # 'data' spans the slices, 'model' does not

@@ -15,7 +15,7 @@ PACKAGE = pathlib.Path(flax_shardmeta.__file__).parent
 # Lowest first. A module may import any module of an earlier layer, or of its
 # own layer when listed before it.
 LAYERS = [
-  ['_typing', '_specs', '_caches'],
+  ['_typing', '_specs', '_caches', '_program_memory'],
   ['_errors'],
   ['_unmapped'],
   ['_rules'],
@@ -41,6 +41,7 @@ LAYERS = [
   ['_suggest'],
   ['nnx'],
   [
+    'examples._names',
     'examples._common',
     'examples.linen',
     'examples.nnx',

@@ -24,8 +24,11 @@ ROOT = pathlib.Path(flax_shardmeta.__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / 'notebooks'
 
 
-def _run(name: str) -> list[str]:
-  """Executes notebook ``name``; returns each code cell's text output."""
+def _run(name: str, timeout: int = 300) -> list[str]:
+  """Executes notebook ``name``; returns each code cell's text output.
+
+  ``timeout``: seconds any one cell may take.
+  """
   nb = nbformat.read(NOTEBOOKS / name, as_version=4)
   env = dict(os.environ)
   env['PYTHONPATH'] = os.pathsep.join(
@@ -35,7 +38,10 @@ def _run(name: str) -> list[str]:
   # is headless like Agg but also emits figures, so the test can see them.
   env['MPLBACKEND'] = 'module://matplotlib_inline.backend_inline'
   client = nbclient.NotebookClient(
-    nb, timeout=300, kernel_name='python3', resources={'metadata': {'path': str(ROOT)}}
+    nb,
+    timeout=timeout,
+    kernel_name='python3',
+    resources={'metadata': {'path': str(ROOT)}},
   )
   try:
     client.execute(env=env)
@@ -165,7 +171,9 @@ def test_plan_a_pod():
   reason="libtpu is not installed (pip install 'flax_shardmeta[tpu]'; CI has it)",
 )
 def test_will_it_fit():
-  cells = _run('04_will_it_fit.ipynb')
+  # Each compile of the 8B step takes about a minute on 2 cores; suggest's
+  # cell compiles three candidates.
+  cells = _run('04_will_it_fit.ipynb', timeout=1200)
   out = '\n'.join(cells)
   assert "{'data': 32, 'model': 4} TPU v5 128 chips" in out
   assert 'Will it fit: compiled for TPU v5, 128 devices in 32 hosts' in out

@@ -1,13 +1,19 @@
 """The public import surface is a contract: pin it."""
 
+import ast
 import importlib.resources
 import inspect
+import json
 import pathlib
 import re
+import subprocess
+import sys
+import textwrap
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import pytest
 
 import flax_shardmeta as fsm
 
@@ -95,6 +101,85 @@ def test_all_is_unique_and_resolvable():
   assert len(fsm.__all__) == len(set(fsm.__all__))
   for name in fsm.__all__:
     assert hasattr(fsm, name), name
+
+
+def _type_checking_imports() -> dict[str, str]:
+  """Public name -> 'module[:name]' as the __init__'s TYPE_CHECKING block imports it."""
+  tree = ast.parse(pathlib.Path(fsm.__file__).read_text())
+  block = next(
+    n for n in tree.body if isinstance(n, ast.If) and 'TYPE_CHECKING' in ast.unparse(n)
+  )
+  found = {}
+  for node in block.body:
+    assert isinstance(node, ast.ImportFrom) and node.module
+    module = node.module.removeprefix('flax_shardmeta').lstrip('.')
+    for a in node.names:
+      if not module:  # `from flax_shardmeta import nnx`: the submodule itself
+        found[a.name] = a.name
+      else:
+        found[a.asname or a.name] = f'{module}:{a.name}' if a.asname else module
+  return found
+
+
+def test_lazy_exports_match_the_typed_imports_and_all():
+  # Type checkers read the TYPE_CHECKING imports, Python the _EXPORTS table.
+  assert fsm._EXPORTS == _type_checking_imports()
+  assert set(fsm._EXPORTS) | {'__version__'} == set(fsm.__all__)
+
+
+def test_submodule_stays_the_same_object_however_imported():
+  from flax_shardmeta import nnx
+
+  assert fsm.nnx is nnx is sys.modules['flax_shardmeta.nnx']
+  assert 'nnx' in dir(fsm) and 'get_sharding' in dir(fsm)
+  with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+    fsm.no_such_name  # noqa: B018
+
+
+_IMPORTS_SCRIPT = textwrap.dedent(
+  """
+  import json, sys
+  loaded = lambda: sorted(m for m in ('jax', 'flax.nnx', 'flax_shardmeta.nnx')
+                          if m in sys.modules)
+  seen = {}
+  import flax_shardmeta as fsm
+  seen['import'] = loaded()
+  for name in fsm.__all__:
+    if name != 'nnx':
+      getattr(fsm, name)
+  seen['everything but nnx'] = loaded()
+  import jax, jax.numpy as jnp
+  from flax import nnx
+  class Model(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(
+          jnp.zeros((8, 4)), sharding_names=('data', None), eager_sharding=False)
+  seen['flax.nnx imported'] = loaded()
+  mesh = jax.sharding.AbstractMesh((2,), ('data',))
+  spec = fsm.get_sharding(nnx.state(Model()), mesh)['w'].value.spec
+  seen['a Variable met'] = loaded()
+  seen['spec'] = str(spec)
+  print(json.dumps(seen))
+  """
+)
+
+
+def test_the_package_loads_jax_and_nnx_only_when_used():
+  # In a fresh process: this one has long imported everything.
+  proc = subprocess.run(
+    [sys.executable, '-c', _IMPORTS_SCRIPT],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=True,
+  )
+  seen = json.loads(proc.stdout)
+  assert seen['import'] == []
+  assert seen['everything but nnx'] == ['jax']
+  assert seen['flax.nnx imported'] == ['flax.nnx', 'jax']
+  # flax's own NNX annotations are read: the first Variable loads the adapter.
+  assert seen['a Variable met'] == ['flax.nnx', 'flax_shardmeta.nnx', 'jax']
+  assert seen['spec'] == "P('data', None)"
 
 
 def test_version():

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_shardmeta as fsm
+from flax_shardmeta import _sharded_init as sharded_init_lib
 from flax_shardmeta import _windowed as windowed
 
 RULES = (('embed', 'data'), ('mlp', 'model'), ('layers', None))
@@ -139,6 +140,92 @@ def test_chunked_program_keeps_temporaries_small(mesh):
   plain_temps = plain.memory_analysis().temp_size_in_bytes
   assert plain_temps >= 2 * shard
   assert compiled.temp_size_in_bytes <= 6 * chunk < plain_temps / 4
+
+
+class Wide(nn.Module):
+  """``count`` independent (rows, cols) parameters, each sharded over all 8 devices."""
+
+  count: int
+  rows: int
+  cols: int
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(self.count):
+      self.param(
+        f'w{i}',
+        fsm.with_logical_partitioning(nn.initializers.lecun_normal(), ('embed', 'mlp')),
+        (self.rows, self.cols),
+      )
+    return x
+
+
+@pytest.mark.parametrize('shard_per_chunk', [0.25, 1, 4])
+def test_temporaries_stay_a_few_chunks_for_every_shard_size(
+  mesh, monkeypatch, shard_per_chunk
+):
+  # XLA runs the generators of independent parameters side by side, so many
+  # shards no larger than a chunk held as much as one large one.
+  chunk = 16 * 1024
+  rows = 64
+  cols = int(chunk * shard_per_chunk * 8 // (rows * 4))
+  model = Wide(16, rows, cols)
+  key, x = jax.random.key(0), jnp.ones((1,))
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    shardings = fsm.get_sharding(jax.eval_shape(model.init, key, x), mesh)
+    plain = jax.jit(model.init, out_shardings=shardings).lower(key, x).compile()
+  measured = []
+  real = sharded_init_lib.program_memory
+  monkeypatch.setattr(
+    sharded_init_lib, 'program_memory', lambda c: measured.append(1) or real(c)
+  )
+  chunked = fsm.sharded_init(model.init, mesh, RULES, chunk_bytes=chunk)
+  got = chunked.lower(key, x).compile().memory_analysis()
+  assert len(measured) == 1, 'more than the chunked program was compiled'
+  budget = sharded_init_lib.FEW_CHUNKS * chunk
+  assert plain.memory_analysis().temp_size_in_bytes > budget
+  assert got.temp_size_in_bytes <= budget
+  assert got.output_size_in_bytes >= 16 * rows * cols * 4 // 8
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    want = jax.jit(model.init, out_shardings=shardings)(key, x)
+  _check_same(chunked(key, x), want, shardings)
+
+
+def test_a_small_model_keeps_plain_generation(mesh, monkeypatch):
+  # Within a few chunks of temporaries, the plain program is the one run.
+  def refuse(*args, **kwargs):
+    raise AssertionError('chunked generation was built')
+
+  monkeypatch.setattr(windowed, 'analyse', refuse)
+  model = Stack(False)
+  key, x = jax.random.key(0), jnp.ones((4, 32))
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    shardings = fsm.get_sharding(jax.eval_shape(model.init, key, x), mesh)
+    want = jax.jit(model.init, out_shardings=shardings)(key, x)
+  _check_same(fsm.sharded_init(model.init, mesh, RULES)(key, x), want, shardings)
+
+
+@pytest.mark.parametrize('chunk_bytes, chunked', [(512, True), (None, False)])
+def test_without_a_memory_analysis_the_worst_case_decides(
+  mesh, monkeypatch, chunk_bytes, chunked
+):
+  # A backend that reports nothing: plain generation only when every generator
+  # running at once would still hold a few chunks (here 2 x 64x64 float32).
+  monkeypatch.setattr(sharded_init_lib, 'program_memory', lambda compiled: None)
+  calls = []
+  real = windowed.generate_sharded
+  monkeypatch.setattr(
+    windowed, 'generate_sharded', lambda *a, **k: calls.append(1) or real(*a, **k)
+  )
+  model = Wide(2, 64, 64)
+  key, x = jax.random.key(0), jnp.ones((1,))
+  kwargs = {} if chunk_bytes is None else {'chunk_bytes': chunk_bytes}
+  out = fsm.sharded_init(model.init, mesh, RULES, **kwargs)(key, x)
+  assert len(calls) == (2 if chunked else 0)
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    shardings = fsm.get_sharding(jax.eval_shape(model.init, key, x), mesh)
+    want = jax.jit(model.init, out_shardings=shardings)(key, x)
+  _check_same(out, want, shardings)
 
 
 def test_problems_raise_before_anything_runs(mesh):

@@ -105,7 +105,15 @@ def make_mesh(
   # the axis_types argument above for why.
   types = tuple(axis_types) if axis_types is not None else (AxisType.Auto,) * len(names)
   if dcn_axis_sizes is None:
-    return jax.make_mesh(sizes, names, axis_types=types, devices=devices)
+    try:
+      return jax.make_mesh(sizes, names, axis_types=types, devices=devices)
+    except NotImplementedError:
+      # A TPU torus whose axes no product of mesh sizes matches (64 on
+      # 4x4x8): jax refuses to split a physical axis unless asked to.
+      grid = mesh_utils.create_device_mesh(
+        sizes, devices, allow_split_physical_axes=True
+      )
+      return Mesh(np.asarray(grid), names, axis_types=types)
   dcn = _as_ints(dcn_axis_sizes, names, what='dcn_axis_sizes')
   ici = _split(sizes, dcn, names, len(devices), len(hosts))
   by_slice = len({getattr(d, 'slice_index', 0) for d in devices}) > 1

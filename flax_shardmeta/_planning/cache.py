@@ -1,7 +1,9 @@
 """A disk cache of compiled programs' figures, keyed by the program itself.
 
 Compiling a training step for a pod takes tens of seconds to minutes; its
-memory and cost figures are a few hundred bytes. ``fit`` keys them by a hash
+memory and cost figures are a few hundred bytes, its optimised HLO text a few
+hundred kilobytes gzipped (kept so that collectives and loops are always read
+by the current code). ``fit`` keys them by a hash
 of the lowered program text (which holds the shapes, the shardings and the
 mesh's device assignment), the devices' kinds and coordinates, and the jax
 and libtpu versions, so a figure is reused only for the very same program on
@@ -10,6 +12,7 @@ the very same target.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib.metadata
 import json
@@ -21,6 +24,7 @@ from typing import Any
 import numpy as np
 
 _MEMORY: dict[str, dict[str, Any]] = {}
+_TEXT: dict[str, str] = {}
 
 
 def directory() -> pathlib.Path:
@@ -101,6 +105,48 @@ def store(k: str, value: dict[str, Any], on_disk: bool) -> None:
     pass  # a read-only home is no reason to fail the analysis
 
 
+def store_text(k: str, text: str, on_disk: bool) -> None:
+  """Keeps a compiled program's HLO text under ``k`` (gzipped on disk)."""
+  _TEXT[k] = text
+  if not on_disk:
+    return
+  folder = directory()
+  try:
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix='.tmp')
+    with os.fdopen(fd, 'wb') as f:
+      f.write(gzip.compress(text.encode(), compresslevel=6))
+    os.replace(tmp, folder / f'{k}.hlo.gz')
+  except OSError:
+    pass
+
+
+def load_text(k: str, on_disk: bool) -> str | None:
+  """The HLO text stored under ``k``, or None."""
+  if k in _TEXT:
+    return _TEXT[k]
+  if not on_disk:
+    return None
+  try:
+    text = gzip.decompress((directory() / f'{k}.hlo.gz').read_bytes()).decode()
+  except (OSError, EOFError, gzip.BadGzipFile):
+    return None
+  _TEXT[k] = text
+  return text
+
+
+def forget(k: str) -> None:
+  """Drops ``k`` from memory and disk."""
+  _MEMORY.pop(k, None)
+  _TEXT.pop(k, None)
+  for suffix in ('.json', '.hlo.gz'):
+    try:
+      (directory() / f'{k}{suffix}').unlink()
+    except OSError:
+      pass
+
+
 def clear() -> None:
   """Forgets the in-memory entries (the files stay)."""
   _MEMORY.clear()
+  _TEXT.clear()

@@ -225,12 +225,28 @@ def _sub_jaxprs(eqn: Any) -> list[tuple[Any, str]]:
   return found
 
 
+def scan_split(params: dict[str, Any]) -> tuple[int, int]:
+  """A scan's number of constant and carried operands (the rest are scanned).
+
+  jax up to 0.10 records them as ``num_consts`` / ``num_carry``; newer jax
+  records the operand tree ``ft_in`` = (consts, carry, xs) instead.
+  """
+  if 'num_consts' in params:
+    return int(params['num_consts']), int(params['num_carry'])
+  tree = params.get('ft_in')
+  if tree is not None:
+    consts, carry, _ = tree.unpack()
+    return len(list(consts.vals)), len(list(carry.vals))
+  return 0, 0
+
+
 def _inner_specs(eqn: Any, how: str, ins: list[Spec], inner: Any) -> list[Spec]:
   n = len(inner.invars)
   if how == 'local':
     return [tuple([None] * len(getattr(v.aval, 'shape', ()))) for v in inner.invars]
   if how == 'scan':
-    consts = eqn.params['num_consts'] + eqn.params['num_carry']
+    n_consts, n_carry = scan_split(eqn.params)
+    consts = n_consts + n_carry
     return [s if i < consts or s is None else s[1:] for i, s in enumerate(ins)][:n]
   if how == 'while':
     skip = eqn.params.get('cond_nconsts', 0)
@@ -336,7 +352,7 @@ def _forward(
     if how in ('call', 'while') and len(inner_outs) == len(outs):
       outs = [o or s for o, s in zip(outs, inner_outs)]
     elif how == 'scan':
-      carry = eqn.params['num_carry']
+      carry = scan_split(eqn.params)[1]
       outs = [
         o or (s if j < carry or s is None else (None, *s))
         for j, (o, s) in enumerate(zip(outs, inner_outs))

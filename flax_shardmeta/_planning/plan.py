@@ -4,7 +4,9 @@ A plan is computed from an abstract tree (``jax.eval_shape`` output, a
 TrainState, an NNX State) and a mesh that may be abstract and far larger than
 the machine. Layouts come from :mod:`flax_shardmeta.sharding`, which caches
 them per distinct pattern, so a 126-layer model costs about as much as one
-layer. Explanations are computed only when an entry's ``explain`` is read.
+layer. Only problems are found up front: entries, their paths, totals and
+explanations are made when first read, so a plan costs little more than the
+shardings themselves.
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ from typing import Any
 from jax.sharding import PartitionSpec, Sharding
 
 from flax_shardmeta import _annotation as ann_lib
+from flax_shardmeta._caches import paused_gc
 from flax_shardmeta._errors import ShardingError, ShardingProblem
 from flax_shardmeta._placement import check_mesh
 from flax_shardmeta._planning import format as plan_format
 from flax_shardmeta._planning.explain import ExplainedDim, explain_entry
-from flax_shardmeta._rules import SOURCE_NONE, composite_rules, rules_and_source
+from flax_shardmeta._rules import SOURCE_NONE, rules_and_source
 from flax_shardmeta._sharding import (
   LeafLayout,
   layout_tree,
   named_sharding,
   problems_of,
+  unmapped_record,
   warn_adjustments,
 )
 from flax_shardmeta._specs import (
@@ -42,7 +46,7 @@ from flax_shardmeta._unmapped import Unmapped
 from flax_shardmeta._unmapped import report as report_unmapped
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class PlanEntry:
   """The planned layout of one array leaf.
 
@@ -198,9 +202,13 @@ class Mismatches(list):
     return plan_format.format_mismatches(self, self.checked)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
 class ShardingPlan:
   """Every array leaf of a tree with its layout on a mesh, totals and problems.
+
+  Problems are found when the plan is made; entries (with their paths), totals
+  and fit-mode adjustment lines are made on first read, so a plan of a large
+  tree costs little more than :func:`flax_shardmeta.get_sharding` when only
+  its shardings are used.
 
   Attributes:
     entries: one :class:`PlanEntry` per array leaf, in tree order.
@@ -226,23 +234,107 @@ class ShardingPlan:
     problems: none
   """
 
-  entries: tuple[PlanEntry, ...]
-  mesh: AnyMesh
-  rules: tuple[tuple[str, Any], ...]
-  problems: tuple[ShardingProblem, ...]
-  adjustments: tuple[str, ...]
-  _entry_index: Sequence[int | None] = dataclasses.field(repr=False)
-  _build: Callable[[list[Any]], PyTree] = dataclasses.field(repr=False)
+  __slots__ = (
+    '_mesh',
+    '_rules',
+    '_source',
+    '_problems',
+    '_leaves',
+    '_layouts',
+    '_adjusted',
+    '_build',
+    '_entries',
+    '_adjustments',
+    '_totals',
+  )
+
+  def __init__(
+    self,
+    mesh: AnyMesh,
+    rules: tuple[tuple[str, Any], ...],
+    source: str,
+    problems: tuple[ShardingProblem, ...],
+    leaves: list[ann_lib.Leaf],
+    layouts: list[LeafLayout],
+    adjusted: list[tuple[ann_lib.Leaf, tuple[str, ...]]],
+    build: Callable[[list[Any]], PyTree],
+  ):
+    """Made by :func:`plan`; not meant to be called directly."""
+    self._mesh = mesh
+    self._rules = rules
+    self._source = source
+    self._problems = problems
+    self._leaves = leaves
+    self._layouts = layouts
+    self._adjusted = adjusted
+    self._build = build
+    self._entries: tuple[PlanEntry, ...] | None = None
+    self._adjustments: tuple[str, ...] | None = None
+    self._totals: tuple[int, int] | None = None
+
+  @property
+  def mesh(self) -> AnyMesh:
+    """The mesh planned for (concrete or abstract)."""
+    return self._mesh
+
+  @property
+  def rules(self) -> tuple[tuple[str, Any], ...]:
+    """The logical axis rules used."""
+    return self._rules
+
+  @property
+  def problems(self) -> tuple[ShardingProblem, ...]:
+    """Every validation problem, each naming its path."""
+    return self._problems
+
+  @property
+  def entries(self) -> tuple[PlanEntry, ...]:
+    """One :class:`PlanEntry` per array leaf, in tree order (made on first read)."""
+    if self._entries is None:
+      with paused_gc():  # one entry and one path per leaf
+        self._entries = _entries(
+          self._leaves, self._layouts, self._mesh, self._rules, self._source
+        )
+    return self._entries
+
+  @property
+  def adjustments(self) -> tuple[str, ...]:
+    """What fit mode changed, as ``'path: change'`` lines."""
+    if self._adjustments is None:
+      self._adjustments = tuple(
+        f'{lf.path}: {a}' for lf, changes in self._adjusted for a in changes
+      )
+    return self._adjustments
 
   @property
   def bytes_per_device(self) -> int:
     """Bytes each device holds for all planned arrays."""
-    return sum(e.bytes_per_device for e in self.entries)
+    return self._sums()[0]
 
   @property
   def total_bytes(self) -> int:
     """Bytes of all arrays, unsharded."""
-    return sum(e.nbytes for e in self.entries)
+    return self._sums()[1]
+
+  def _sums(self) -> tuple[int, int]:
+    """(bytes per device, total bytes), from each distinct layout and dtype."""
+    if self._totals is None:
+      sizes = _mesh_sizes(self._mesh)
+      counts: dict[tuple[int, Any], int] = {}
+      for lf, lay in zip(self._leaves, self._layouts):
+        if lay.shape is not None:
+          key = (id(lay), getattr(lf.value, 'dtype', None))
+          counts[key] = counts.get(key, 0) + 1
+      by_id = {id(lay): lay for lay in self._layouts}
+      per_device = total = 0
+      for (layout_id, dtype), n in counts.items():
+        lay = by_id[layout_id]
+        shape = lay.shape or ()
+        itemsize = _itemsize(dtype)
+        per_device += n * math.prod(_shard_shape(shape, lay.spec, sizes)) * itemsize
+        total += n * math.prod(shape) * itemsize
+      self._totals = (per_device, total)
+    return self._totals
 
   @property
   def num_devices(self) -> int:
@@ -272,12 +364,9 @@ class ShardingPlan:
       ShardingError: if the plan has problems.
     """
     self._require_valid()
-    return self._build(
-      [
-        None if i is None else named_sharding(self.mesh, self.entries[i].spec)
-        for i in self._entry_index
-      ]
-    )
+    # Without problems every array's layout holds its NamedSharding.
+    with paused_gc():
+      return self._build([lay.sharding for lay in self._layouts])
 
   def _require_valid(self) -> None:
     if self.problems:
@@ -393,50 +482,25 @@ def plan(
   """
   mesh = check_mesh(mesh, 'plan')
   rules_t, source = rules_and_source(rules)
-  leaves, layouts, build = layout_tree(tree, mesh, rules_t, fit, every_path=True)
-  sizes = tuple(zip(mesh.axis_names, mesh.axis_sizes))
-  axis_names = tuple(mesh.axis_names)
-  entries: list[PlanEntry] = []
-  index: list[int | None] = []
+  leaves, layouts, build = layout_tree(tree, mesh, rules_t, fit)
   problems: list[ShardingProblem] = []
-  adjusted: list[tuple[str, tuple[str, ...]]] = []
+  adjusted: list[tuple[ann_lib.Leaf, tuple[str, ...]]] = []
   unmapped: list[Unmapped] = []
+  # Paths are made only for leaves that something is reported about.
   for lf, lay in zip(leaves, layouts):
-    if lay.shape is None:
-      index.append(None)
-      continue
-    index.append(len(entries))
-    entry = _entry(lf, lay, sizes, rules_t, axis_names, source)
-    entries.append(entry)
     if lay.adjustments:
-      adjusted.append((entry.path, lay.adjustments))
+      adjusted.append((lf, lay.adjustments))
     if lay.issues:
-      problems.extend(problems_of(entry.path, lf, lay))
+      problems.extend(problems_of(lf.path, lf, lay))
     if lay.unmapped and lf.annotation is not None:  # only annotations map names
-      unmapped.append(
-        Unmapped(
-          entry.path,
-          lay.shape,
-          lf.annotation.names,
-          lay.spec,
-          lay.unmapped,
-          functools.partial(composite_rules, rules_t, lf.annotation.rules),
-        )
-      )
+      unmapped.append(unmapped_record(lf, lay, rules_t))
   problems += report_unmapped(
-    unmapped, axis_names, strict, no_rules=source == SOURCE_NONE
+    unmapped, tuple(mesh.axis_names), strict, no_rules=source == SOURCE_NONE
   )
-  adjustments = [f'{path}: {a}' for path, changes in adjusted for a in changes]
   if adjusted:
     warn_adjustments(adjusted)
   return ShardingPlan(
-    tuple(entries),
-    mesh,
-    rules_t,
-    tuple(problems),
-    tuple(adjustments),
-    index,
-    build,
+    mesh, rules_t, source, tuple(problems), leaves, layouts, adjusted, build
   )
 
 
@@ -531,33 +595,53 @@ def _itemsize(dtype: Any) -> int:
   return int(getattr(dtype, 'itemsize', 0) or 0)
 
 
-def _entry(
-  lf: ann_lib.Leaf,
-  lay: LeafLayout,
-  sizes: tuple[tuple[str, int], ...],
+def _mesh_sizes(mesh: AnyMesh) -> tuple[tuple[str, int], ...]:
+  return tuple(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def _entries(
+  leaves: list[ann_lib.Leaf],
+  layouts: list[LeafLayout],
+  mesh: AnyMesh,
   rules: tuple[tuple[str, Any], ...],
-  axis_names: tuple[str, ...],
   source: str,
-) -> PlanEntry:
-  shape = lay.shape or ()
-  dtype = getattr(lf.value, 'dtype', None)
-  shard = _shard_shape(shape, lay.spec, sizes)
-  ann = lf.annotation
-  names = ann.names if ann is not None and len(ann.names) == len(shape) else None
-  return PlanEntry(
-    lf.path,
-    shape,
-    dtype,
-    names,
-    lay.spec,
-    shard,
-    math.prod(shard) * _itemsize(dtype),
-    lay.adjustments,
-    ann,
-    rules,
-    axis_names,
-    source,
-  )
+) -> tuple[PlanEntry, ...]:
+  """One PlanEntry per array leaf; what does not depend on the path is made
+  once per distinct (layout, dtype, annotation)."""
+  sizes = _mesh_sizes(mesh)
+  axis_names = tuple(mesh.axis_names)
+  arrays = [i for i, lay in enumerate(layouts) if lay.shape is not None]
+  paths = ann_lib.paths_of([leaves[i] for i in arrays])
+  shared: dict[tuple[int, Any, int], tuple[Any, ...]] = {}
+  out = []
+  for path, i in zip(paths, arrays):
+    lf, lay = leaves[i], layouts[i]
+    dtype = getattr(lf.value, 'dtype', None)
+    ann = lf.annotation
+    # The plan keeps layouts and annotations alive, so their ids stay unique.
+    key = (id(lay), dtype, id(ann))
+    fields: tuple[Any, ...] | None = shared.get(key)
+    if fields is None:
+      shape = lay.shape or ()
+      shard = _shard_shape(shape, lay.spec, sizes)
+      names = ann.names if ann is not None and len(ann.names) == len(shape) else None
+      nbytes = math.prod(shard) * _itemsize(dtype)
+      # In PlanEntry's field order, after the path.
+      fields = shared[key] = (
+        shape,
+        dtype,
+        names,
+        lay.spec,
+        shard,
+        nbytes,
+        lay.adjustments,
+        ann,
+        rules,
+        axis_names,
+        source,
+      )
+    out.append(PlanEntry(path, *fields))
+  return tuple(out)
 
 
 @functools.lru_cache(maxsize=16384)

@@ -9,26 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from flax_shardmeta._placement import context_mesh
-
-MLP_RULES = (('batch', 'data'), ('hidden', 'model'), ('embed', None), ('layers', None))
-"""Rules for the notebook MLP over a ('data', 'model') mesh."""
-
-
-LLAMA_RULES = (
-  ('batch', 'data'),
-  ('vocab', 'model'),
-  ('heads', 'model'),
-  ('kv_heads', 'model'),
-  ('mlp', 'model'),
-  ('embed', 'data'),
-  ('head_dim', None),
-  ('length', None),
-  ('layers', None),
-  ('norm', None),
-)
-"""Rules for the Llama models over a ('data', 'model') mesh: tensor parallelism
-over 'model' for heads and MLP, parameters' embed dimension sharded over
-'data' (FSDP)."""
+from flax_shardmeta.examples._names import LLAMA_RULES as LLAMA_RULES  # re-exported
+from flax_shardmeta.examples._names import MLP_RULES as MLP_RULES  # re-exported
+from flax_shardmeta.examples._names import MODEL_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +47,6 @@ LLAMA_CONFIGS = {
   'llama3-405b': LlamaConfig(128256, 16384, 126, 128, 8, 128, 53248),
 }
 """The published Llama-3 / 3.1 shapes."""
-
-MODEL_NAMES = ('mlp', *LLAMA_CONFIGS)
-"""The built-in models: the notebook MLP and the Llama-3 shapes."""
 
 REMAT_POLICIES = ('none', 'full', 'dots')
 """Rematerialisation of each layer: ``'none'`` keeps every activation the
