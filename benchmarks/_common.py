@@ -56,6 +56,14 @@ def alternate(
   starts from a collected heap, so the garbage one candidate leaves is not
   collected (and timed) during the next candidate's run.
   """
+  rounds = alternate_rounds(candidates, repeats, warmup)
+  return {name: statistics.median(t) for name, t in rounds.items()}
+
+
+def alternate_rounds(
+  candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+) -> dict[str, list[float]]:
+  """Like :func:`alternate`, but every run's seconds, in round order."""
   for _ in range(warmup):
     for fn in candidates.values():
       fn()
@@ -66,7 +74,18 @@ def alternate(
       start = time.perf_counter()
       fn()
       times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) for name, t in times.items()}
+  return times
+
+
+def paired_ratio(rounds: dict[str, list[float]], name: str, baseline: str) -> float:
+  """Median over rounds of ``name``'s time over ``baseline``'s in that round.
+
+  Runs of one round are close in time, so they share the machine's load; the
+  median of their ratios is steadier than the ratio of the medians.
+  """
+  return statistics.median(
+    t / b for t, b in zip(rounds[name], rounds[baseline], strict=True)
+  )
 
 
 def write_section(title: str, body: str, path: Path = ROOT / 'BENCHMARKS.md') -> None:

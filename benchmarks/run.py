@@ -11,7 +11,16 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ('speed.py', 'memory.py', 'plan_405b.py', 'fit.py', 'suggest.py')
+SCRIPTS = (
+  'speed.py',
+  'nnx_speed.py',
+  'plan_speed.py',
+  'startup.py',
+  'memory.py',
+  'plan_405b.py',
+  'fit.py',
+  'suggest.py',
+)
 
 
 def main() -> int:

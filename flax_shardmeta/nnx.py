@@ -40,7 +40,9 @@ from typing import Any, TypeVar, cast
 
 import jax
 import jax.core
+import numpy as np
 from flax import nnx
+from flax.nnx import tracers as nnx_tracers
 from jax.experimental.layout import Format
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -231,11 +233,59 @@ def variable_annotation(variable: nnx.Variable[Any]) -> ann_lib.Annotation | Non
     >>> fsm.nnx.variable_annotation(v).keep_mesh_names  # flax's own names
     True
   """
-  metadata = variable.get_metadata()
-  raw = next((metadata[k] for k in NAME_KEYS if metadata.get(k)), None)
+  return _annotation_of(type(variable), variable.get_metadata())
+
+
+_ABSENT = object()
+"""Stands for a metadata key a Variable does not have."""
+
+
+def _annotation_of(kind: type, metadata: dict[str, Any]) -> ann_lib.Annotation | None:
+  """The annotation of a Variable of class ``kind`` with this metadata.
+
+  Models repeat a few annotations thousands of times: one Annotation is made
+  per distinct (class, names, mesh, rules, marker), its names and rules
+  normalised once. Metadata that cannot be hashed is read every time.
+  """
+  get = metadata.get
+  raw = get('out_sharding') or get('sharding_names') or get('sharding') or None
   if raw is None:
     return None
-  mesh = metadata.get('mesh')
+  # type(raw): a PartitionSpec may equal a tuple yet carry reductions. Of an
+  # FsmRules only its rules count, and comparing those is cheaper than it.
+  stored = get('sharding_rules')
+  stored_key = stored.rules if type(stored) is FsmRules else stored
+  key = (kind, type(raw), raw, get('mesh'), type(stored), stored_key)
+  marker = get(FSM_LOGICAL, _ABSENT)
+  try:
+    return _annotation_cached(*key, marker)
+  except TypeError:  # an unhashable entry (e.g. names or rules as lists)
+    return _make_annotation(*key, marker)
+
+
+@functools.lru_cache(maxsize=65536)
+def _annotation_cached(
+  kind: type,
+  raw_type: type,
+  raw: Any,
+  mesh: Any,
+  stored_type: type,
+  stored_key: Any,
+  marker: Any,
+) -> ann_lib.Annotation:
+  return _make_annotation(kind, raw_type, raw, mesh, stored_type, stored_key, marker)
+
+
+def _make_annotation(
+  kind: type,
+  raw_type: type,
+  raw: Any,
+  mesh: Any,
+  stored_type: type,
+  stored_key: Any,
+  marker: Any,
+) -> ann_lib.Annotation:
+  del raw_type  # part of the cache key only
   if isinstance(raw, Format):  # a layout with its sharding: the sharding counts
     raw = raw.sharding
   if isinstance(raw, NamedSharding):  # flax also accepts full shardings
@@ -243,12 +293,12 @@ def variable_annotation(variable: nnx.Variable[Any]) -> ann_lib.Annotation | Non
     raw = raw.spec
   reductions = reductions_of(raw)
   names = as_names(spec_entries(raw) if isinstance(raw, PartitionSpec) else raw)
-  rules = local_rules_of(metadata.get('sharding_rules'))
-  is_optimizer = isinstance(variable, nnx.OptState)
-  if FSM_LOGICAL in metadata:
+  rules = stored_key if stored_type is FsmRules else local_rules_of(stored_key)
+  is_optimizer = issubclass(kind, nnx.OptState)
+  if marker is not _ABSENT:
     return ann_lib.Annotation(
       names,
-      bool(metadata[FSM_LOGICAL]),
+      bool(marker),
       rules,
       mesh,
       optimizer_state=is_optimizer,
@@ -266,16 +316,93 @@ def variable_annotation(variable: nnx.Variable[Any]) -> ann_lib.Annotation | Non
   )
 
 
+# Reading and rebuilding Variables is most of the work of fsm.get_sharding on
+# NNX state, so the common case skips flax's public accessors, which copy the
+# metadata and map the value each time: a Variable of a class that reads and
+# copies as nnx.Variable does, holding a plain array (no Ref, no tracer) and no
+# get-value hooks, is read from its fields; its result Variable gets the
+# fields ``variable.replace`` gives it (as ``nnx.Variable._new`` sets them: the
+# result, one copy of the metadata, a TraceState of the current trace, here
+# shared by the Variables made under that trace). Everything else goes through
+# flax's methods.
+
+_VARIABLE_METHODS = ('get_value', 'copy', 'replace', 'from_metadata', '_new')
+_VARIABLE_SLOTS = ('_raw_value', '_trace_state', '_var_metadata')
+"""The fields ``nnx.Variable._new`` sets (flax 0.12.8 to 0.12.12)."""
+
+
+@functools.cache
+def _direct_class(kind: type) -> bool:
+  """Whether ``kind`` reads and copies exactly as ``nnx.Variable`` does."""
+  return tuple(getattr(nnx.Variable, '__slots__', ())) == _VARIABLE_SLOTS and all(
+    next((k for k in kind.__mro__ if name in vars(k)), None) is nnx.Variable
+    for name in _VARIABLE_METHODS
+  )
+
+
+_plain_values: dict[type, bool] = {}
+"""Per value class: ``get_value`` returns such a value itself (a pytree leaf
+that is never a Ref: ShapeDtypeStruct, numpy and concrete jax arrays)."""
+
+
+def _plain_value(kind: type) -> bool:
+  plain = _plain_values.get(kind)
+  if plain is None:
+    plain = _plain_values[kind] = (
+      kind is jax.ShapeDtypeStruct
+      or issubclass(kind, np.ndarray)
+      # jax's concrete array class (jaxlib's, or jax's own Python one)
+      or (kind.__name__ == 'ArrayImpl' and issubclass(kind, jax.Array))
+    )
+  return plain
+
+
+_last_trace_state: list[Any] = [None]
+
+
+def _trace_state() -> Any:
+  """A TraceState of the current jax trace, shared by the Variables made under
+  it: one never changes once made, and flax compares them by their trace.
+  (Three objects fewer per Variable for the garbage collector to walk.)"""
+  current = nnx_tracers.current_jax_trace()
+  state = _last_trace_state[0]
+  if state is None or state.jax_trace != current:
+    state = _last_trace_state[0] = nnx_tracers.TraceState()
+  return state
+
+
 def _read_variable(
   variable: nnx.Variable[Any],
 ) -> tuple[Any, ann_lib.Annotation | None]:
+  kind = type(variable)
+  if _direct_class(kind):
+    metadata = variable._var_metadata
+    value = variable._raw_value
+    if 'on_get_value' in metadata or not _plain_value(type(value)):
+      value = variable.get_value()
+    return value, _annotation_of(kind, metadata)
   return variable.get_value(), variable_annotation(variable)
 
 
 def _rebuild_variable(variable: nnx.Variable[Any], result: Any) -> Any:
   # Results stay inside a Variable of the same type and metadata, so the output
   # has exactly the structure of nnx.state(...) (jit's out_shardings needs it).
+  kind = type(variable)
+  if _direct_class(kind) and type(result) in _LEAF_RESULTS:
+    metadata = variable._var_metadata
+    # replace() wraps the result of a ref=True Variable in a Ref and makes
+    # hijax Variables: those are left to it.
+    if not (metadata.get('hijax', True) or metadata.get('ref', True)):
+      out = object.__new__(kind)
+      object.__setattr__(out, '_trace_state', _trace_state())
+      object.__setattr__(out, '_var_metadata', dict(metadata))
+      object.__setattr__(out, '_raw_value', result)
+      return out
   return variable.replace(result)
+
+
+_LEAF_RESULTS = frozenset({NamedSharding, PartitionSpec, type(None)})
+"""Results ``variable.replace`` keeps as they are (pytree leaves, not Refs)."""
 
 
 ann_lib.register_annotation_type(nnx.Variable, _read_variable, _rebuild_variable)
