@@ -146,12 +146,12 @@ def report(
       '| step | seconds | share |',
       '| --- | --- | --- |',
       *(
-        f'| {name} | {sec:.2f} | {sec / sum(steps):.0%} |'
+        f'| {name} | {sec:.3f} | {sec / sum(steps):.1%} |'
         for name, sec in zip(PHASES, steps)
       ),
       '',
       "flax_shardmeta's own work is the last two rows: "
-      f'{(steps[2] + steps[3]) / sum(steps):.0%} of the steps. Layouts are '
+      f'{(steps[2] + steps[3]) / sum(steps):.1%} of the steps. Layouts are '
       'cached per distinct pattern, entries and explanations made when read; '
       'the rest is importing jax and flax and tracing the example model.',
       '',
