@@ -56,9 +56,10 @@ def _run(name: str, timeout: int = 300) -> list[str]:
       if out.output_type == 'stream':
         text.append(out.text)
       elif 'data' in out:
-        text.append(out.data.get('text/plain', ''))
+        # Each display on its own line, as a notebook shows it.
+        text.append(out.data.get('text/plain', '') + '\n')
         if 'image/png' in out.data:
-          text.append('<image/png>')
+          text.append('<image/png>\n')
     outputs.append(''.join(text))
   _check_line_lengths(name, outputs)
   return outputs
