@@ -42,23 +42,11 @@ from _common import (  # noqa: E402
 from flax import nnx  # noqa: E402
 from flax.core import spmd as flax_spmd  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
+from speed import PATTERNS, RULES  # noqa: E402  (the same trees as speed.py)
 
 import flax_shardmeta as fsm  # noqa: E402
 
 SECTION = '## Speed: get_sharding on NNX state'
-RULES = (
-  ('batch', 'data'),
-  ('embed', None),
-  ('mlp', 'model'),
-  ('heads', 'model'),
-  ('kv', None),
-)
-PATTERNS = (
-  ((512, 2048), ('embed', 'mlp')),
-  ((2048, 512), ('mlp', 'embed')),
-  ((512, 8, 64), ('embed', 'heads', 'kv')),
-  ((512,), ('embed',)),
-)
 SIZES = (2_000, 20_000, 200_000)
 TARGET = 0.5
 """At most this ratio to flax at 20,000 and 200,000 Variables."""
