@@ -3,7 +3,9 @@
 #                 pinned by .ci/floor.txt (`make demo`, `make test`, `make test-slow`);
 #   .venv-latest  the newest Python on the machine (.ci/newest-python) with the
 #                 newest jax / flax the index serves for it (`make test-latest`).
-# An extra for one stack is one word in its *_EXTRAS line.
+# An extra for one stack is one word in its *_EXTRAS line. Both carry the tpu
+# extra (libtpu, for TPU topologies); dev/quiet_libtpu.pth keeps libtpu quiet in
+# the venv's scripts off a TPU VM (see dev/README.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -19,16 +21,18 @@ LATEST_EXTRAS := test,notebooks,tpu
 
 .PHONY: demo test test-slow test-latest lint bench versions clean
 
-$(STAMP): pyproject.toml .ci/floor.txt
+$(STAMP): pyproject.toml .ci/floor.txt dev/quiet_libtpu.pth
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c .ci/floor.txt -e '.[$(FLOOR_EXTRAS)]'
+	$(BIN)/python dev/install_pth.py
 	touch $(STAMP)
 
-$(LATEST_STAMP): pyproject.toml
+$(LATEST_STAMP): pyproject.toml dev/quiet_libtpu.pth
 	$(LATEST_PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_BIN)/pip install --quiet --upgrade pip
 	$(LATEST_BIN)/pip install --quiet --upgrade --upgrade-strategy eager -e '.[$(LATEST_EXTRAS)]'
+	$(LATEST_BIN)/python dev/install_pth.py
 	touch $(LATEST_STAMP)
 
 demo: $(STAMP)

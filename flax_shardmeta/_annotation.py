@@ -423,6 +423,11 @@ def walk(
       leaves.extend(sub_leaves)
     else:
       value, ann = c.read(x)
+      if not _is_leaf_value(value):
+        sub_leaves, sub_build = _walk_value(value, ann, c, x, paths, i, every_path)
+        fixups.append((len(leaves), (len(sub_leaves), sub_build)))
+        leaves.extend(sub_leaves)
+        continue
       if c.rebuild is not None:
         fixups.append((len(leaves), (c.rebuild, x)))
       leaves.append(Leaf(paths, i, x, value, ann))
@@ -447,6 +452,48 @@ def walk(
     return jax.tree_util.tree_unflatten(treedef, out)
 
   return leaves, build
+
+
+_leaf_value_types: dict[type, bool] = {}
+"""Per value class: whether an annotated leaf holding it is one array (or a
+scalar, None...) rather than a tree of values (a dict, another Variable)."""
+
+
+def _is_leaf_value(value: Any) -> bool:
+  t = type(value)
+  known = _leaf_value_types.get(t)
+  if known is None:
+    known = _classify(t) is None and (
+      (hasattr(value, 'shape') and hasattr(value, 'dtype'))
+      or jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
+    )
+    if t is not type(None):
+      _leaf_value_types[t] = known
+  return known
+
+
+def _walk_value(
+  value: Any,
+  ann: Annotation | None,
+  entry: _Entry,
+  leaf: Any,
+  paths: _KeyPaths,
+  index: int,
+  every_path: bool,
+):
+  """An annotated leaf whose value is a tree (an NNX Variable holding a dict
+  or another Variable): each array in it takes the leaf's annotation unless it
+  carries its own, and the results go back into the leaf as a tree."""
+  sub_leaves, sub_build = walk(value, every_path)
+  outer = _Prefix(paths, index)
+  for lf in sub_leaves:
+    if lf.annotation is None:
+      lf.annotation = ann
+    lf._prefix = _JoinedPrefix(outer, lf._prefix) if lf._prefix else outer
+  if entry.rebuild is None:
+    return sub_leaves, sub_build
+  rebuild_leaf = entry.rebuild
+  return sub_leaves, lambda results: rebuild_leaf(leaf, sub_build(results))
 
 
 class _Prefix:

@@ -13,8 +13,11 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import jax
+import jax.core
+import numpy as np
 from flax.core import meta
 from flax.core import spmd as flax_core_spmd
+from flax.linen import spmd as flax_linen_spmd
 from jax.sharding import PartitionSpec
 
 from flax_shardmeta._errors import (
@@ -42,6 +45,7 @@ from flax_shardmeta._typing import (
 from flax_shardmeta._validate import rank_issue
 
 A = TypeVar('A')
+B = TypeVar('B', bound='Partitioned[Any]')
 
 PARTITION_NAME = 'partition_name'
 """Key of ``metadata_params`` (``nn.scan``/``nn.vmap``) holding the name of the
@@ -60,7 +64,9 @@ class Partitioned(meta.AxisMetadata[A], Generic[A]):
     ('layers', None, 'model')
   """
 
-  __slots__ = ('value', 'names', 'mesh')
+  # `_reshaping` is set only on a box an initializer made around a value of
+  # another rank than its names (see `reshaping`); unset everywhere else.
+  __slots__ = ('value', 'names', 'mesh', '_reshaping')
 
   def __init__(self, value: A, names: LogicalNames, mesh: AnyMesh | None = None):
     self.value = value
@@ -71,13 +77,22 @@ class Partitioned(meta.AxisMetadata[A], Generic[A]):
 
   def unbox(self, apply_constraint: bool = True) -> A:
     """Returns the value; with a mesh (own or context) it is constrained to the
-    annotated layout first."""
-    if not apply_constraint:
+    annotated layout first.
+
+    A box fresh from an initializer whose value has another rank than its
+    names (``nn.DenseGeneral`` asks for the kernel flattened to 2-D, then
+    reshapes it and puts it back with ``replace_boxed``) is unboxed as it is
+    until then: its names describe the final shape, whose rank is checked
+    wherever it is laid out.
+    """
+    if not apply_constraint or getattr(self, '_reshaping', False):
       return self.value
     return constrain_box(self)
 
   def replace_boxed(self, val: Any) -> Partitioned[Any]:
     """A box with the same metadata around ``val``."""
+    if getattr(self, '_reshaping', False):
+      object.__setattr__(self, '_reshaping', False)  # the reshape is done
     return self._with(value=val)
 
   def add_axis(self, index: int, params: dict[Any, Any]) -> Partitioned[A]:
@@ -156,12 +171,11 @@ class Partitioned(meta.AxisMetadata[A], Generic[A]):
     return new
 
   def __eq__(self, other: object) -> bool:
+    # As flax's boxes (dataclasses): equal type, metadata and value. So
+    # `jax.tree.map(jnp.shape, boxed) == {... expected boxes ...}` works.
     if type(other) is not type(self):
       return NotImplemented
-    same_value = self.value is other.value or (
-      isinstance(self.value, jax.ShapeDtypeStruct) and self.value == other.value
-    )
-    return same_value and self._static() == other._static()
+    return self._static() == other._static() and values_equal(self.value, other.value)
 
   __hash__ = None  # type: ignore[assignment]
 
@@ -329,12 +343,56 @@ def local_rules_of(stored: Any) -> tuple[tuple[str, Any], ...] | None:
   return normalize_rules(stored) if stored else None
 
 
+def values_equal(a: Any, b: Any) -> bool:
+  """Whether two boxed values are equal: by ``==`` for plain values (shapes,
+  ``ShapeDtypeStruct``s), element by element for concrete arrays; a traced
+  value equals only itself (its elements are not known)."""
+  if a is b:
+    return True
+  if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+    return False
+  if (
+    hasattr(a, 'shape')
+    and hasattr(a, 'dtype')
+    and not isinstance(a, jax.ShapeDtypeStruct)
+  ):
+    if not (hasattr(b, 'shape') and hasattr(b, 'dtype')):
+      return False
+    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+      return False
+    try:
+      return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    except (TypeError, RuntimeError):  # e.g. not fully addressable here
+      return False
+  try:
+    return bool(a == b)
+  except (TypeError, ValueError):  # no truth value: compare structure instead
+    return False
+
+
 @functools.cache
 def _all_slots(cls: type) -> tuple[str, ...]:
+  """The fields a copy of a box carries over (not the one-shot reshape mark)."""
   slots: list[str] = []
   for klass in reversed(cls.__mro__):
-    slots.extend(getattr(klass, '__slots__', ()))
+    slots.extend(s for s in getattr(klass, '__slots__', ()) if s != '_reshaping')
   return tuple(dict.fromkeys(slots))
+
+
+def reshaping(box: B) -> B:
+  """Marks a box just made by an initializer, if its value's rank differs
+  from its names.
+
+  flax's layers that reshape kernels (``nn.DenseGeneral``,
+  ``nn.MultiHeadDotProductAttention``) call the initializer with a flattened
+  shape, unbox the result, reshape it and ``replace_boxed`` it. Until that
+  ``replace_boxed``, the marked box unboxes unconstrained; the box it makes
+  (and any copy, e.g. through a jax transform) is an ordinary box again.
+  """
+  shape = getattr(box.value, 'shape', None)
+  if shape is not None and len(shape) != len(box.names):
+    object.__setattr__(box, '_reshaping', True)
+  return box
 
 
 def as_names(names: Any) -> tuple[Any, ...]:
@@ -372,6 +430,13 @@ for _cls in (Partitioned, LogicalPartitioned):
   jax.tree_util.register_pytree_with_keys(
     _cls, _flatten_with_keys, _unflatten, _flatten
   )
+
+# flax's own code recognises its boxes by class: Module.tabulate shows a
+# Partitioned value with its names, and would otherwise meet an fsm box it
+# cannot print. fsm's boxes have the same fields (value, names, mesh) and
+# methods, so they are registered as virtual subclasses of flax's.
+meta.Partitioned.register(Partitioned)
+flax_linen_spmd.LogicallyPartitioned.register(LogicalPartitioned)
 
 
 def constrain_box(box: Partitioned[Any]) -> Any:
@@ -423,7 +488,7 @@ def with_partitioning(
   @functools.wraps(init_fn)
   def wrapper(*args: Any, **kwargs: Any) -> Partitioned[Any]:
     value = generate(init_fn, args, kwargs, names, mesh)
-    return Partitioned(value, names, mesh=mesh)
+    return reshaping(Partitioned(value, names, mesh=mesh))
 
   return wrapper
 
@@ -447,7 +512,7 @@ def with_logical_partitioning(
   @functools.wraps(init_fn)
   def wrapper(*args: Any, **kwargs: Any) -> LogicalPartitioned[Any]:
     value = generate(init_fn, args, kwargs, names, mesh, logical=True, rules=rules)
-    return LogicalPartitioned(value, names, mesh=mesh, rules=rules)
+    return reshaping(LogicalPartitioned(value, names, mesh=mesh, rules=rules))
 
   return wrapper
 

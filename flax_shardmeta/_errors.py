@@ -269,6 +269,19 @@ class FitError(FlaxShardmetaError):
   """
 
 
+class NnxJitError(FlaxShardmetaError):
+  """Raised when ``fsm.jit`` is used with NNX graph nodes in a way it cannot
+  carry their updates: a module the function closes over (pass it as an
+  argument instead), a graph node nested in another argument, or static or
+  sharded graph-node arguments. The message shows the pattern that works.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> issubclass(fsm.NnxJitError, ValueError)
+    True
+  """
+
+
 class ExplicitShardingError(FlaxShardmetaError):
   """Raised when jax cannot type an operation's sharding on Explicit mesh axes.
 

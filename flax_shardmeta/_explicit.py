@@ -19,7 +19,6 @@ import contextlib
 import linecache
 import os
 import sys
-import sysconfig
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +27,7 @@ import jax
 from jax.sharding import AxisType, PartitionSpec
 
 from flax_shardmeta._errors import ExplicitShardingError
+from flax_shardmeta._frames import in_dirs, jax_dirs, library_dirs
 from flax_shardmeta._placement import context_mesh
 from flax_shardmeta._rules import logical_to_mesh_axes
 from flax_shardmeta._specs import mesh_axes_of
@@ -173,7 +173,7 @@ def _explained(
   op_frame = frames[outside_jax[-1]] if outside_jax else None
   if primitive is None and outside_jax and outside_jax[-1] + 1 < len(frames):
     primitive = frames[outside_jax[-1] + 1][0].f_code.co_name  # the jax function
-  user_frame = next((f for f in reversed(frames) if not _in(f, _library_dirs())), None)
+  user_frame = next((f for f in reversed(frames) if not _in(f, library_dirs())), None)
   source = _where(op_frame) if op_frame is not None else '<unknown>'
   if not operands and op_frame is not None:
     operands = _local_arrays(op_frame[0])
@@ -229,27 +229,11 @@ def _frames(tb: types.TracebackType | None) -> list[_Frame]:
   return out
 
 
-def _package_dir(name: str) -> str | None:
-  module = sys.modules.get(name)
-  file = getattr(module, '__file__', None)
-  return os.path.dirname(file) + os.sep if file else None
-
-
-_JAX_DIRS = tuple(d for d in (_package_dir('jax'), _package_dir('jaxlib')) if d)
-
-
-def _library_dirs() -> tuple[str, ...]:
-  """Where frames are not the user's: jax, flax, optax, this package, Python."""
-  dirs = [*_JAX_DIRS, sysconfig.get_paths()['stdlib'] + os.sep]
-  dirs += [d for d in map(_package_dir, ('flax', 'optax', 'flax_shardmeta')) if d]
-  return tuple(dirs)
+_JAX_DIRS = jax_dirs()
 
 
 def _in(frame: _Frame, dirs: tuple[str, ...]) -> bool:
-  file = frame[0].f_code.co_filename
-  if os.sep + 'flax_shardmeta' + os.sep + 'examples' + os.sep in file:
-    return False  # the example models are user code
-  return file.startswith(dirs) or file.startswith('<frozen')
+  return in_dirs(frame[0].f_code.co_filename, dirs)
 
 
 def _where(frame: _Frame) -> str:

@@ -1,8 +1,9 @@
 """Generating parameters where they live: each device makes only its own shards.
 
 Initializers run under ``jit`` (eagerly) or ``auto_axes`` (under Explicit axes)
-with the target sharding; large elementwise ones go chunk by chunk through
-``_windowed``.
+with the target sharding; eagerly, sharded and large ones go through
+``_windowed`` (whole on every device when small, chunk by chunk when large) so
+that their values are the unsharded initializer's, bit for bit.
 """
 
 from __future__ import annotations
@@ -45,9 +46,16 @@ def generate(
   any mesh, the initializer would build the whole parameter on one device
   before it is split. Here the initializer runs under ``jit`` (when eager)
   and ``auto_axes`` (when Explicit) with the target sharding, so jax's
-  partitionable RNG generates each shard where it lives. Values are the same.
-  Inside a trace on an Auto mesh nothing is needed: the box's constraint
-  propagates back into the initializer.
+  partitionable RNG generates each shard where it lives. Inside a trace on an
+  Auto mesh nothing is needed: the box's constraint propagates back into the
+  initializer.
+
+  Values, eagerly: those of the initializer run unsharded under ``jit``, bit
+  for bit. A sharded parameter of at most a chunk is computed whole on every
+  device, which keeps its shard; a larger elementwise one in loops shaped as
+  the unsharded one's (the exceptions are ``sharded_init``'s). Inside the
+  caller's own trace, XLA partitions the initializer with the rest of the
+  program, and the last bit can differ.
   """
   mesh = mesh if mesh is not None else context_mesh()
   if mesh is None or manual_axes(mesh):
@@ -142,14 +150,42 @@ def _eager_generator(call, avals, mesh, spec, explicit):
   sharding = NamedSharding(mesh, spec)
   closed = jax.make_jaxpr(lambda *a: [call(*a)])(*avals)
   out = closed.out_avals[0]
-  local = math.prod(sharding.shard_shape(out.shape)) * out.dtype.itemsize
-  w = windowed.analyse(closed, None, 0) if local > windowed.CHUNK_BYTES else None
-  if w is not None:
-    # Large parameter: each device fills its shard chunk by chunk.
-    return jax.jit(
-      lambda *a: windowed.generate_sharded(w, list(a), sharding, out.dtype),
+  plan = _windowed_plan(closed, sharding)
+  if plan is not None:
+    w, how = plan
+    generator = jax.jit(
+      lambda *a: windowed.generate_sharded(w, list(a), sharding, out.dtype, how=how),
       out_shardings=sharding,
     )
+    return generator
   if explicit:
     call = jax.sharding.auto_axes(call, out_sharding=spec)
   return jax.jit(call, out_shardings=sharding)
+
+
+def _windowed_plan(
+  closed: Any, sharding: NamedSharding
+) -> tuple[windowed.WindowedOutput, windowed.Generation] | None:
+  """How an initializer's output is made from its windows; None: as XLA
+  partitions it."""
+  out = closed.out_avals[0]
+  shape = tuple(out.shape)
+  local = math.prod(sharding.shard_shape(shape)) * out.dtype.itemsize
+  if local > windowed.CHUNK_BYTES:
+    w = windowed.analyse(closed, None, 0)
+    # Large: each device fills its shard chunk by chunk.
+    return None if w is None else (w, 'chunks')
+  if sharding.shard_shape(shape) == shape:
+    return None
+  # Small and sharded: partitioned by XLA, its loops might not compute the
+  # unsharded values (see windowed.in_one_piece). Each way is dry-run: made
+  # whole, an initializer need not be elementwise.
+  w = windowed.analyse(closed, None, 0, check=False)
+  if w is None:
+    return None
+  how = windowed.in_one_piece(w, sharding, out.dtype.itemsize, windowed.CHUNK_BYTES)
+  if how == 'whole' and windowed.can_be_made_whole(w):
+    return w, how
+  if how == 'shard' and (w := windowed.analyse(closed, None, 0)) is not None:
+    return w, how
+  return None

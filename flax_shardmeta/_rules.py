@@ -346,6 +346,21 @@ def _composite(g, loc):
 # ------------------------------------------------------------------------------
 
 
+class Explanation(tuple):
+  """Per-dimension explanations: a tuple, printed one dimension per line.
+
+  Example:
+    >>> print(Explanation(['dim 0: replicated', 'dim 1: model']))
+    dim 0: replicated
+    dim 1: model
+  """
+
+  __slots__ = ()
+
+  def __str__(self) -> str:
+    return '\n'.join(str(x) for x in self)
+
+
 @dataclasses.dataclass(frozen=True)
 class RuleStep:
   """What one rule did to one dimension during resolution."""
@@ -552,8 +567,10 @@ def explain(
   *,
   local_rules: LogicalRules | None = None,
   source: str | None = None,
-) -> tuple[DimExplanation, ...]:
+) -> Explanation:
   """Per-dimension account of which rule gave the mesh axes and which were skipped.
+
+  The result is a tuple of :class:`DimExplanation`, printed one per line.
 
   The same loop as :func:`resolve`, recording each rule's effect, so the
   explanation always agrees with the resolution. With ``rules=None`` the
@@ -599,7 +616,7 @@ def explain(
     ]
     for dim in steps
   ]
-  return tuple(
+  return Explanation(
     DimExplanation(n, m, tuple(st), no_rules=not all_rules and source == SOURCE_NONE)
     for n, m, st in zip(names, unassigned_to_none(result), sourced)
   )

@@ -10,7 +10,8 @@ doubles, whether the model is a few large matrices or many small ones.
 holds at most a few chunks: plain generation for a small model, otherwise one
 program in which every parameter that allows it is filled chunk by chunk on
 each device (see :mod:`flax_shardmeta._windowed`), so temporaries stay a small,
-fixed size.
+fixed size. Either way, sharded parameters are made so that their values
+are the unsharded init's, bit for bit (see :func:`sharded_init`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 CHUNK_BYTES = windowed.CHUNK_BYTES
 Program = tuple[jax.stages.Lowered, jax.stages.Compiled]
 """A program of the init, lowered and compiled."""
+Plans = dict[int, windowed.WindowedOutput]
+"""Outputs (by flat index) that can be generated from their windows, with
+their evaluators."""
+Plan = tuple[windowed.WindowedOutput, windowed.Generation]
+"""An output's evaluator and how each device makes its shard from it."""
 _WORST_BYTES_PER_ELEMENT = 16
 """Temporaries of plain generation per element when every generator runs at
 once: jax's threefry holds two 32-bit words per element, its bits and the
@@ -113,15 +119,50 @@ class ShardedInit:
     shardings = _per_array_leaf(init_out, _all_auto(self.mesh), self.rules)
     dtypes = [a.dtype for a in out_tree]
 
-    def compile_program(plans: dict[int, windowed.WindowedOutput]) -> Program:
+    def compile_program(plans: dict[int, Plan]) -> Program:
       program = _program(closed, plans, shardings, dtypes, self.chunk_bytes)
       with self._context():
         lowered = jax.jit(program, out_shardings=shardings).lower(*arrays)
       return lowered, lowered.compile()
 
+    graph: list[windowed._Graph] = []  # built once, when first needed
+    analysed: dict[tuple[int, bool], windowed.WindowedOutput | None] = {}
+
+    def windowable(indices: list[int], checked: bool = True) -> Plans:
+      # Those of the outputs `indices` that can be computed window by window,
+      # with their evaluators, each analysed once; `checked`: after a dry run.
+      if indices and not graph:
+        graph.append(windowed._Graph(closed))
+      plans = {}
+      for i in indices:
+        key = (i, True) if (i, True) in analysed else (i, checked)
+        if key not in analysed:
+          analysed[key] = windowed.analyse(closed, graph[0], i, checked)
+        if (w := analysed[key]) is not None:
+          plans[i] = w
+      return plans
+
+    def compile_plain() -> Program:
+      # Plain generation, except sharded parameters XLA's partitioning would
+      # not give the unsharded values of: those are made on each device from
+      # their windows, in one piece (see windowed.in_one_piece). No dry run:
+      # the program's own trace is one (see _program).
+      sharded = [i for i, s in enumerate(shardings) if not s.is_fully_replicated]
+      plans = {}
+      for i, w in windowable(sharded, checked=False).items():
+        how = windowed.in_one_piece(
+          w, shardings[i], dtypes[i].itemsize, self.chunk_bytes
+        )
+        if how is not None:
+          plans[i] = (w, how)
+      return compile_program(plans)
+
     def compile_chunked() -> Program | None:
-      plans = _windowed_outputs(closed, len(out_tree))
-      return compile_program(plans) if plans else None  # None: nothing to chunk
+      plans = windowable(list(range(len(out_tree))))
+      # None: nothing to chunk
+      if not plans:
+        return None
+      return compile_program({i: (w, 'chunks') for i, w in plans.items()})
 
     # The programs decide, not the parameters' sizes: XLA runs the generators
     # of independent parameters side by side, so many small shards can hold as
@@ -135,13 +176,13 @@ class ShardedInit:
       for a, s in zip(out_tree, shardings)
     )
     plain_first = worst <= budget
-    chosen = compile_program({}) if plain_first else compile_chunked()
+    chosen = compile_plain() if plain_first else compile_chunked()
     if chosen is None:
-      return (*compile_program({}), arrays, out_treedef)
+      return (*compile_plain(), arrays, out_treedef)
     held = program_memory(chosen[1])
     if held is not None and held.temporaries > budget:
       # More than a few chunks: the other program may hold less.
-      other = compile_chunked() if plain_first else compile_program({})
+      other = compile_chunked() if plain_first else compile_plain()
       other_held = None if other is None else program_memory(other[1])
       if other is not None and other_held is not None:
         if other_held.temporaries < held.temporaries:
@@ -160,33 +201,35 @@ class ShardedInit:
     return jax.tree_util.tree_unflatten(out_treedef, outs)
 
 
-def _windowed_outputs(closed: Any, n: int) -> dict[int, windowed.WindowedOutput]:
-  """The outputs that can be computed window by window, with their evaluators."""
-  graph = windowed._Graph(closed)
-  plans = {}
-  for i in range(n):
-    w = windowed.analyse(closed, graph, i)
-    if w is not None:
-      plans[i] = w
-  return plans
-
-
 def _program(
   closed: Any,
-  plans: dict[int, windowed.WindowedOutput],
+  plans: dict[int, Plan],
   shardings: list[Any],
   dtypes: list[Any],
   chunk_bytes: int,
 ) -> Callable[..., list[Any]]:
-  """The init as one function; the outputs in ``plans`` are made chunk by chunk."""
+  """The init as one function; the outputs in ``plans`` are made on each
+  device from their windows, as their plans say."""
 
   def program(*arrays: Any) -> list[Any]:
     outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
-    for i, w in plans.items():
-      # The plain result of output i goes unused, so XLA drops it.
-      outs[i] = windowed.generate_sharded(
-        w, list(arrays), shardings[i], dtypes[i], chunk_bytes, buffer_fill=i + 1
-      )
+    for i, (w, how) in plans.items():
+      try:
+        # The plain result of output i goes unused, so XLA drops it.
+        outs[i] = windowed.generate_sharded(
+          w,
+          list(arrays),
+          shardings[i],
+          dtypes[i],
+          chunk_bytes,
+          buffer_fill=i + 1,
+          how=how,
+        )
+      except Exception:  # noqa: BLE001
+        if how == 'chunks':
+          raise  # dry-run already (windowed.analyse)
+        # Not dry-run (a small model's program, where a dry run per output
+        # costs as much host memory as the rest): XLA partitions it instead.
     return outs
 
   return program
@@ -208,8 +251,23 @@ def sharded_init(
   otherwise one in which parameters are filled chunk by chunk on each device,
   whatever their size. So no device holds more than its shards plus a few
   chunk-sized temporaries (initializers that cannot be computed chunk by
-  chunk, such as orthogonal, are generated whole). Values equal ``init_fn``'s (up to
-  floating-point rounding of the last bit in a few initializers).
+  chunk, such as orthogonal, are generated whole).
+
+  Values are bit-identical to those of ``jax.jit(init_fn)`` run unsharded on
+  the same arguments, whatever the mesh or layout. XLA may round an element's
+  last bit according to the shape of the loop computing it, so sharded
+  parameters are not left to XLA's partitioning: in a program without chunks,
+  each device computes every sharded parameter of at most ``chunk_bytes``
+  whole, by the init's own operations, and keeps its shard; any other
+  parameter whose initializer is elementwise in its random bits (normal,
+  truncated normal, uniform, variance scaling; stacked ``nn.scan`` layers
+  too) is computed in loops whose last dimension is the parameter's, as in
+  the unsharded program. Not bit-identical, in the last bit only: in a
+  program with chunks, a parameter whose last dimension has only a few
+  elements (3 to 6 on XLA:CPU today, where the loop's number of rows matters
+  too); and a parameter neither made whole nor elementwise (orthogonal in a
+  program with chunks or beyond ``chunk_bytes``; a non-threefry key), which
+  has the values of ``jax.jit(init_fn, out_shardings=...)``.
 
   Args:
     init_fn: e.g. ``model.init`` or a function building a TrainState.

@@ -109,14 +109,15 @@ def _check(
 
 def rank_issue(n_names: int, ndim: int) -> Issue:
   """The problem of an annotation whose length is not the value's rank."""
-  return (
-    f'{n_names} names for a rank-{ndim} array',
-    'give exactly one name per dimension (None for a replicated one); if a '
-    'transform such as nn.scan/nnx.vmap added an axis, pass '
-    "metadata_params={fsm.PARTITION_NAME: 'layers'} (Linen) or "
-    "transform_metadata={nnx.PARTITION_NAME: 'layers'} (NNX)",
-    (),
-  )
+  hint = 'give exactly one name per dimension (None for a replicated one)'
+  if n_names < ndim:
+    # Fewer names than dimensions: typically the axis a transform stacked.
+    hint += (
+      '; if a transform such as nn.scan/nnx.vmap added an axis, pass '
+      "metadata_params={fsm.PARTITION_NAME: 'layers'} (Linen) or "
+      "transform_metadata={nnx.PARTITION_NAME: 'layers'} (NNX)"
+    )
+  return (f'{n_names} names for a rank-{ndim} array', hint, ())
 
 
 def fit_spec(

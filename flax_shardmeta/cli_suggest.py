@@ -4,136 +4,97 @@ Splits the topology's chips over each rule preset's mesh axes, tries each remat
 policy, rejects what cannot work from the plan alone (shapes that do not
 divide, a state that cannot fit), compiles the most promising candidates with
 libtpu and ranks them: those that fit first, then by estimated step time, then
-by headroom. Built-in models use Auto mesh axes.
+by headroom.
+
+* ``--model NAME`` uses a built-in model (Auto mesh axes).
+* ``--module PKG.MOD:FACTORY`` uses your own step: the factory returns ``(step,
+  *abstract_args)`` as for ``fit`` and is called for each candidate, under its
+  mesh and preset rules (first on an abstract mesh, for the plan). It gets the
+  candidate's ``remat`` when it has that parameter (without one, only the
+  factory's own layout is tried, shown as remat none). A step not from
+  ``fsm.jit`` is bound to the candidate's mesh and rules with ``fsm.jit``.
+  Throughput counts ``--seq`` tokens per example (1 without ``--seq``).
 
 Presets: fsdp, fsdp+tp, tp, t5x-1d, t5x-2d, ep, or a TOML / JSON file of your
 own (``[presets.NAME] axes = [...]; rules = [[name, target], ...]``).
 
 Exit codes: 0 something fits, 1 nothing fits (the closest candidate and its
-shortfall are printed), 2 bad arguments (one line on stderr).
+shortfall are printed), 2 bad arguments or a failing factory (one line on
+stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import tomllib
 from typing import Any
 
+from flax_shardmeta import cli_common as common
+from flax_shardmeta.cli_factory import CONTRACT, Factory
 
-def add_parser(sub: Any, builtin_models: tuple[str, ...]) -> argparse.ArgumentParser:
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
   """Adds the ``suggest`` subcommand to the CLI's subparsers."""
-  p = sub.add_parser(
+  p = common.add_command(
+    sub,
     'suggest',
     help='search meshes, rule presets and remat for the best layout on a pod',
     description='Rank the layouts of a model on a TPU pod by what fits and how fast.',
-    epilog=(__doc__ or '').split('\n\n', 1)[1],
-    formatter_class=argparse.RawDescriptionHelpFormatter,
+    epilog=(__doc__ or '').split('\n\n', 1)[1] + '\n\n' + CONTRACT,
   )
-  p.add_argument(
-    '--model', required=True, help=f'a built-in model: {", ".join(builtin_models)}'
-  )
-  p.add_argument(
-    '--topology',
-    required=True,
-    metavar='GEN:SHAPE',
-    help="the TPU pod, e.g. v5p:4x4x8 (needs libtpu: the 'tpu' extra)",
-  )
-  p.add_argument(
-    '--num-slices', type=int, default=1, help='slices of the topology (default: 1)'
-  )
-  p.add_argument('--batch', type=int, required=True, help='global batch size')
-  p.add_argument(
-    '--seq', type=int, default=2048, help='tokens per sequence (default: 2048)'
+  common.add_model_or_module(p, 'your own step (see below)')
+  common.add_pod(p, required=True)
+  common.add_step(
+    p,
+    remat='comma-separated remat policies (default: none,full; for --module, '
+    'none,full when the factory takes remat)',
+    batch_required=True,
   )
   p.add_argument(
     '--presets',
     default='fsdp,fsdp+tp,tp',
-    help='comma-separated preset names or a presets file (default: fsdp,fsdp+tp,tp)',
+    help='comma-separated preset names or a presets file',
   )
   p.add_argument(
-    '--remat',
-    default='none,full',
-    help='comma-separated remat policies (default: none,full)',
+    '--max-candidates', type=int, default=8, help='compile at most this many'
   )
-  p.add_argument('--hbm', help='memory per chip to judge against, e.g. 95GiB')
-  p.add_argument(
-    '--max-candidates',
-    type=int,
-    default=8,
-    help='compile at most this many (default: 8)',
+  p.add_argument('--top', type=int, default=5, help='rows to show')
+  common.add_front_end(p, api="a built-in model's Flax front end", dtype='bfloat16')
+  common.add_output(
+    p, table='the ranked table and why the best wins, or JSON', cache=True
   )
-  p.add_argument('--top', type=int, default=5, help='rows to show (default: 5)')
-  p.add_argument(
-    '--optimizer',
-    choices=('adamw', 'adam', 'adafactor', 'sgd'),
-    default='adamw',
-    help='optimizer of the step (default: adamw)',
-  )
-  p.add_argument('--api', choices=('linen', 'nnx'), default='linen')
-  p.add_argument('--dtype', choices=('float32', 'bfloat16'), default='bfloat16')
-  p.add_argument(
-    '--no-cache', action='store_true', help='compile even if the figures are cached'
-  )
-  p.add_argument('--format', choices=('table', 'json'), default='table')
   return p
 
 
-def run(args: argparse.Namespace, usage_error: type[Exception]) -> int:
+def run(args: argparse.Namespace) -> int:
   """The ``suggest`` subcommand; returns the exit code."""
-  from flax_shardmeta.cli_fit import _quiet_libtpu
-
-  for flag in ('batch', 'seq', 'num_slices', 'max_candidates', 'top'):
-    value = getattr(args, flag)
-    if value is not None and value < 1:
-      raise usage_error(f'--{flag.replace("_", "-")} {value}: must be at least 1')
-  remat = [r.strip() for r in args.remat.split(',') if r.strip()]
-  unknown = [r for r in remat if r not in ('none', 'full', 'dots')]
-  if unknown or not remat:
-    raise usage_error(f'--remat {args.remat!r}: choose from none, full, dots')
-  _quiet_libtpu()
-
-  import jax.numpy as jnp
+  common.check_model_name(args.model)
+  common.require_positive(args, ('batch', 'seq', 'num_slices', 'max_candidates', 'top'))
+  remat = [r.strip() for r in (args.remat or 'none,full').split(',') if r.strip()]
+  common.check_remat(args.remat, remat, builtin=args.model is not None)
+  common.check_hbm(args.hbm)
+  if args.module is not None:
+    factory = Factory.load(args.module)
+    build = _user_build(factory, args)
+    if args.remat is None and not factory.accepts('remat'):
+      remat = ['none']  # the factory's own: nothing to choose from
+    running: Any = factory.running()
+  else:
+    build = _builtin_build(args)
+    running = contextlib.nullcontext()
+  presets = _presets(args.presets)
 
   import flax_shardmeta as fsm
-  from flax_shardmeta._planning import presets as presets_lib
-  from flax_shardmeta.examples import train
 
-  presets: list[Any] = []
-  for item in (x.strip() for x in args.presets.split(',') if x.strip()):
-    if item in fsm.RULE_PRESETS:
-      presets.append(item)
-      continue
-    try:
-      with open(item) as f:
-        presets += presets_lib.load(f.read(), item)
-    except OSError as e:
-      raise usage_error(
-        f'--presets: {item!r} is neither a preset ({", ".join(fsm.RULE_PRESETS)}) '
-        f'nor a readable file ({e.strerror})'
-      ) from None
-    except fsm.InvalidRulesError as e:
-      raise usage_error(f'--presets: {e}') from None
-  if args.hbm is not None:
-    from flax_shardmeta._planning.chips import parse_bytes
-
-    try:
-      parse_bytes(args.hbm)
-    except fsm.FitError as e:
-      raise usage_error(f'--hbm: {e}') from None
-  build = train.builder(
-    args.model,
-    batch=args.batch,
-    seq=args.seq,
-    api=args.api,
-    optimizer_name=args.optimizer,
-    dtype=jnp.bfloat16 if args.dtype == 'bfloat16' else jnp.float32,
-  )
-  try:
+  seq = args.seq or (2048 if args.module is None else 1)
+  with running:
     found = fsm.suggest(
       build,
       batch=args.batch,
-      tokens_per_example=1 if args.model == 'mlp' else args.seq,
+      tokens_per_example=1 if args.model == 'mlp' else seq,
       topology=args.topology,
       num_slices=args.num_slices,
       hbm=args.hbm,
@@ -142,8 +103,6 @@ def run(args: argparse.Namespace, usage_error: type[Exception]) -> int:
       max_candidates=args.max_candidates,
       cache=not args.no_cache,
     )
-  except (fsm.TopologyError, fsm.InvalidRulesError) as e:
-    raise usage_error(str(e)) from None
   if args.format == 'json':
     print(json.dumps(found.to_dict(), indent=1))
   else:
@@ -164,3 +123,94 @@ def run(args: argparse.Namespace, usage_error: type[Exception]) -> int:
       )
     return 1
   return 0
+
+
+def _builtin_build(args: argparse.Namespace) -> Any:
+  import jax.numpy as jnp
+
+  from flax_shardmeta.examples import train
+
+  return train.builder(
+    args.model,
+    batch=args.batch,
+    seq=args.seq or 2048,
+    api=args.api,
+    optimizer_name=args.optimizer,
+    dtype=jnp.bfloat16 if args.dtype == 'bfloat16' else jnp.float32,
+  )
+
+
+def _user_build(factory: Factory, args: argparse.Namespace) -> Any:
+  """``build(mesh, rules, remat)`` for ``fsm.suggest`` from your factory."""
+  kwargs = factory.options(
+    {
+      'batch': (f'--batch {args.batch}', args.batch),
+      'seq': (f'--seq {args.seq}', args.seq),
+    }
+  )
+  if args.remat is not None:
+    factory.require('remat', f'--remat {args.remat}')
+  takes_remat = factory.accepts('remat')
+
+  def build(mesh: Any, rules: Any, remat: str) -> tuple[Any, ...]:
+    import flax_shardmeta as fsm
+
+    extra = {'remat': remat} if takes_remat else {}
+    step, *rest = factory.step_and_args(factory(mesh, rules, **kwargs, **extra))
+    if getattr(step, 'mesh', None) is None:
+      # suggest fits each candidate outside its mesh and rules: bind them, as
+      # fit does for a step it runs under the mesh.
+      step = fsm.jit(step, mesh=mesh, rules=rules)
+    return (step, *rest)
+
+  return build
+
+
+def _presets(text: str) -> list[Any]:
+  """``--presets``: built-in names and presets files, in order."""
+  import flax_shardmeta as fsm
+  from flax_shardmeta._planning import presets as presets_lib
+
+  presets: list[Any] = []
+  for item in (x.strip() for x in text.split(',') if x.strip()):
+    if item in fsm.RULE_PRESETS:
+      presets.append(item)
+      continue
+    try:
+      with open(item) as f:
+        content = f.read()
+    except OSError as e:
+      raise common.UsageError(
+        f'--presets: {item!r} is neither a preset ({", ".join(fsm.RULE_PRESETS)}) '
+        f'nor a readable file ({e.strerror})'
+      ) from None
+    _check_preset_axes(content, item)
+    try:
+      presets += presets_lib.load(content, item)
+    except fsm.InvalidRulesError as e:
+      raise common.UsageError(f'--presets: {e}') from None
+  return presets
+
+
+def _check_preset_axes(content: str, source: str) -> None:
+  """A preset whose rules shard over an axis it lacks, spelled like one of its
+  axes that no rule uses, is a typo: say which (the file's own errors are
+  ``presets.load``'s to report)."""
+  try:
+    data = json.loads(content) if content.lstrip().startswith('{') else None
+    data = tomllib.loads(content) if data is None else data
+  except ValueError:
+    return
+  table = data.get('presets', data) if isinstance(data, dict) else None
+  for name, body in table.items() if isinstance(table, dict) else ():
+    if not isinstance(body, dict):
+      continue
+    axes, rules = body.get('axes'), body.get('rules')
+    typo = None
+    if isinstance(axes, list) and isinstance(rules, list):
+      typo = common.misspelt_axis(axes, rules)
+    if typo is not None:
+      raise common.UsageError(
+        f'--presets {source!r}: preset {name!r} shards over mesh axis {typo[0]!r}, '
+        f'which is not among its axes {tuple(axes or ())}: did you mean {typo[1]!r}?'
+      )

@@ -33,6 +33,7 @@ layout for its moments, as flax does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable
@@ -43,17 +44,29 @@ import jax.core
 import numpy as np
 from flax import nnx
 from flax.nnx import tracers as nnx_tracers
+from flax.nnx import variablelib
+from flax.nnx.bridge import variables as bridge_variables
 from jax.experimental.layout import Format
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta import _sharding as sharding_lib
 from flax_shardmeta._boxes import FsmRules, as_names, local_rules_of
-from flax_shardmeta._errors import NoMeshError, ShardingError, ShardingProblem
+from flax_shardmeta._errors import (
+  NoMeshError,
+  ShardingError,
+  ShardingProblem,
+  UnmappedNameWarning,
+)
+from flax_shardmeta._frames import warn_at_user_code
 from flax_shardmeta._generate import generate
 from flax_shardmeta._placement import apply_spec, context_mesh
-from flax_shardmeta._rules import normalize_rules
-from flax_shardmeta._specs import reductions_of, spec_entries
+from flax_shardmeta._rules import (
+  get_logical_axis_rules,
+  logical_axis_rules,
+  normalize_rules,
+)
+from flax_shardmeta._specs import format_spec, reductions_of, spec_entries
 from flax_shardmeta._typing import AnyMesh, LogicalNames, LogicalRules, PyTree
 
 N = TypeVar('N')
@@ -170,6 +183,8 @@ def _annotating(init, names, logical, rules, mesh, optimizer_names):
   @functools.wraps(init)
   def wrapper(*args: Any, **kwargs: Any) -> nnx.VariableMetadata[Any]:
     eager = nnx.using_eager_sharding()  # flax's switch, nnx.use_eager_sharding
+    if logical and eager and rules is None:
+      _warn_if_no_rules(names_t, mesh)
     if eager:
       # Generated directly on its shards when a mesh is set (see
       # _generate.generate): never the whole parameter on one device.
@@ -181,11 +196,79 @@ def _annotating(init, names, logical, rules, mesh, optimizer_names):
     extra: dict[str, Any] = {}
     if isinstance(value, nnx.VariableMetadata):  # another metadata wrapper
       extra, value = dict(value.metadata), value.raw_value
+    merged = {**extra, **metadata}
+    shape = sharding_lib.leaf_shape(value)
+    if eager and shape is not None and len(shape) != len(names_t):
+      # A layer that reshapes its kernel asked for another shape: laid out
+      # once the value has the rank the names describe.
+      return _ReshapedMetadata(value, annotation, merged)
     if eager:
       value = _place(value, annotation)
-    return nnx.VariableMetadata(value, metadata={**extra, **metadata})
+    return nnx.VariableMetadata(value, metadata=merged)
 
   return wrapper
+
+
+def _warn_if_no_rules(names: tuple[Any, ...], mesh: AnyMesh | None) -> None:
+  """Logical names laid out on a mesh with no rules at all are replicated:
+  that is worth a word (once per line of the user's code and names)."""
+  if get_logical_axis_rules() or not any(isinstance(n, str) for n in names):
+    return
+  if (mesh if mesh is not None else context_mesh()) is None:
+    return  # nothing is laid out yet
+  warn_at_user_code(
+    f'An NNX Variable annotated with logical names {format_spec(names)} was '
+    'made on a mesh with no logical axis rules given or set (neither '
+    "fsm.logical_axis_rules nor flax's nn.logical_axis_rules is active), so it "
+    'was replicated. Build the module inside fsm.logical_axis_rules([...]), or '
+    'pass rules=... to the initializer; rules=() replicates on purpose.',
+    UnmappedNameWarning,
+  )
+
+
+class _ReshapedMetadata(nnx.VariableMetadata):
+  """Metadata whose value is laid out once it has the annotated rank.
+
+  flax's layers that reshape kernels (``nnx.LinearGeneral``,
+  ``nnx.MultiHeadAttention``) call the initializer with a flattened shape,
+  then assign the reshaped value to ``raw_value`` before making the Variable.
+  That assignment lays it out. If the Variable is made while the value still
+  has another rank than its names, that is the annotation's error, raised
+  then (when the Variable reads ``metadata``).
+  """
+
+  def __init__(self, value: Any, annotation: ann_lib.Annotation, metadata: dict):
+    self.__dict__['_annotation'] = annotation
+    super().__init__(value, metadata=metadata)
+
+  @property
+  def raw_value(self) -> Any:  # type: ignore[override]
+    return self.__dict__['_raw_value']
+
+  @raw_value.setter
+  def raw_value(self, value: Any) -> None:
+    annotation = self.__dict__.get('_annotation')
+    shape = sharding_lib.leaf_shape(value)
+    if annotation is not None and _rank_fits(shape, annotation):
+      value = _place(value, annotation)
+    self.__dict__['_raw_value'] = value
+
+  @property
+  def metadata(self) -> Any:  # type: ignore[override]
+    annotation = self.__dict__.get('_annotation')
+    if annotation is not None and not _rank_fits(
+      sharding_lib.leaf_shape(self.raw_value), annotation
+    ):
+      _place(self.raw_value, annotation)  # raises, naming the rank problem
+    return self.__dict__['_metadata']
+
+  @metadata.setter
+  def metadata(self, metadata: Any) -> None:
+    self.__dict__['_metadata'] = metadata
+
+
+def _rank_fits(shape: tuple[int, ...] | None, annotation: ann_lib.Annotation) -> bool:
+  return shape is None or len(shape) == len(annotation.names)
 
 
 def _place(value: Any, annotation: ann_lib.Annotation) -> Any:
@@ -408,6 +491,31 @@ _LEAF_RESULTS = frozenset({NamedSharding, PartitionSpec, type(None)})
 ann_lib.register_annotation_type(nnx.Variable, _read_variable, _rebuild_variable)
 
 
+def _read_bridged(
+  box: bridge_variables.NNXMeta,
+) -> tuple[Any, ann_lib.Annotation | None]:
+  # `nnx.bridge.to_linen` hands Linen an NNX Variable as this box: its value
+  # and the Variable's metadata (fsm's or flax's own annotation) as they were.
+  return box.value, _annotation_of(box.var_type, box.metadata)
+
+
+ann_lib.register_annotation_type(bridge_variables.NNXMeta, _read_bridged)
+
+
+def _read_hijax(variable: Any) -> tuple[Any, ann_lib.Annotation | None]:
+  # A Variable made with hijax=True is a HijaxVariable: not a subclass of
+  # nnx.Variable (only isinstance says so) and a pytree leaf of its own, so
+  # the result takes its place in the output tree.
+  return variable.get_value(), _annotation_of(
+    variable.var_type, variable.get_metadata()
+  )
+
+
+_HIJAX_VARIABLE = getattr(variablelib, 'HijaxVariable', None)
+if _HIJAX_VARIABLE is not None:  # flax 0.12.8 and later
+  ann_lib.register_annotation_type(_HIJAX_VARIABLE, _read_hijax)
+
+
 # Laying modules out
 # ------------------------------------------------------------------------------
 
@@ -520,12 +628,53 @@ def eval_shape(
     P(None, 'model')
   """
   mesh = mesh if mesh is not None else context_mesh()
-  with jax.set_mesh(None):
-    abstract = nnx.eval_shape(create)
+  with _rule_context(rules):
+    abstract = _create_abstractly(create, mesh)
   if mesh is None:
     return abstract
   nnx.update(abstract, as_abstract(nnx.state(abstract), mesh, rules))
   return abstract
+
+
+def _create_abstractly(create: Callable[[], N], mesh: AnyMesh | None) -> N:
+  """``nnx.eval_shape(create)`` under ``mesh``, as flax's own would run it.
+
+  flax lays its own annotations out while a Variable is made, and refuses
+  names that are not mesh axes (or any annotation with no mesh). fsm reads
+  those names more leniently (a name no rule maps is replicated) and lays
+  everything out afterwards, so if flax refuses, the module is made again with
+  flax's eager sharding off and each Variable's ``eager_sharding`` metadata
+  put back as flax would have set it.
+  """
+  context = _mesh_context(mesh) if mesh is not None else contextlib.nullcontext()
+  try:
+    with context:
+      return nnx.eval_shape(create)
+  except ValueError:
+    # flax also lays annotations out on the way out of nnx.eval_shape, under
+    # the context mesh: made again with neither.
+    eager = nnx.using_eager_sharding()
+    with jax.set_mesh(None), nnx.use_eager_sharding(False):
+      abstract = nnx.eval_shape(create)
+  for _, variable in nnx.iter_graph(abstract):
+    if isinstance(variable, nnx.Variable) and FSM_LOGICAL not in (
+      metadata := variable.get_metadata()
+    ):
+      if metadata.get('eager_sharding') is False and eager:
+        variable.set_metadata('eager_sharding', True)
+  return abstract
+
+
+def _mesh_context(mesh: AnyMesh) -> contextlib.AbstractContextManager[Any]:
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    return jax.sharding.use_abstract_mesh(mesh)
+  return jax.set_mesh(mesh)
+
+
+def _rule_context(rules: LogicalRules | None) -> contextlib.AbstractContextManager[Any]:
+  if rules is None:
+    return contextlib.nullcontext()
+  return logical_axis_rules(rules)
 
 
 def as_abstract(
@@ -568,14 +717,23 @@ def as_abstract(
   if isinstance(tree, nnx.Module):
     graphdef, state = nnx.split(tree)
     return nnx.merge(graphdef, as_abstract(state, mesh, rules))
-  shardings = sharding_lib.get_sharding(tree, mesh, rules)
+  shardings = sharding_lib.get_sharding(tree, mesh, rules)  # raises, by path
+  # Both trees walk to the same leaves, Variables holding trees included.
+  leaves, build = ann_lib.walk(tree)
+  placed, _ = ann_lib.walk(shardings)
+  return build([_abstract(lf, sh.value) for lf, sh in zip(leaves, placed)])
 
-  def attach(value: Any, sharding: Any) -> Any:
-    if sharding is None or not hasattr(value, 'shape'):
-      return value
-    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
 
-  return jax.tree.map(attach, tree, shardings, is_leaf=lambda x: x is None)
+def _abstract(leaf: ann_lib.Leaf, sharding: Any) -> Any:
+  """What the abstract tree holds in place of one walked leaf."""
+  value = leaf.value
+  if not isinstance(sharding, NamedSharding) or sharding_lib.leaf_shape(value) is None:
+    struct = value
+  else:
+    struct = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+  if _HIJAX_VARIABLE is not None and isinstance(leaf.leaf, _HIJAX_VARIABLE):
+    return leaf.leaf.replace(struct)  # a pytree leaf: replaced whole
+  return struct
 
 
 def abstract_with_sharding(

@@ -39,6 +39,22 @@ def mesh(axis_type):
   return jax.make_mesh((2, 4), ('data', 'model'), axis_types=(axis_type,) * 2)
 
 
+@pytest.fixture
+def windowed_generations(monkeypatch) -> list[str]:
+  """How each parameter generated from its windows was made, in order."""
+  from flax_shardmeta import _windowed as windowed
+
+  calls: list[str] = []
+  real = windowed.generate_sharded
+
+  def spy(*args, **kwargs):
+    calls.append(kwargs.get('how', 'chunks'))
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(windowed, 'generate_sharded', spy)
+  return calls
+
+
 # End-to-end grids run whole in CI (`-m slow`); by default one Auto and one
 # Explicit case of each stays, so `make test` is quick and still covers both.
 _FAST_CASES = {

@@ -349,6 +349,125 @@ def test_user_module_with_a_wrong_factory(capsys, tmp_path, monkeypatch):
   assert code == 2 and 'returned int' in err
 
 
+MINE = textwrap.dedent("""
+    import jax, jax.numpy as jnp
+    from flax import linen as nn
+    import flax_shardmeta as fsm
+
+    SEEN = []
+
+    class Heads(nn.Module):
+      heads: int = 0
+
+      @nn.compact
+      def __call__(self, x):
+        return nn.Dense(x.shape[-1] // self.heads)(x)
+
+    def buggy_model():
+      return Heads(), jax.ShapeDtypeStruct((2, 8), jnp.float32)
+
+    def raises():
+      return {}['params']
+
+    def needs_mesh(mesh):
+      return mesh
+
+    def records():
+      SEEN.append((jax.sharding.get_abstract_mesh().axis_names,
+                   fsm.get_logical_axis_rules()))
+      return Heads(heads=2), jax.ShapeDtypeStruct((2, 8), jnp.float32)
+""")
+
+
+@pytest.fixture
+def mine(tmp_path, monkeypatch):
+  """``mine_models`` (the factories above) and ``mine_broken`` (which cannot
+  be imported) on the path."""
+  (tmp_path / 'mine_models.py').write_text(MINE)
+  (tmp_path / 'mine_broken.py').write_text('import no_such_dependency_xyz\n')
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.delitem(sys.modules, 'mine_models', raising=False)
+
+
+@pytest.mark.parametrize(
+  'target, error',
+  [
+    ('mine_models:raises', "KeyError: 'params'"),
+    (
+      'mine_models:needs_mesh',
+      "TypeError: needs_mesh() missing 1 required positional argument: 'mesh'",
+    ),
+    (
+      'mine_models:buggy_model',
+      'ZeroDivisionError: integer division or modulo by zero',
+    ),
+    (
+      'mine_broken:make',
+      "ModuleNotFoundError: No module named 'no_such_dependency_xyz'",
+    ),
+  ],
+)
+def test_a_failing_factory_is_one_line_naming_it(capsys, mine, target, error):
+  code, out, err = run(capsys, 'plan', '--module', target, '--mesh', 'data=2,model=4')
+  assert (code, out) == (2, '')
+  assert err == (
+    f'flax-shardmeta: error: --module {target}: {error} (--traceback shows where)\n'
+  )
+
+
+def test_a_missing_factory_is_one_line_naming_it(capsys, mine):
+  code, _, err = run(capsys, 'plan', '--module', 'mine_models:nope', '--mesh', 'data=2')
+  assert code == 2
+  assert err == (
+    'flax-shardmeta: error: --module mine_models:nope: AttributeError: module '
+    "'mine_models' has no attribute 'nope'\n"
+  )
+
+
+def test_traceback_shows_where_the_factory_failed(capsys, mine):
+  argv = ['plan', '--module', 'mine_models:buggy_model', '--mesh', 'data=2,model=4']
+  code, _, err = run(capsys, *argv, '--traceback')
+  assert code == 2
+  assert err.startswith('Traceback (most recent call last):')
+  assert 'return nn.Dense(x.shape[-1] // self.heads)(x)' in err  # the user's line
+  assert err.splitlines()[-1] == (
+    'flax-shardmeta: error: --module mine_models:buggy_model: ZeroDivisionError: '
+    'integer division or modulo by zero'
+  )
+
+
+def test_the_factory_is_called_under_the_mesh_and_rules(capsys, mine):
+  # The contract fit and suggest follow too: plan's abstract mesh, its rules.
+  argv = ['plan', '--module', 'mine_models:records', '--mesh', 'data=2,model=4']
+  code, _, err = run(capsys, *argv, '--rules', '[["mlp", "model"]]')
+  assert code == 0, err
+  assert sys.modules['mine_models'].SEEN == [(('data', 'model'), (('mlp', 'model'),))]
+
+
+def test_cli_modules_share_their_pieces_not_their_privates():
+  # Shared argument pieces live in cli_common, the factory contract in
+  # cli_factory; no CLI module reaches for another module's private helpers.
+  import ast
+  import importlib.util
+
+  def is_module(name):
+    try:
+      return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a name inside a module, not a submodule
+      return False
+
+  package = Path(fsm.__file__).parent
+  taken = []
+  for path in sorted(package.glob('cli*.py')):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and (node.module or '').startswith('flax'):
+        for alias in node.names:
+          name = f'{node.module}.{alias.name}'
+          if alias.name.startswith('_') and not is_module(name):
+            taken.append(f'{path.name}: {name}')
+  assert taken == []
+
+
 @pytest.mark.slow
 def test_demo(capsys):
   code, out, _ = run(capsys, 'demo', '--steps', '3')
@@ -407,7 +526,7 @@ def _actions(parser):
       yield parser.prog, action
 
 
-@pytest.mark.parametrize('command', [[], ['plan'], ['demo']])
+@pytest.mark.parametrize('command', [[], ['plan'], ['fit'], ['suggest'], ['demo']])
 def test_help_shows_every_default_and_no_markup(capsys, command):
   code, out, _ = run(capsys, *command, '--help')
   assert code == 0

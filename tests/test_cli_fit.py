@@ -1,11 +1,12 @@
 """``flax-shardmeta fit``: exit codes, formats, estimates and your own step."""
 
 import json
+import sys
 import textwrap
 
 import pytest
 
-from flax_shardmeta import cli, cli_fit
+from flax_shardmeta import cli, cli_common
 from flax_shardmeta._planning import topology
 from flax_shardmeta.examples import _common, train
 
@@ -22,9 +23,16 @@ def run(capsys, *argv):
   return code, out, err
 
 
+def error_line(capsys, *argv):
+  """The stderr of a command that must fail with exit code 2, printing nothing."""
+  code, out, err = run(capsys, *argv)
+  assert (code, out) == (2, ''), err
+  return err
+
+
 def test_choices_match_the_examples():
-  assert cli_fit._REMAT == _common.REMAT_POLICIES
-  assert cli_fit._OPTIMIZERS == train.OPTIMIZERS
+  assert cli_common.REMAT == _common.REMAT_POLICIES
+  assert cli_common.OPTIMIZERS == train.OPTIMIZERS
 
 
 @needs_libtpu
@@ -61,6 +69,11 @@ def test_without_a_topology_it_is_an_estimate(capsys):
     (['--mesh', 'data=2,model=4', '--remat', 'sometimes'], "--remat 'sometimes'"),
     (['--mesh', 'data=2,model=4', '--chip', 'v99'], "chip='v99' is not one fit knows"),
     (['--mesh', 'data=two'], "size of 'data' is 'two'"),
+    (
+      ['--mesh', 'data=2,modle=4'],
+      "--mesh 'data=2,modle=4': no rule uses mesh axis 'modle', and the rules shard "
+      "over 'model', which the mesh lacks: did you mean 'model'?",
+    ),
   ],
 )
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
@@ -77,27 +90,41 @@ def test_bad_topologies_exit_2(capsys):
   assert code == 2 and 'does not fit 4 devices' in err
 
 
-def test_your_own_step_from_a_module(capsys, tmp_path, monkeypatch):
-  (tmp_path / 'my_step.py').write_text(
-    textwrap.dedent(
-      """
-      import jax, jax.numpy as jnp, flax_shardmeta as fsm
+MY_STEP = textwrap.dedent(
+  """
+  import jax, jax.numpy as jnp, flax_shardmeta as fsm
 
-      def make(batch=8):
-        params = {'w': fsm.LogicalPartitioned(
-          jax.ShapeDtypeStruct((256, 512), jnp.float32), ('embed', 'mlp'))}
-        x = fsm.LogicalPartitioned(
-          jax.ShapeDtypeStruct((batch, 256), jnp.float32), ('batch', 'embed'))
+  def make(batch=8):
+    params = {'w': fsm.LogicalPartitioned(
+      jax.ShapeDtypeStruct((256, 512), jnp.float32), ('embed', 'mlp'))}
+    x = fsm.LogicalPartitioned(
+      jax.ShapeDtypeStruct((batch, 256), jnp.float32), ('batch', 'embed'))
 
-        def step(params, x):
-          return jnp.tanh(x @ fsm.unbox(params)['w']).sum()
+    def step(params, x):
+      return jnp.tanh(x @ fsm.unbox(params)['w']).sum()
 
-        return step, params, x
-      """
-    )
-  )
+    return step, params, x
+
+  def eager():
+    w = jax.random.normal(jax.random.key(0), (256, 512))
+    return (lambda w, x: (x @ w).sum()), w, jax.ShapeDtypeStruct((8, 256), jnp.float32)
+
+  def step_bug():
+    return (lambda x: {}['loss']), jax.ShapeDtypeStruct((8, 256), jnp.float32)
+  """
+)
+
+
+@pytest.fixture
+def my_step(tmp_path, monkeypatch):
+  """``my_step.py`` and ``rules.json`` in the current directory."""
+  (tmp_path / 'my_step.py').write_text(MY_STEP)
   (tmp_path / 'rules.json').write_text('[["batch", "data"], ["mlp", "model"]]')
   monkeypatch.chdir(tmp_path)
+  monkeypatch.delitem(sys.modules, 'my_step', raising=False)
+
+
+def test_your_own_step_from_a_module(capsys, my_step):
   argv = ['fit', '--module', 'my_step:make', '--mesh', 'data=2,model=4']
   code, out, err = run(
     capsys, *argv, '--rules', 'rules.json', '--batch', '16', '--chip', 'v5p'
@@ -108,3 +135,33 @@ def test_your_own_step_from_a_module(capsys, tmp_path, monkeypatch):
   assert '128.00 KiB' in out and '8.00 KiB' in out
   code, _, err = run(capsys, *argv, '--extrapolate')
   assert code == 2 and 'takes no num_layers keyword argument' in err
+
+
+def test_an_option_the_factory_does_not_take_is_an_error(capsys, my_step):
+  argv = ['fit', '--module', 'my_step:make', '--mesh', 'data=2,model=4']
+  assert error_line(capsys, *argv, '--seq', '128') == (
+    'flax-shardmeta: error: --seq 128: my_step:make(batch=8) takes no seq keyword '
+    'argument; add the parameter (or **kwargs), or leave --seq out\n'
+  )
+
+
+def test_a_failing_step_exits_2_naming_the_factory(capsys, my_step):
+  argv = ['fit', '--module', 'my_step:step_bug', '--mesh', 'data=2,model=4']
+  assert error_line(capsys, *argv) == (
+    "flax-shardmeta: error: --module my_step:step_bug: KeyError: 'loss' "
+    '(--traceback shows where)\n'
+  )
+  # A layout that cannot be is no verdict either: exit 2, not 1 (does not fit).
+  err = error_line(capsys, 'fit', '--model', 'mlp', '--mesh', 'data=3,model=5')
+  assert err.startswith('flax-shardmeta: error: 2 leaves cannot be sharded as')
+
+
+@needs_libtpu
+def test_an_eager_array_on_a_topology_says_to_build_abstractly(capsys, my_step):
+  argv = ['fit', '--module', 'my_step:eager', '--topology', 'v5p:2x2x1']
+  assert error_line(capsys, *argv, '--mesh', 'data=2,model=2') == (
+    'flax-shardmeta: error: --module my_step:eager computes an array eagerly under '
+    'a TPU topology mesh; build the arguments abstractly: jax.eval_shape(...) / '
+    "jax.ShapeDtypeStruct; a concrete array cannot live on the TPU topology's "
+    'devices (--traceback shows where)\n'
+  )

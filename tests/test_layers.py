@@ -15,14 +15,14 @@ PACKAGE = pathlib.Path(flax_shardmeta.__file__).parent
 # Lowest first. A module may import any module of an earlier layer, or of its
 # own layer when listed before it.
 LAYERS = [
-  ['_typing', '_specs', '_caches', '_program_memory'],
+  ['_typing', '_specs', '_caches', '_program_memory', '_frames'],
   ['_errors'],
   ['_unmapped'],
   ['_rules'],
   ['_validate'],
   ['_placement'],
   ['_explicit'],
-  ['_windowed'],
+  ['_loops', '_windowed'],
   ['_generate'],
   ['_boxes'],
   ['_annotation'],
@@ -37,7 +37,7 @@ LAYERS = [
   ['_sharded_init'],
   # _hosts: devices, processes, data and transfers.
   ['_hosts.checkpoint', '_hosts.launch', '_hosts.mesh', '_hosts.data'],
-  ['_hosts.transfer', '_hosts.jit'],
+  ['_hosts.transfer', '_hosts.graph_jit', '_hosts.jit'],
   ['_suggest'],
   ['nnx'],
   [
@@ -49,7 +49,7 @@ LAYERS = [
     'examples.demo',
   ],
   ['examples.train'],
-  ['cli_fit', 'cli_suggest', 'cli', '__main__'],
+  ['cli_common', 'cli_factory', 'cli_fit', 'cli_suggest', 'cli', '__main__'],
 ]
 ORDER = {m: i for i, m in enumerate(m for layer in LAYERS for m in layer)}
 PACKAGES = {'', 'examples', '_planning', '_hosts'}

@@ -235,7 +235,11 @@ def varied_state(mesh) -> nnx.State:
       'jax': flax_param(jnp.zeros((8, 16)), out_sharding=('embed', 'mlp')),
       'numpy': flax_param(np.zeros((8, 16)), out_sharding=('embed', 'mlp')),
       'scalar': flax_param(jnp.zeros(()), out_sharding=None),
-      'tree': flax_param({'a': jnp.zeros(4), 'b': sds}, out_sharding=('mlp',)),
+      # A Variable holding a tree: its annotation lays out every array in it.
+      'tree': flax_param(
+        {'a': jnp.zeros(4), 'b': jax.ShapeDtypeStruct((16,), jnp.float32)},
+        out_sharding=('mlp',),
+      ),
       'python': flax_param(3, out_sharding=('mlp',)),
       'none': flax_param(None),
       'nested': flax_param(flax_param(sds, out_sharding=('mlp', None))),

@@ -26,6 +26,7 @@ PUBLIC_API = {
   'FitError',
   'FitReport',
   'ExplicitShardingError',
+  'NnxJitError',
   'FlaxShardmetaError',
   'InvalidNamesError',
   'InvalidRulesError',

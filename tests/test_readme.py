@@ -195,13 +195,23 @@ def test_across_hosts_block_runs_in_two_processes(tmp_path):
   from flax_shardmeta._hosts import launch
 
   (block,) = [b for b in BLOCKS if 'jax.distributed.initialize()' in b]
+  # The block's own output, one file per process: collective libraries write
+  # to the process's stdout from C++ (gloo's "[Gloo] Rank ... connected"
+  # lines); those writes to file descriptor 1 do not reach a replaced
+  # sys.stdout.
+  own_output = (
+    'import os, sys\n'
+    f'sys.stdout = open(os.path.join({str(tmp_path)!r}, '
+    f'"out-" + os.environ[{launch._PROCESS_ID!r}]), "w", buffering=1)\n'
+  )
   # What `jax.distributed.initialize()` does on a pod, done for local processes.
   join = 'from flax_shardmeta._hosts import launch\nlaunch.initialize()\n'
-  (tmp_path / 'hosts.py').write_text(join + block)
+  (tmp_path / 'hosts.py').write_text(own_output + join + block)
   results = launch.launch(
     [str(tmp_path / 'hosts.py')], num_processes=2, devices_per_process=4, timeout=300
   )
-  assert [r.stdout.splitlines()[-1] for r in results] == ["P(None, 'model')"] * 2
+  printed = [(tmp_path / f'out-{r.process_id}').read_text() for r in results]
+  assert printed == ["P(None, 'model')\n"] * 2, [r.stdout for r in results]
 
 
 @pytest.mark.slow
@@ -220,3 +230,21 @@ def test_shell_plan_commands_of_builtin_models_succeed():
       check=False,
     )
     assert done.returncode == 0, f'{line}\n{done.stderr[-2000:]}'
+
+
+def test_a_plain_script_in_the_readme_venv_prints_nothing_of_libtpu(tmp_path):
+  # The venvs of `make demo` / `make test` carry libtpu (the tpu extra); a
+  # user's own script there, with no jax settings of its own, stays quiet.
+  script = tmp_path / 'my_script.py'
+  script.write_text('import jax, jax.numpy as jnp\nprint(jnp.ones(3).sum())\n')
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if k not in ('JAX_PLATFORMS', 'XLA_FLAGS') and not k.startswith('TPU_')
+  }
+  done = subprocess.run(
+    [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+  )
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.strip() == '3.0'
+  assert done.stderr == '', done.stderr

@@ -6,6 +6,8 @@ installed. Built-in steps use Auto mesh axes.
 """
 
 import json
+import sys
+import textwrap
 
 import jax
 import pytest
@@ -227,3 +229,75 @@ def test_cli_ranks_and_explains_on_a_topology(capsys):
   code = cli.main([*argv, '--presets', 'zero3'])
   _, err = capsys.readouterr()
   assert code == 2 and "'zero3' is neither a preset" in err
+
+
+MY_SEARCH = textwrap.dedent(
+  """
+  import jax, jax.numpy as jnp, flax_shardmeta as fsm
+
+  CALLS = []
+
+  def make(batch, remat='none'):
+    mesh = jax.sharding.get_abstract_mesh()
+    CALLS.append((mesh.axis_names, fsm.get_logical_axis_rules(), batch, remat))
+    w = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    tokens = jax.ShapeDtypeStruct((batch, 256), jnp.float32)
+    return (
+      lambda w, x: jnp.tanh(x @ w).sum(),
+      fsm.LogicalPartitioned(w, ('embed', 'mlp')),
+      fsm.LogicalPartitioned(tokens, ('batch', 'embed')),
+    )
+
+  def fixed():
+    return make(64)
+  """
+)
+SEARCH = ['suggest', '--topology', 'v5p:2x2x1', '--batch', '64', '--presets', 'tp']
+
+
+@pytest.fixture
+def my_search(tmp_path, monkeypatch):
+  """``my_search.py`` (the factories above) on the path."""
+  (tmp_path / 'my_search.py').write_text(MY_SEARCH)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.delitem(sys.modules, 'my_search', raising=False)
+
+
+@needs_libtpu
+def test_cli_searches_your_own_step(capsys, my_search):
+  code = cli.main([*SEARCH, '--module', 'my_search:make', '--max-candidates', '1'])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  assert out.startswith('1 of 1 compiled layouts fit; best first:')
+  calls = sys.modules['my_search'].CALLS
+  # Each candidate's mesh and preset rules, the given batch, each remat policy.
+  tp = fsm.RULE_PRESETS['tp'].rules
+  assert {(names, rules, batch) for names, rules, batch, _ in calls} == {
+    (('data', 'model'), tp, 64)
+  }
+  assert {remat for *_, remat in calls} == {'none', 'full'}
+
+
+def test_cli_options_your_factory_does_not_take_are_errors(capsys, my_search):
+  code = cli.main([*SEARCH, '--module', 'my_search:fixed'])
+  out, err = capsys.readouterr()
+  assert (code, out) == (2, '')
+  assert err == (
+    'flax-shardmeta: error: --batch 64: my_search:fixed() takes no batch keyword '
+    'argument; add the parameter (or **kwargs), or leave --batch out\n'
+  )
+
+
+def test_cli_presets_file_with_a_misspelt_axis(capsys, tmp_path):
+  path = tmp_path / 'mine.toml'
+  path.write_text(
+    '[presets.mine]\naxes = ["data", "model"]\n'
+    'rules = [["batch", "data"], ["mlp", "modle"]]\n'
+  )
+  code = cli.main(['suggest', '--model', 'mlp', *SEARCH[1:5], '--presets', str(path)])
+  _, err = capsys.readouterr()
+  assert code == 2
+  assert err == (
+    f"flax-shardmeta: error: --presets '{path}': preset 'mine' shards over mesh axis "
+    "'modle', which is not among its axes ('data', 'model'): did you mean 'model'?\n"
+  )

@@ -11,13 +11,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
+from flax_shardmeta import _annotation as ann_lib
+from flax_shardmeta._errors import NnxJitError, UnmappedNameWarning
 from flax_shardmeta._explicit import explain_sharding_type_errors
+from flax_shardmeta._frames import warn_at_user_code
+from flax_shardmeta._hosts.graph_jit import (
+  GraphCall,
+  check_no_nested_nodes,
+  graph_positions,
+)
 from flax_shardmeta._rules import (
   get_logical_axis_rules,
   logical_axis_rules,
@@ -63,6 +72,7 @@ class JitWithContext:
     self._ins, self._outs = in_shardings, out_shardings
     self._jits: dict[Any, tuple[Any, list[Any]]] = {}
     self._outs_for: dict[Any, Any] = {}  # out_shardings laid out per input structure
+    self._graph_calls: dict[tuple[int, ...], GraphCall] = {}
     functools.update_wrapper(self, fn)
 
   @contextlib.contextmanager
@@ -94,6 +104,9 @@ class JitWithContext:
       # structure, for shardings that must follow it.
       @functools.wraps(fn)
       def traced(*args: Any, **kw: Any) -> Any:
+        # Once per trace: a module inside an argument would be flattened by
+        # jax and its updates lost.
+        check_no_nested_nodes(args, kw, top_level=False)
         with explain_sharding_type_errors('fsm.jit'):
           out = fn(*args, **kw)
         output[0] = jax.tree_util.tree_structure(out)
@@ -108,6 +121,28 @@ class JitWithContext:
     return self._jits[key]
 
   def _run(self, method: str | None, args: tuple[Any, ...], kwargs: Any) -> Any:
+    positions = graph_positions(args)
+    if positions:
+      with self.context(), _closures_explained():
+        return self._graph_call(positions).run(method, args, kwargs)
+    with _closures_explained():
+      return self._run_trees(method, args, kwargs)
+
+  def _graph_call(self, positions: tuple[int, ...]) -> GraphCall:
+    call = self._graph_calls.get(positions)
+    if call is None:
+      ins = None if self._ins is None else _given(self._ins)
+      outs = None if self._outs is None else _given(self._outs)
+      call = self._graph_calls[positions] = GraphCall(
+        self._traced_fn, positions, self.mesh, self.rules, ins, outs, self._jit_kwargs
+      )
+    return call
+
+  def _traced_fn(self, *args: Any, **kwargs: Any) -> Any:
+    with explain_sharding_type_errors('fsm.jit'):
+      return self._fn(*args, **kwargs)
+
+  def _run_trees(self, method: str | None, args: tuple[Any, ...], kwargs: Any) -> Any:
     ins = _onto(self._ins, args) if isinstance(self._ins, tuple) else self._ins
     in_key = _key(ins)
     outs = self._outs_for.get(in_key, self._outs)
@@ -140,6 +175,35 @@ class JitWithContext:
   def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
     """Output shapes, dtypes and shardings, without running anything."""
     return self._run('eval_shape', args, kwargs)
+
+
+@contextlib.contextmanager
+def _closures_explained() -> Iterator[None]:
+  """flax's error for a module the jitted function closes over and updates,
+  re-raised with the pattern that works."""
+  try:
+    yield
+  except Exception as e:
+    if not _is_closure_error(e):
+      raise
+    raise NnxJitError(
+      'fsm.jit: the function updates an NNX module or optimizer it closes over, '
+      'which a compiled function cannot do. Pass the graph nodes as arguments: '
+      'step = fsm.jit(train_step, mesh=mesh, rules=rules); '
+      'loss = step(model, optimizer, batch) (their updates are written back). '
+      f"flax's error: {str(e).splitlines()[0]}"
+    ) from e
+
+
+def _is_closure_error(e: Exception) -> bool:
+  """Whether ``e`` is flax's refusal to touch a graph node of another trace:
+  its ``TraceContextError`` (mutating a Variable) or the ValueError of NNX
+  transforms ("Cannot extract graph node from different trace level"), which
+  has no class of its own, so its text is read here and only here."""
+  errors = sys.modules.get('flax.errors')
+  if errors is not None and isinstance(e, errors.TraceContextError):
+    return True
+  return type(e) is ValueError and 'different trace level' in str(e)
 
 
 def _stage(jitted: Any, method: str | None) -> Callable[..., Any]:
@@ -194,11 +258,34 @@ def jit(
     P('data', 'model')
   """
   rules_t = normalize_rules(rules) if rules is not None else get_logical_axis_rules()
+  if rules is None and not rules_t:
+    _warn_if_logical(in_shardings, out_shardings)
   with _mesh_context(mesh), logical_axis_rules(rules_t):
     ins = _resolve_top(in_shardings, mesh, rules_t)
     outs = _resolve_top(out_shardings, mesh, rules_t)
   jit_kwargs = {'static_argnums': static_argnums, 'donate_argnums': donate_argnums}
   return JitWithContext(fn, mesh, rules_t, ins, outs, jit_kwargs)
+
+
+def _warn_if_logical(*shardings: Any) -> None:
+  """Logical shardings with no rules given or set are replicated: say so
+  (once per line of the user's code and set of names)."""
+  names: set[str] = set()
+  for leaf in jax.tree_util.tree_leaves(shardings, is_leaf=_is_spec_leaf):
+    if _is_names(leaf):
+      names.update(n for n in leaf if isinstance(n, str))
+  for lf in ann_lib.walk(shardings)[0]:  # annotated abstract trees
+    ann = lf.annotation
+    if ann is not None and ann.logical and not (ann.rules or ann.keep_mesh_names):
+      names.update(n for n in ann.names if isinstance(n, str))
+  if names:
+    warn_at_user_code(
+      f'fsm.jit was given logical shardings ({", ".join(map(repr, sorted(names)))}) '
+      'but no logical axis rules (rules=None, and neither fsm.logical_axis_rules '
+      "nor flax's nn.logical_axis_rules is active), so they are replicated. Pass "
+      'rules=[...] to fsm.jit; rules=() replicates on purpose.',
+      UnmappedNameWarning,
+    )
 
 
 def _mesh_context(mesh: AnyMesh) -> contextlib.AbstractContextManager[Any]:

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._errors import FlaxShardmetaError
-from flax_shardmeta._rules import RuleStep, explain
+from flax_shardmeta._rules import Explanation, RuleStep, explain
 from flax_shardmeta._specs import spec_entries
 
 
@@ -51,8 +51,9 @@ def explain_entry(
   mesh_axis_names: tuple[str, ...],
   spec: PartitionSpec | None,
   source: str = '',
-) -> tuple[ExplainedDim, ...]:
-  """Per dimension of one entry: the rule steps and the outcome in words.
+) -> Explanation:
+  """Per dimension of one entry: the rule steps and the outcome in words
+  (a tuple of :class:`ExplainedDim`, printed one per line).
 
   ``spec`` is the final (possibly fitted) spec, so a dimension the rules gave
   mesh axes to but that ended up replicated says why. ``source`` says where
@@ -61,7 +62,7 @@ def explain_entry(
   given = spec_entries(spec) if spec is not None else ()
   final = given + (None,) * (len(shape) - len(given))
   if ann is None:
-    return tuple(
+    return Explanation(
       ExplainedDim(d, None, None, (), 'not annotated, so replicated')
       for d in range(len(shape))
     )
@@ -72,9 +73,11 @@ def explain_entry(
       if ann.optimizer_state
       else f'{len(ann.names)} names for a rank-{len(shape)} array: not planned'
     )
-    return tuple(ExplainedDim(d, None, final[d], (), note) for d in range(len(shape)))
+    return Explanation(
+      ExplainedDim(d, None, final[d], (), note) for d in range(len(shape))
+    )
   if not ann.logical:
-    return tuple(
+    return Explanation(
       ExplainedDim(
         d,
         n,
@@ -92,7 +95,7 @@ def explain_entry(
   try:
     dims = explain(ann.names, rules, local_rules=ann.rules, source=source)
   except FlaxShardmetaError as e:
-    return tuple(
+    return Explanation(
       ExplainedDim(d, n, final[d], (), f'not resolved: {e}')
       for d, n in enumerate(ann.names)
     )
@@ -121,7 +124,7 @@ def explain_entry(
         _fitted(note, resolved, final[d], ann.optimizer_state),
       )
     )
-  return tuple(out)
+  return Explanation(out)
 
 
 def _fitted(note: str, resolved: Any, final: Any, optimizer_state: bool) -> str:

@@ -24,8 +24,8 @@ from flax_shardmeta._caches import paused_gc
 from flax_shardmeta._errors import ShardingError, ShardingProblem
 from flax_shardmeta._placement import check_mesh
 from flax_shardmeta._planning import format as plan_format
-from flax_shardmeta._planning.explain import ExplainedDim, explain_entry
-from flax_shardmeta._rules import SOURCE_NONE, rules_and_source
+from flax_shardmeta._planning.explain import explain_entry
+from flax_shardmeta._rules import SOURCE_NONE, Explanation, rules_and_source
 from flax_shardmeta._sharding import (
   LeafLayout,
   layout_tree,
@@ -102,7 +102,7 @@ class PlanEntry:
     return self.size * _itemsize(self.dtype)
 
   @property
-  def explain(self) -> tuple[ExplainedDim, ...]:
+  def explain(self) -> Explanation:
     """Per dimension: which rule gave the mesh axes, which were skipped and why.
 
     Computed on first read, not when the plan is made.
