@@ -127,7 +127,7 @@ def main() -> int:
     '',
     'Why: a plan finds its problems when it is made (only their leaves get '
     'paths) and makes everything else when first read: entries, their path '
-    'strings, totals, fit-mode lines and explanations. `shardings()` comes '
+    'strings, totals, replicated-dimension lines and explanations. `shardings()` comes '
     'straight from the cached layouts, so a plan costs about what '
     '`get_sharding` does. When every entry is read, all paths are made in '
     "one pass (jax's key types read through their one attribute, key tuples "

@@ -8,8 +8,8 @@
   and against no annotation at all.
 * NNX construction under ``nnx.eval_shape`` with fsm.nnx initializers against
   flax's ``nnx.with_partitioning`` (target at most 1.05x), and against none.
-* ``get_sharding(..., fit=True)`` on 20,000 mesh-axis annotated leaves of which
-  4,000 need a dimension replicated, against eformer 0.0.101's
+* ``get_sharding(..., replicate_indivisible=True)`` on 20,000 mesh-axis
+  annotated leaves of which 4,000 need a dimension replicated, against eformer 0.0.101's
   ``get_corrected_named_sharding`` over the same shapes and specs (its
   ``with_sharding_constraint`` correction loop, per leaf under ``with mesh:``
   as it requires). Target: at most 0.5x. eformer is not a dependency; the row
@@ -102,7 +102,8 @@ FIT_PATTERNS = (
 
 
 def fit_case(repeats: int) -> dict[str, float] | None:
-  """fit=True on 20,000 leaves against eformer's correction, or None without it."""
+  """replicate_indivisible=True on 20,000 leaves against eformer's correction,
+  or None without it."""
   try:
     from eformer import escale
   except ImportError:
@@ -118,8 +119,8 @@ def fit_case(repeats: int) -> dict[str, float] | None:
 
   def fsm_fit():
     with warnings.catch_warnings():
-      warnings.simplefilter('ignore', fsm.ShardingFitWarning)
-      return fsm.get_sharding(ours, mesh, fit=True)
+      warnings.simplefilter('ignore', fsm.IndivisibleDimensionWarning)
+      return fsm.get_sharding(ours, mesh, replicate_indivisible=True)
 
   def eformer_fit():
     # eformer reads the mesh of the deprecated `with mesh:` context.
@@ -228,7 +229,8 @@ def main() -> int:
       None,
     ),
     (
-      '`get_sharding(fit=True)`, 20,000 leaves, 4,000 replicated dimensions',
+      '`get_sharding(replicate_indivisible=True)`, 20,000 leaves, 4,000 replicated '
+      'dimensions',
       'eformer 0.0.101',
       None if fc is None else fc['eformer'],
       None if fc is None else fc['fsm'],
@@ -286,7 +288,7 @@ def main() -> int:
     'instead of isinstance checks against ABCs, and key paths are only '
     'computed when a problem must be reported.',
     '',
-    'Fit mode against eformer: both replicate exactly the same dimensions '
+    'replicate_indivisible against eformer: both replicate exactly the same dimensions '
     '(checked before timing). flax_shardmeta fits each distinct layout once; '
     'its warning lists every kind of change with a few example paths, found '
     'by descending the tree, and builds the full per-path list only when '

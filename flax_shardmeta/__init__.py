@@ -11,249 +11,159 @@ loading jax, and Linen users never load ``flax.nnx`` (``fsm.nnx`` loads it).
 
 from __future__ import annotations
 
+import ast
 import importlib
+import pathlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # The same names as _EXPORTS below, for type checkers.
-  from flax_shardmeta import nnx
-  from flax_shardmeta._annotation import Annotation, register_annotation_type
-  from flax_shardmeta._boxes import (
-    PARTITION_NAME,
-    LogicalPartitioned,
-    Partitioned,
-    replace_boxed,
-    unbox,
-    with_logical_partitioning,
-    with_partitioning,
+if TYPE_CHECKING:  # The public names: the one table, read at run time too.
+  from flax_shardmeta import nnx as nnx
+  from flax_shardmeta._abstract import as_abstract as as_abstract
+  from flax_shardmeta._annotation import (
+    Annotation as Annotation,
+    register_annotation_type as register_annotation_type,
   )
-  from flax_shardmeta._caches import clear_caches
+  from flax_shardmeta._boxes import (
+    PARTITION_NAME as PARTITION_NAME,
+    LogicalPartitioned as LogicalPartitioned,
+    Partitioned as Partitioned,
+    replace_boxed as replace_boxed,
+    unbox as unbox,
+    with_logical_partitioning as with_logical_partitioning,
+    with_partitioning as with_partitioning,
+  )
+  from flax_shardmeta._caches import clear_caches as clear_caches
+  from flax_shardmeta._capacity.fit import fit as fit
+  from flax_shardmeta._capacity.presets import (
+    RULE_PRESETS as RULE_PRESETS,
+    RulePreset as RulePreset,
+  )
+  from flax_shardmeta._capacity.report import FitReport as FitReport
+  from flax_shardmeta._capacity.suggest import (
+    Candidate as Candidate,
+    Suggestions as Suggestions,
+    suggest as suggest,
+  )
   from flax_shardmeta._constraints import (
-    RulesFallback,
-    shard_value,
-    with_logical_constraint,
+    RulesFallback as RulesFallback,
+    shard_value as shard_value,
+    with_logical_constraint as with_logical_constraint,
   )
   from flax_shardmeta._errors import (
-    BatchLayoutError,
-    ExplicitShardingError,
-    FitError,
-    FlaxShardmetaError,
-    InvalidNamesError,
-    InvalidRulesError,
-    LaunchError,
-    MeshShapeError,
-    NnxJitError,
-    NoMeshError,
-    RuleConflictError,
-    RuleContextError,
-    ShardingError,
-    ShardingFitWarning,
-    ShardingProblem,
-    TopologyError,
-    UnmappedMeshAxisNameWarning,
-    UnmappedNameWarning,
+    BatchLayoutError as BatchLayoutError,
+    ExplicitShardingError as ExplicitShardingError,
+    FitError as FitError,
+    FlaxShardmetaError as FlaxShardmetaError,
+    IndivisibleDimensionWarning as IndivisibleDimensionWarning,
+    InvalidNamesError as InvalidNamesError,
+    InvalidRulesError as InvalidRulesError,
+    MeshShapeError as MeshShapeError,
+    NnxJitError as NnxJitError,
+    NoMeshError as NoMeshError,
+    RuleConflictError as RuleConflictError,
+    RuleContextError as RuleContextError,
+    ShardingError as ShardingError,
+    ShardingProblem as ShardingProblem,
+    TopologyError as TopologyError,
+    UnmappedMeshAxisNameWarning as UnmappedMeshAxisNameWarning,
+    UnmappedNameWarning as UnmappedNameWarning,
   )
   from flax_shardmeta._explicit import (
-    explain_sharding_type_errors,
-    logical_out_sharding,
+    explain_sharding_type_errors as explain_sharding_type_errors,
+    logical_out_sharding as logical_out_sharding,
   )
-  from flax_shardmeta._hosts.checkpoint import as_abstract
   from flax_shardmeta._hosts.data import (
-    DataLayout,
-    data_layout,
-    global_to_host_local,
-    host_local_to_global,
+    DataLayout as DataLayout,
+    data_layout as data_layout,
+    global_to_host_local as global_to_host_local,
+    host_local_to_global as host_local_to_global,
   )
-  from flax_shardmeta._hosts.jit import JitWithContext, jit
-  from flax_shardmeta._hosts.mesh import make_mesh
-  from flax_shardmeta._hosts.transfer import gather_tree, shard_tree
-  from flax_shardmeta._planning.fit import fit
-  from flax_shardmeta._planning.plan import (
-    Mismatch,
-    Mismatches,
-    PlanEntry,
-    ShardingPlan,
-    actual_shardings,
-    plan,
-    verify,
+  from flax_shardmeta._hosts.mesh import make_mesh as make_mesh
+  from flax_shardmeta._hosts.transfer import (
+    gather_tree as gather_tree,
+    shard_tree as shard_tree,
   )
-  from flax_shardmeta._planning.presets import PRESETS as RULE_PRESETS
-  from flax_shardmeta._planning.presets import RulePreset
-  from flax_shardmeta._planning.report import FitReport
-  from flax_shardmeta._regex_rules import match_partition_rules
+  from flax_shardmeta._init.sharded_init import sharded_init as sharded_init
+  from flax_shardmeta._jit.jit import JitWithContext as JitWithContext, jit as jit
+  from flax_shardmeta._planning.entry import PlanEntry as PlanEntry
+  from flax_shardmeta._planning.plan import ShardingPlan as ShardingPlan, plan as plan
+  from flax_shardmeta._planning.verify import (
+    Mismatch as Mismatch,
+    Mismatches as Mismatches,
+    actual_shardings as actual_shardings,
+    verify as verify,
+  )
+  from flax_shardmeta._regex_rules import match_partition_rules as match_partition_rules
+  from flax_shardmeta._resolution import (
+    explain_resolution as explain_resolution,
+    logical_to_mesh_axes as logical_to_mesh_axes,
+  )
   from flax_shardmeta._rules import (
-    composite_rules,
-    get_logical_axis_rules,
-    logical_axis_rules,
-    logical_to_mesh_axes,
-    set_logical_axis_rules,
-    standard_logical_axis_rules,
+    composite_rules as composite_rules,
+    get_logical_axis_rules as get_logical_axis_rules,
+    logical_axis_rules as logical_axis_rules,
+    set_logical_axis_rules as set_logical_axis_rules,
   )
-  from flax_shardmeta._rules import explain as explain_resolution
-  from flax_shardmeta._sharded_init import sharded_init
-  from flax_shardmeta._sharding import (
-    get_partition_spec,
-    get_sharding,
-    logical_to_mesh,
-    logical_to_mesh_sharding,
+  from flax_shardmeta._sharding import get_sharding as get_sharding
+  from flax_shardmeta._spec_trees import (
+    get_partition_spec as get_partition_spec,
+    logical_to_mesh as logical_to_mesh,
+    logical_to_mesh_sharding as logical_to_mesh_sharding,
   )
-  from flax_shardmeta._suggest import Candidate, Suggestions, suggest
+  from flax_shardmeta._standard_rules import (
+    standard_logical_axis_rules as standard_logical_axis_rules,
+  )
 
 __version__ = '0.1.0'
 
-__all__ = [
-  'Annotation',
-  'BatchLayoutError',
-  'Candidate',
-  'DataLayout',
-  'FitError',
-  'FitReport',
-  'ExplicitShardingError',
-  'NnxJitError',
-  'FlaxShardmetaError',
-  'InvalidNamesError',
-  'InvalidRulesError',
-  'JitWithContext',
-  'LaunchError',
-  'LogicalPartitioned',
-  'MeshShapeError',
-  'Mismatch',
-  'Mismatches',
-  'NoMeshError',
-  'PARTITION_NAME',
-  'Partitioned',
-  'PlanEntry',
-  'RULE_PRESETS',
-  'RulePreset',
-  'RuleConflictError',
-  'RuleContextError',
-  'RulesFallback',
-  'ShardingError',
-  'ShardingFitWarning',
-  'ShardingPlan',
-  'ShardingProblem',
-  'Suggestions',
-  'TopologyError',
-  'UnmappedMeshAxisNameWarning',
-  'UnmappedNameWarning',
-  '__version__',
-  'actual_shardings',
-  'as_abstract',
-  'clear_caches',
-  'composite_rules',
-  'data_layout',
-  'explain_sharding_type_errors',
-  'explain_resolution',
-  'fit',
-  'gather_tree',
-  'get_logical_axis_rules',
-  'get_partition_spec',
-  'get_sharding',
-  'global_to_host_local',
-  'host_local_to_global',
-  'jit',
-  'logical_axis_rules',
-  'logical_out_sharding',
-  'logical_to_mesh',
-  'logical_to_mesh_axes',
-  'logical_to_mesh_sharding',
-  'make_mesh',
-  'match_partition_rules',
-  'nnx',
-  'plan',
-  'register_annotation_type',
-  'replace_boxed',
-  'set_logical_axis_rules',
-  'shard_tree',
-  'shard_value',
-  'sharded_init',
-  'standard_logical_axis_rules',
-  'suggest',
-  'unbox',
-  'verify',
-  'with_logical_constraint',
-  'with_logical_partitioning',
-  'with_partitioning',
-]
+
+def _read_exports() -> dict[str, str]:
+  """Public name -> 'module' or 'module:name there', from the imports above.
+
+  Type checkers read the ``TYPE_CHECKING`` imports; Python never runs them, so
+  they are read here as the table of what ``__getattr__`` imports on first use
+  (as scientific Python's ``lazy_loader.attach_stub`` reads a stub).
+  """
+  tree = ast.parse(pathlib.Path(__file__).read_text())
+  (block,) = [
+    n
+    for n in tree.body
+    if isinstance(n, ast.If) and ast.unparse(n.test) == 'TYPE_CHECKING'
+  ]
+  table = {}
+  for node in block.body:
+    assert isinstance(node, ast.ImportFrom) and node.module
+    module = node.module.removeprefix(__name__).lstrip('.')
+    for alias in node.names:
+      public = alias.asname or alias.name
+      if not module:  # `from flax_shardmeta import nnx`: a submodule
+        table[public] = public
+      else:
+        table[public] = module if public == alias.name else f'{module}:{alias.name}'
+  return table
 
 
-# Where each public name lives: 'module' or 'module:name in that module'.
-_EXPORTS: dict[str, str] = {
-  'nnx': 'nnx',
-  'Annotation': '_annotation',
-  'register_annotation_type': '_annotation',
-  'PARTITION_NAME': '_boxes',
-  'LogicalPartitioned': '_boxes',
-  'Partitioned': '_boxes',
-  'replace_boxed': '_boxes',
-  'unbox': '_boxes',
-  'with_logical_partitioning': '_boxes',
-  'with_partitioning': '_boxes',
-  'clear_caches': '_caches',
-  'RulesFallback': '_constraints',
-  'shard_value': '_constraints',
-  'with_logical_constraint': '_constraints',
-  'BatchLayoutError': '_errors',
-  'FlaxShardmetaError': '_errors',
-  'InvalidNamesError': '_errors',
-  'InvalidRulesError': '_errors',
-  'LaunchError': '_errors',
-  'MeshShapeError': '_errors',
-  'NoMeshError': '_errors',
-  'RuleConflictError': '_errors',
-  'ShardingError': '_errors',
-  'ShardingFitWarning': '_errors',
-  'ShardingProblem': '_errors',
-  'UnmappedMeshAxisNameWarning': '_errors',
-  'ExplicitShardingError': '_errors',
-  'NnxJitError': '_errors',
-  'FitError': '_errors',
-  'RuleContextError': '_errors',
-  'TopologyError': '_errors',
-  'UnmappedNameWarning': '_errors',
-  'explain_sharding_type_errors': '_explicit',
-  'logical_out_sharding': '_explicit',
-  'fit': '_planning.fit',
-  'RULE_PRESETS': '_planning.presets:PRESETS',
-  'RulePreset': '_planning.presets',
-  'FitReport': '_planning.report',
-  'Candidate': '_suggest',
-  'Suggestions': '_suggest',
-  'suggest': '_suggest',
-  'as_abstract': '_hosts.checkpoint',
-  'DataLayout': '_hosts.data',
-  'data_layout': '_hosts.data',
-  'global_to_host_local': '_hosts.data',
-  'host_local_to_global': '_hosts.data',
-  'JitWithContext': '_hosts.jit',
-  'jit': '_hosts.jit',
-  'make_mesh': '_hosts.mesh',
-  'gather_tree': '_hosts.transfer',
-  'shard_tree': '_hosts.transfer',
-  'Mismatch': '_planning.plan',
-  'Mismatches': '_planning.plan',
-  'PlanEntry': '_planning.plan',
-  'ShardingPlan': '_planning.plan',
-  'actual_shardings': '_planning.plan',
-  'plan': '_planning.plan',
-  'verify': '_planning.plan',
-  'match_partition_rules': '_regex_rules',
-  'composite_rules': '_rules',
-  'get_logical_axis_rules': '_rules',
-  'logical_axis_rules': '_rules',
-  'logical_to_mesh_axes': '_rules',
-  'set_logical_axis_rules': '_rules',
-  'standard_logical_axis_rules': '_rules',
-  'explain_resolution': '_rules:explain',
-  'sharded_init': '_sharded_init',
-  'get_partition_spec': '_sharding',
-  'get_sharding': '_sharding',
-  'logical_to_mesh': '_sharding',
-  'logical_to_mesh_sharding': '_sharding',
-}
+_EXPORTS = _read_exports()
+if not TYPE_CHECKING:  # Type checkers take the `X as X` imports as the exports.
+  __all__ = sorted([*_EXPORTS, '__version__'])
+
+
+# Former public names, kept one release: each use warns (never cached here).
+_DEPRECATED = {'ShardingFitWarning': 'IndivisibleDimensionWarning'}
 
 
 def __getattr__(name: str) -> Any:
   """Imports a public name's module on first use (PEP 562)."""
+  if name in _DEPRECATED:
+    new = _DEPRECATED[name]
+    warnings.warn(
+      f'fsm.{name} is deprecated: use fsm.{new} (the same class; the old name '
+      'will be removed in the next release).',
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return __getattr__(new)
   where = _EXPORTS.get(name)
   if where is None:
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -3,7 +3,7 @@
 Front ends annotate differently: our boxes, flax's ``nn.Partitioned`` /
 ``nn.LogicallyPartitioned``, NNX Variables with metadata. Each registers a
 reader here that turns its leaf into ``(value, Annotation)``; everything above
-this module (sharding, plan, checkpoint) sees only :class:`Annotation`.
+this module (shardings, abstract trees, plans) sees only :class:`Annotation`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,15 @@ from flax.core import meta as flax_meta
 from flax.linen import spmd as flax_linen_spmd
 
 from flax_shardmeta._boxes import Partitioned
+from flax_shardmeta._paths import (  # `X as X`: read from here by the modules above
+  JoinedPrefix,
+  KeyPaths as _KeyPaths,
+  Leaf as Leaf,
+  Prefix,
+  key_str as key_str,
+  path_str as path_str,
+  paths_of as paths_of,
+)
 from flax_shardmeta._typing import AnyMesh, PyTree
 
 
@@ -137,6 +146,19 @@ def register_annotation_type(
   _by_type.clear()
 
 
+def swap_reader(kind: type, read: Reader, rebuild: Rebuild | None = None) -> None:
+  """Replaces the latest reader registered for exactly ``kind`` (or registers
+  one): for an adapter switching how its leaves are read, without growing the
+  registry each time."""
+  for i in range(len(_registry) - 1, -1, -1):
+    if _registry[i].kind is kind:
+      _registry[i] = _Entry(kind, read, rebuild)
+      break
+  else:
+    _registry.append(_Entry(kind, read, rebuild))
+  _by_type.clear()
+
+
 def _classify(t: type) -> Any:
   found = _by_type.get(t, _MISSING)
   if found is _MISSING:
@@ -196,6 +218,38 @@ def rebuild(x: Any, result: Any) -> Any:
   return e.rebuild(x, result)
 
 
+# Holding a new value
+# ------------------------------------------------------------------------------
+
+Hold = Callable[[Any, Any], Any]
+"""(original leaf, a new value) -> the leaf holding that value instead of its own."""
+
+_holders: dict[type, Hold] = {}
+_hold_by_type: dict[type, Hold | None] = {}
+
+
+def register_holder(kind: type, hold_fn: Hold) -> None:
+  """How a leaf of class ``kind`` (or a subclass) holds a new value in trees
+  that keep their leaves, such as :func:`flax_shardmeta.as_abstract`'s (a box
+  around a struct). Its results elsewhere still replace it (``rebuild``)."""
+  _holders[kind] = hold_fn
+  _hold_by_type.clear()
+
+
+def hold(x: Any, value: Any) -> Any:
+  """Leaf ``x`` holding ``value`` instead of its own, if its class says how
+  (see :func:`register_holder`); else ``value`` itself."""
+  t = type(x)
+  if t in _hold_by_type:
+    found = _hold_by_type[t]
+  else:
+    found = next((_holders[k] for k in t.__mro__ if k in _holders), None)
+    if found is None:  # virtual subclasses (ABC.register) are not in the MRO
+      found = next((h for k, h in _holders.items() if issubclass(t, k)), None)
+    _hold_by_type[t] = found
+  return value if found is None else found(x, value)
+
+
 # Optimizer state
 # ------------------------------------------------------------------------------
 
@@ -210,179 +264,6 @@ def _is_optax_state_type(t: type) -> bool:
 
 # Traversal
 # ------------------------------------------------------------------------------
-
-
-def key_str(key: Any) -> str:
-  """One path component as text."""
-  attr = _KEY_ATTRS.get(type(key))
-  if attr is not None:
-    return str(getattr(key, attr))
-  for attr in ('key', 'name', 'idx'):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-# jax's own key types, whose text is one known attribute: plans of large trees
-# make a path string per leaf, and probing attributes one by one is most of it.
-_KEY_ATTRS: dict[type, str] = {
-  jax.tree_util.DictKey: 'key',
-  jax.tree_util.GetAttrKey: 'name',
-  jax.tree_util.SequenceKey: 'idx',
-  jax.tree_util.FlattenedIndexKey: 'key',
-}
-
-
-def path_str(path: tuple[Any, ...]) -> str:
-  """A key path as '/'-joined text, e.g. ``params/Dense_0/kernel``."""
-  return '/'.join(map(key_str, path))
-
-
-class _KeyPaths:
-  """Key paths of a flattened tree, computed on first use (errors and plans
-  need them; the common get_sharding path does not).
-
-  A few paths are found by walking down from the root, one tree level at a
-  time, which costs far less than flattening a large tree with paths; past
-  :attr:`DESCENTS` requests every path is computed at once.
-  """
-
-  __slots__ = ('_tree', '_treedef', '_keys', '_texts', '_kids', '_descents')
-  DESCENTS = 64
-
-  def __init__(
-    self,
-    tree: PyTree,
-    treedef: Any = None,
-    keys: list[tuple[Any, ...]] | None = None,
-  ):
-    self._tree = tree
-    self._treedef = treedef
-    self._keys = keys
-    self._texts: list[str] | None = None
-    self._kids: dict[int, list[tuple[Any, Any, Any, int]]] = {}
-    self._descents = 0
-
-  def __getitem__(self, i: int) -> tuple[Any, ...]:
-    if (
-      self._keys is None
-      and self._treedef is not None
-      and (self._descents < self.DESCENTS)
-    ):
-      self._descents += 1
-      return self._descend(i)
-    return self.every_key()[i]
-
-  def every_key(self) -> list[tuple[Any, ...]]:
-    """Every leaf's key path, computed in one pass (then kept)."""
-    if self._keys is None:
-      flat, _ = jax.tree_util.tree_flatten_with_path(self._tree, is_leaf=_stop)
-      self._keys = [k for k, _ in flat]
-      self._tree = None
-      self._kids = {}  # the full list replaces the partial descents
-    return self._keys
-
-  def text(self, i: int) -> str:
-    """Leaf ``i``'s key path as text (see :func:`path_str`)."""
-    if self._texts is not None:
-      return self._texts[i]
-    return path_str(self[i])
-
-  def every_text(self) -> list[str]:
-    """Every leaf's key path as text, in one pass (then kept).
-
-    The key tuples are not kept when they were not made yet: a plan of a
-    large tree needs only the text, and fewer long-lived objects mean fewer
-    collector passes over the whole heap.
-    """
-    if self._texts is None:
-      if self._keys is not None:
-        self._texts = [path_str(k) for k in self._keys]
-      else:
-        flat, _ = jax.tree_util.tree_flatten_with_path(self._tree, is_leaf=_stop)
-        self._texts = [path_str(k) for k, _ in flat]
-    return self._texts
-
-  def _descend(self, i: int) -> tuple[Any, ...]:
-    node, treedef, keys = self._tree, self._treedef, []
-    while True:
-      children = self._children(node, treedef)
-      if not children:
-        return tuple(keys)
-      for key, child, child_def, n in children:
-        if i < n:
-          keys.append(key)
-          node, treedef = child, child_def
-          break
-        i -= n
-
-  def _children(self, node: Any, treedef: Any) -> list[tuple[Any, Any, Any, int]]:
-    """``(key, child, child treedef, leaf count)`` per child (cached per node)."""
-    kids = self._kids.get(id(node))
-    if kids is None:
-      defs = treedef.children()
-      if defs:
-        # One level only: every child is a leaf of this flattening.
-        flat, _ = jax.tree_util.tree_flatten_with_path(
-          node, is_leaf=lambda x: x is not node
-        )
-        kids = [(k[0], x, d, d.num_leaves) for (k, x), d in zip(flat, defs)]
-      else:
-        kids = []
-      self._kids[id(node)] = kids
-    return kids
-
-
-class Leaf:
-  """One leaf met by :func:`walk`; its text path is made only when asked for."""
-
-  __slots__ = ('_paths', '_index', 'leaf', 'value', 'annotation', '_prefix')
-
-  def __init__(
-    self,
-    paths: Any,
-    index: int,
-    leaf: Any,
-    value: Any,
-    annotation: Annotation | None,
-    prefix: Any = '',
-  ):
-    self._paths = paths
-    self._index = index
-    self.leaf = leaf
-    self.value = value
-    self.annotation = annotation
-    self._prefix = prefix
-
-  @property
-  def keys(self) -> tuple[Any, ...]:
-    """The jax key path (below the optimizer-state prefix, if any)."""
-    return self._paths[self._index]
-
-  @property
-  def path(self) -> str:
-    """'/'-joined key path, e.g. ``params/Dense_0/kernel``."""
-    rest = self._paths.text(self._index)
-    prefix = str(self._prefix) if self._prefix else ''
-    if prefix:
-      return f'{prefix}/{rest}' if rest else prefix
-    return rest
-
-  def __repr__(self) -> str:
-    return f'Leaf({self.path!r}, annotation={self.annotation!r})'
-
-
-def paths_of(leaves: list[Leaf]) -> list[str]:
-  """Every leaf's text path, as :attr:`Leaf.path` gives it, made in one pass.
-
-  For callers that need all paths of a walk made without ``every_path``.
-  """
-  seen: set[int] = set()
-  for lf in leaves:
-    if id(lf._paths) not in seen:
-      seen.add(id(lf._paths))
-      lf._paths.every_text()
-  return [lf.path for lf in leaves]
 
 
 def _stop(x: Any) -> bool:
@@ -406,10 +287,10 @@ def walk(
   if every_path:
     flat_kp, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_stop)
     flat = [x for _, x in flat_kp]
-    paths = _KeyPaths(None, keys=[k for k, _ in flat_kp])
+    paths = _KeyPaths(None, keys=[k for k, _ in flat_kp], is_leaf=_stop)
   else:
     flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_stop)
-    paths = _KeyPaths(tree, treedef)
+    paths = _KeyPaths(tree, treedef, is_leaf=_stop)
   leaves: list[Leaf] = []
   # Only leaves needing more than "result replaces leaf" get a fix-up entry.
   fixups: list[tuple[int, Any]] = []
@@ -485,48 +366,26 @@ def _walk_value(
   or another Variable): each array in it takes the leaf's annotation unless it
   carries its own, and the results go back into the leaf as a tree."""
   sub_leaves, sub_build = walk(value, every_path)
-  outer = _Prefix(paths, index)
+  outer = Prefix(paths, index)
   for lf in sub_leaves:
     if lf.annotation is None:
       lf.annotation = ann
-    lf._prefix = _JoinedPrefix(outer, lf._prefix) if lf._prefix else outer
+    lf._prefix = JoinedPrefix(outer, lf._prefix) if lf._prefix else outer
   if entry.rebuild is None:
     return sub_leaves, sub_build
   rebuild_leaf = entry.rebuild
   return sub_leaves, lambda results: rebuild_leaf(leaf, sub_build(results))
 
 
-class _Prefix:
-  """The text path of an optimizer-state node, made on first use."""
-
-  __slots__ = ('_paths', '_index')
-
-  def __init__(self, paths: _KeyPaths, index: int):
-    self._paths, self._index = paths, index
-
-  def __str__(self) -> str:
-    return self._paths.text(self._index)
-
-
 def _walk_optimizer(node: Any, paths: _KeyPaths, index: int, every_path: bool):
   fields = dict(zip(node._fields, node))
   sub_leaves, sub_build = walk(fields, every_path)
-  outer = _Prefix(paths, index)
+  outer = Prefix(paths, index)
   for lf in sub_leaves:
     if lf.annotation is not None:
       lf.annotation = _as_optimizer(lf.annotation)
-    lf._prefix = _JoinedPrefix(outer, lf._prefix) if lf._prefix else outer
+    lf._prefix = JoinedPrefix(outer, lf._prefix) if lf._prefix else outer
   return sub_leaves, lambda results: type(node)(**sub_build(results))
-
-
-class _JoinedPrefix:
-  __slots__ = ('_outer', '_inner')
-
-  def __init__(self, outer: Any, inner: Any):
-    self._outer, self._inner = outer, inner
-
-  def __str__(self) -> str:
-    return '/'.join(p for p in (str(self._outer), str(self._inner)) if p)
 
 
 @functools.lru_cache(maxsize=16384)
@@ -557,3 +416,5 @@ def _read_other_box(box: Any) -> tuple[Any, Annotation | None]:
 register_annotation_type(Partitioned, _read_fsm_box)
 register_annotation_type(flax_meta.Partitioned, _read_flax_box)
 register_annotation_type(flax_meta.AxisMetadata, _read_other_box)
+# Every box (ours, flax's, a user's AxisMetadata) can hold a new value.
+register_holder(flax_meta.AxisMetadata, lambda box, value: box.replace_boxed(value))

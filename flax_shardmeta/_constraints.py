@@ -15,25 +15,27 @@ from jax.sharding import PartitionSpec
 
 from flax_shardmeta._annotation import path_str
 from flax_shardmeta._errors import InvalidNamesError, ShardingError, ShardingProblem
+from flax_shardmeta._names import as_names
 from flax_shardmeta._placement import (
   apply_spec,
   check_mesh,
   context_mesh,
   require_mesh,
 )
+from flax_shardmeta._resolution import resolve
 from flax_shardmeta._rules import (
-  as_names,
   check_jit_key,
   get_logical_axis_rules,
   normalize_rules,
-  resolve,
 )
-from flax_shardmeta._sharding import warn_adjustments
 from flax_shardmeta._specs import UNASSIGNED, unassigned_to_none
 from flax_shardmeta._typing import AnyMesh, LogicalNames, LogicalRules, PyTree
-from flax_shardmeta._unmapped import Unmapped, unmapped_names
-from flax_shardmeta._unmapped import report as report_unmapped
-from flax_shardmeta._validate import rank_issue
+from flax_shardmeta._unmapped import Unmapped, report as report_unmapped, unmapped_names
+from flax_shardmeta._validate import (
+  rank_issue,
+  replicate_option,
+  warn_replicated,
+)
 
 
 class RulesFallback(enum.Enum):
@@ -66,8 +68,9 @@ def shard_value(
   *,
   path: str = '<value>',
   logical: bool | None = None,
-  fit: bool = False,
+  replicate_indivisible: bool = False,
   strict: bool = False,
+  fit: bool | None = None,
 ) -> Any:
   """Lays ``value`` out as ``names`` say, eagerly or inside ``jit``.
 
@@ -97,11 +100,12 @@ def shard_value(
     mesh: the mesh; None uses the context mesh.
     path: how the value is named in errors and warnings.
     logical: whether ``names`` are logical names (see above).
-    fit: replicate dimensions the mesh cannot shard as asked (an axis the
-      mesh lacks, an indivisible size) instead of failing; one
-      :class:`ShardingFitWarning` lists the changes.
+    replicate_indivisible: replicate dimensions the mesh cannot shard as
+      asked (an axis the mesh lacks, an indivisible size) instead of failing;
+      one :class:`IndivisibleDimensionWarning` lists the changes.
     strict: a logical name no usable rule maps raises instead of being
       replicated.
+    fit: the former name of ``replicate_indivisible`` (deprecated).
 
   Raises:
     NoMeshError: no mesh given or set.
@@ -119,43 +123,91 @@ def shard_value(
     ...                   logical=False).sharding.spec
     P('model', None)
   """
+  replicate = replicate_option(replicate_indivisible, fit, 'shard_value')
   if names is None:
     return value
-  # A mesh passed where the rules go is refused here, by name.
-  rules_n = normalize_rules(rules) if rules is not None else None
+  rules_t = _value_rules(rules, logical)
   mesh = require_mesh(mesh, 'shard_value')
-  if logical is False:
-    rules_t: tuple[tuple[str, Any], ...] | None = None
-  else:
-    rules_t = rules_n if rules_n is not None else get_logical_axis_rules()
-    if not rules_t and logical is None:
-      rules_t = None
-  changes: list[tuple[str, tuple[str, ...]]] = []
-  unmapped: list[Unmapped] = []
+  call = _Call(mesh, replicate, strict)
 
   def one(x: Any, n: Any, where: str) -> Any:
-    n = _checked_names(x, n, where)
-    if rules_t is None:
-      entries = n
-    else:
-      if rules is None:
-        check_jit_key(isinstance(x, jax.core.Tracer))
-      resolved = resolve(n, rules_t)
-      entries = unassigned_to_none(resolved)
-      missing = unmapped_names(n, resolved, UNASSIGNED)
-      if missing:
-        unmapped.append(
-          Unmapped(where, _shape(x), n, PartitionSpec(*entries), missing, rules_t)
-        )
-        if strict:
-          return x  # reported with every other leaf's below
-    return _place(x, entries, mesh, where, n, fit, changes)
+    return _shard_one(x, n, where, rules_t, rules is None, call)
 
   out = _map_names(one, names, value, path)
-  _report(unmapped, mesh, strict, 'Pass logical=False if the names are mesh axes. ')
-  if changes:
-    warn_adjustments(changes, stacklevel=3)
+  call.finish('Pass logical=False if the names are mesh axes. ')
   return out
+
+
+def _value_rules(
+  rules: LogicalRules | None, logical: bool | None
+) -> tuple[tuple[str, Any], ...] | None:
+  """The rules ``shard_value`` resolves with; None when names are mesh axes."""
+  # A mesh passed where the rules go is refused here, by name.
+  rules_n = normalize_rules(rules) if rules is not None else None
+  if logical is False:
+    return None
+  rules_t = rules_n if rules_n is not None else get_logical_axis_rules()
+  return None if not rules_t and logical is None else rules_t
+
+
+class _Call:
+  """What one call collects while it lays a value (or a tree of them) out."""
+
+  def __init__(self, mesh: AnyMesh, replicate: bool, strict: bool):
+    self.mesh, self.replicate, self.strict = mesh, replicate, strict
+    self.changes: list[tuple[str, tuple[str, ...]]] = []
+    self.unmapped: list[Unmapped] = []
+
+  def place(self, x: Any, entries: tuple[Any, ...], where: str, names: Any) -> Any:
+    """Lays ``x`` out as ``entries`` say (see ``_placement.apply_spec``)."""
+    replicated: list[str] | None = [] if self.replicate else None
+    out = apply_spec(
+      x, entries, self.mesh, path=where, names=names, replicated=replicated
+    )
+    if replicated:
+      self.changes.append((where, tuple(replicated)))
+    return out
+
+  def finish(self, also: str = '') -> None:
+    """Warns about unmapped names (or raises them all when strict) and about
+    replicated dimensions.
+
+    In strict mode the leaves concerned were left unplaced, so every unmapped
+    name of the call is raised together.
+    """
+    # warn <- report_unmapped <- finish <- shard_value / constraint <- user.
+    problems = report_unmapped(
+      self.unmapped, self.mesh.axis_names, self.strict, stacklevel=4, also=also
+    )
+    if problems:
+      raise ShardingError(problems)
+    if self.changes:
+      warn_replicated(self.changes, stacklevel=4)
+
+
+def _shard_one(
+  x: Any,
+  names: Any,
+  where: str,
+  rules: tuple[tuple[str, Any], ...] | None,
+  check_context: bool,
+  call: _Call,
+) -> Any:
+  """One array of ``shard_value``: its names resolved (if logical), then placed."""
+  names = _checked_names(x, names, where)
+  if rules is None:
+    return call.place(x, names, where, names)
+  if check_context:
+    check_jit_key(isinstance(x, jax.core.Tracer))
+  resolved = resolve(names, rules)
+  entries = unassigned_to_none(resolved)
+  missing = unmapped_names(names, resolved, UNASSIGNED)
+  if missing:
+    spec = PartitionSpec(*entries)
+    call.unmapped.append(Unmapped(where, _shape(x), names, spec, missing, rules))
+    if call.strict:
+      return x  # reported with every other leaf's by finish
+  return call.place(x, entries, where, names)
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -270,49 +322,16 @@ def _join(root: str, sub: str) -> str:
   return f'{root}/{sub}' if sub else root
 
 
-def _place(
-  x: Any,
-  entries: tuple[Any, ...],
-  mesh: AnyMesh,
-  where: str,
-  names: Any,
-  fit: bool,
-  changes: list[tuple[str, tuple[str, ...]]],
-) -> Any:
-  fitted: list[str] | None = [] if fit else None
-  out = apply_spec(x, entries, mesh, path=where, names=names, fit_changes=fitted)
-  if fitted:
-    changes.append((where, tuple(fitted)))
-  return out
-
-
-def _report(
-  unmapped: list[Unmapped], mesh: AnyMesh, strict: bool, also: str = ''
-) -> None:
-  """Warns about unmapped mesh-axis names, or raises them all when strict.
-
-  In strict mode the leaves concerned were left unplaced, so every unmapped
-  name of the call is raised together.
-  """
-  # warn <- report_unmapped <- _report <- shard_value / constraint <- user.
-  problems = report_unmapped(unmapped, mesh.axis_names, strict, stacklevel=4, also=also)
-  if problems:
-    raise ShardingError(problems)
-
-
 def _constrain_one(
   x: Any,
   names: Any,
-  rules: tuple[tuple[str, Any], ...],
-  mesh: AnyMesh,
-  fallback: RulesFallback,
-  strict: bool,
   where: str,
-  fit: bool,
-  changes: list[tuple[str, tuple[str, ...]]],
-  unmapped: list[Unmapped],
+  rules: tuple[tuple[str, Any], ...],
+  fallback: RulesFallback,
   check_context: bool,
+  call: _Call,
 ) -> Any:
+  """One array of ``with_logical_constraint``: resolved, then constrained."""
   if names is None:
     return x
   names = _checked_names(x, names, where)
@@ -322,11 +341,10 @@ def _constrain_one(
   entries = unassigned_to_none(resolved)
   missing = unmapped_names(names, resolved, UNASSIGNED)
   if missing:
-    if strict:
-      unmapped.append(
-        Unmapped(where, _shape(x), names, PartitionSpec(*entries), missing, rules)
-      )
-      return x  # reported with every other leaf's by the caller
+    spec = PartitionSpec(*entries)
+    if call.strict:
+      call.unmapped.append(Unmapped(where, _shape(x), names, spec, missing, rules))
+      return x  # reported with every other leaf's by finish
     if fallback is RulesFallback.NO_CONSTRAINT:
       return x
     if fallback is RulesFallback.RAISE_ERROR:
@@ -342,10 +360,8 @@ def _constrain_one(
           )
         ]
       )
-    unmapped.append(
-      Unmapped(where, _shape(x), names, PartitionSpec(*entries), missing, rules)
-    )
-  return _place(x, entries, mesh, where, names, fit, changes)
+    call.unmapped.append(Unmapped(where, _shape(x), names, spec, missing, rules))
+  return call.place(x, entries, where, names)
 
 
 def _is_names(x: Any) -> bool:
@@ -365,8 +381,9 @@ def with_logical_constraint(
   mesh: AnyMesh | None = None,
   fallback: RulesFallback = RulesFallback.AXIS_IS_UNSHARDED,
   *,
-  fit: bool = False,
+  replicate_indivisible: bool = False,
   strict: bool = False,
+  fit: bool | None = None,
 ) -> PyTree:
   """Constrains an activation (or a pytree of them) by logical names.
 
@@ -389,10 +406,12 @@ def with_logical_constraint(
     rules: logical axis rules; None uses the context rules.
     mesh: the mesh; None uses the context mesh.
     fallback: what a name no rule maps does (see :class:`RulesFallback`).
-    fit: replicate dimensions the mesh cannot shard as asked instead of
-      failing; one :class:`ShardingFitWarning` lists the changes.
+    replicate_indivisible: replicate dimensions the mesh cannot shard as
+      asked instead of failing; one :class:`IndivisibleDimensionWarning` lists
+      the changes.
     strict: a logical name no usable rule maps raises a ShardingError naming
       it (whatever ``fallback`` says).
+    fit: the former name of ``replicate_indivisible`` (deprecated).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -400,31 +419,16 @@ def with_logical_constraint(
     >>> fsm.with_logical_constraint(x, ('batch', None)) is x  # no rules, no mesh
     True
   """
+  replicate = replicate_option(replicate_indivisible, fit, 'with_logical_constraint')
   rules_t = normalize_rules(rules) if rules is not None else get_logical_axis_rules()
   mesh = mesh if mesh is not None else context_mesh()
   if not rules_t or mesh is None or names is None:
     return x
-  mesh = check_mesh(mesh, 'with_logical_constraint')
-  changes: list[tuple[str, tuple[str, ...]]] = []
-  unmapped: list[Unmapped] = []
+  call = _Call(check_mesh(mesh, 'with_logical_constraint'), replicate, strict)
 
   def one(v: Any, n: Any, where: str) -> Any:
-    return _constrain_one(
-      v,
-      n,
-      rules_t,
-      mesh,
-      fallback,
-      strict,
-      where,
-      fit,
-      changes,
-      unmapped,
-      rules is None,
-    )
+    return _constrain_one(v, n, where, rules_t, fallback, rules is None, call)
 
   out = _map_names(one, names, x, '<constraint>')
-  _report(unmapped, mesh, strict)
-  if changes:
-    warn_adjustments(changes, stacklevel=3)
+  call.finish()
   return out

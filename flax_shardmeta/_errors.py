@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -18,7 +19,8 @@ class ShardingProblem:
     spec: the resolved PartitionSpec (None when resolution itself failed).
     reason: what is wrong.
     hint: how to fix it.
-    dims: the array dimensions concerned (used by fit mode to replicate them).
+    dims: the array dimensions concerned (``replicate_indivisible=True``
+      replicates them).
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -227,9 +229,8 @@ class LaunchError(FlaxShardmetaError):
   message shows each exit code and the end of each stderr.
 
   Example:
-    >>> import flax_shardmeta as fsm
-    >>> error = fsm.LaunchError('process 1 exited with code 1', [(0, '', ''),
-    ...                                                         (1, '', 'boom')])
+    >>> error = LaunchError('process 1 exited with code 1', [(0, '', ''),
+    ...                                                     (1, '', 'boom')])
     >>> [code for code, _, _ in error.results]
     [0, 1]
   """
@@ -320,12 +321,16 @@ class ExplicitShardingError(FlaxShardmetaError):
     self.operands, self.jax_message = tuple(operands), jax_message
 
 
-class ShardingFitWarning(UserWarning):
-  """Issued when ``fit=True`` replicated dimensions that could not be sharded.
+class IndivisibleDimensionWarning(UserWarning):
+  """Issued when ``replicate_indivisible=True`` replicated dimensions the mesh
+  cannot divide as annotated.
 
-  The message lists the changes (summarised per kind of change on large
-  trees); ``adjustments`` holds every change as a ``'path: change'`` line,
-  built only when first read.
+  A dimension is indivisible when its size is not a multiple of its mesh
+  axes' sizes, or the mesh lacks one of those axes (or uses it twice), or it
+  is UNCONSTRAINED where a definite layout is needed. One warning per call
+  lists the changes (summarised per kind of change on large trees);
+  ``adjustments`` holds every change as a ``'path: change'`` line, built only
+  when first read. ``fsm.ShardingFitWarning`` is its former name (deprecated).
 
   Example:
     >>> import warnings
@@ -337,9 +342,9 @@ class ShardingFitWarning(UserWarning):
     ...     jax.ShapeDtypeStruct((6,), jnp.float32), ('model',))}
     >>> with warnings.catch_warnings(record=True) as caught:
     ...   warnings.simplefilter('always')
-    ...   plan = fsm.plan(tree, mesh, fit=True)
+    ...   plan = fsm.plan(tree, mesh, replicate_indivisible=True)
     >>> caught[0].category.__name__, plan.entries[0].spec
-    ('ShardingFitWarning', P(None,))
+    ('IndivisibleDimensionWarning', P(None,))
     >>> caught[0].message.adjustments
     ("w: dimension 0: 'model' -> None (dimension 0 of size 6 is not divisible
       by 'model'=4)",)
@@ -412,6 +417,24 @@ def unmapped_hint(name: str) -> str:
     f'did you mean mesh-axis annotations (`with_partitioning`) or a rule '
     f'({name!r}, {name!r})?'
   )
+
+
+_DEPRECATED = {'ShardingFitWarning': 'IndivisibleDimensionWarning'}
+"""Former names kept for one release: old name -> current name."""
+
+
+def __getattr__(name: str) -> Any:
+  """Former names of this module's classes, with a DeprecationWarning (PEP 562)."""
+  new = _DEPRECATED.get(name)
+  if new is None:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  warnings.warn(
+    f'{name} is deprecated: use {new} (the same class; the old name will be '
+    'removed in the next release).',
+    DeprecationWarning,
+    stacklevel=2,
+  )
+  return globals()[new]
 
 
 def _format(spec: Any) -> str:

@@ -29,7 +29,7 @@ from jax.sharding import AxisType, PartitionSpec
 from flax_shardmeta._errors import ExplicitShardingError
 from flax_shardmeta._frames import in_dirs, jax_dirs, library_dirs
 from flax_shardmeta._placement import context_mesh
-from flax_shardmeta._rules import logical_to_mesh_axes
+from flax_shardmeta._resolution import logical_to_mesh_axes
 from flax_shardmeta._specs import mesh_axes_of
 from flax_shardmeta._typing import LogicalNames, LogicalRules
 
@@ -168,15 +168,13 @@ def _explained(
   error: Exception, operation: str, *, auto_out_sharding: bool
 ) -> ExplicitShardingError:
   frames = _frames(error.__traceback__)
-  primitive, operands = _primitive_and_operands(frames)
   outside_jax = [i for i, f in enumerate(frames) if not _in(f, _JAX_DIRS)]
   op_frame = frames[outside_jax[-1]] if outside_jax else None
+  primitive, operands = operands_from_frames(frames, op_frame)
   if primitive is None and outside_jax and outside_jax[-1] + 1 < len(frames):
     primitive = frames[outside_jax[-1] + 1][0].f_code.co_name  # the jax function
   user_frame = next((f for f in reversed(frames) if not _in(f, library_dirs())), None)
   source = _where(op_frame) if op_frame is not None else '<unknown>'
-  if not operands and op_frame is not None:
-    operands = _local_arrays(op_frame[0])
   what = primitive or 'an operation'
   if auto_out_sharding:
     head = f'{operation}: {what} was given an out_sharding it cannot take here'
@@ -254,33 +252,59 @@ def _short(file: str) -> str:
   return file
 
 
-def _primitive_and_operands(frames: list[_Frame]) -> tuple[str | None, list[str]]:
-  """The primitive being bound and its operands' types, from jax's own frames."""
-  for frame, _ in reversed(frames):
-    local = frame.f_locals
-    avals = local.get('avals')
-    prim: Any = local.get('prim', local.get('primitive', local.get('self')))
-    if isinstance(avals, (list, tuple)) and avals and isinstance(prim, _primitive()):
-      return str(prim.name), [_type_of(a) for a in avals]
-  return None, []
+# The names of the local variables read by operands_from_frames: those of
+# jax's own frames that bind a primitive (core.Primitive.bind and
+# bind_with_trace, lax.utils.standard_abstract_eval and the sharding rules
+# it calls, partial_eval's process_primitive).
+_AVALS_LOCAL = 'avals'
+_PRIMITIVE_LOCALS = ('prim', 'primitive', 'self')
 
 
-def _primitive() -> type:
-  from jax.extend.core import Primitive
+def operands_from_frames(
+  frames: list[_Frame], op_frame: _Frame | None
+) -> tuple[str | None, tuple[str, ...]]:
+  """The primitive jax was binding and its operands' types, read from the
+  local variables of the traceback's frames; ``(None, ())`` when they cannot be.
 
-  return Primitive
+  The one place that reads frames' locals, because jax's ShardingTypeError
+  names neither the primitive nor its operands' shardings, and jax gives no
+  structured way to them: they are local variables of its own frames. Relied
+  on (jax 0.10.2 to 0.12): some frame below the operation holds ``avals``
+  (the operands' abstract values, with ``str_short``) next to the
+  ``jax.extend.core.Primitive`` being bound, as ``prim``, ``primitive`` or
+  ``self``; the innermost such frame is read. Where jax has filtered its own
+  frames out (the error caught around a ``jax.jit`` call), the jax Arrays
+  among the local variables of the operation's own frame stand in, named.
+  Anything else (locals renamed, another kind of aval) gives no operands:
+  the error is still explained, without them, never with wrong ones.
+  tests/test_explicit.py provokes real errors from flax layers and checks
+  the operands read, so a jax release that moves them is noticed there.
+  """
+  try:
+    from jax.extend.core import Primitive
+
+    for frame, _ in reversed(frames):
+      local = frame.f_locals
+      avals = local.get(_AVALS_LOCAL)
+      prim: Any = next(
+        (local[n] for n in _PRIMITIVE_LOCALS if isinstance(local.get(n), Primitive)),
+        None,
+      )
+      if isinstance(avals, (list, tuple)) and avals and prim is not None:
+        return str(prim.name), tuple(_type_of(a) for a in avals)
+    if op_frame is None:
+      return None, ()
+    return None, tuple(
+      f'{name}: {_type_of(value)}'
+      for name, value in op_frame[0].f_locals.items()
+      if isinstance(value, jax.Array)  # tracers are jax.Arrays too
+    )
+  except Exception:  # noqa: BLE001 - explained without operands, never wrongly
+    return None, ()
 
 
 def _type_of(value: Any) -> str:
+  """``float32[8@data,16@model]``: an array's (or aval's) short type."""
   aval = getattr(value, 'aval', value)
   short = getattr(aval, 'str_short', None)
   return str(short()) if callable(short) else str(aval)
-
-
-def _local_arrays(frame: types.FrameType) -> list[str]:
-  """``name: type`` of the arrays among a frame's local variables."""
-  return [
-    f'{name}: {_type_of(value)}'
-    for name, value in frame.f_locals.items()
-    if isinstance(value, jax.Array)  # tracers are jax.Arrays too
-  ]

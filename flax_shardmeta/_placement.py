@@ -16,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from flax_shardmeta._errors import NoMeshError, ShardingError, ShardingProblem
 from flax_shardmeta._specs import UNCONSTRAINED, mesh_axes_of
 from flax_shardmeta._typing import AnyMesh
-from flax_shardmeta._validate import check_spec, fit_spec
+from flax_shardmeta._validate import check_spec, replicate_indivisible
 
 
 def context_mesh() -> AnyMesh | None:
@@ -79,27 +79,27 @@ def apply_spec(
   *,
   path: str = '<value>',
   names: Any = None,
-  fit_changes: list[str] | None = None,
+  replicated: list[str] | None = None,
 ) -> Any:
   """Validates ``entries`` for ``value`` on ``mesh`` and applies them.
 
-  With ``fit_changes`` (a list), dimensions the mesh cannot shard as asked
-  are replicated instead of failing (``fit=True``), and each change is
-  appended to it as one sentence.
+  With ``replicated`` (a list), dimensions the mesh cannot shard as asked
+  are replicated instead of failing (``replicate_indivisible=True``), and
+  each change is appended to it as one sentence.
   """
   manual = manual_axes(mesh)
   if manual:
     entries = _drop_axes(entries, manual)
   shape = tuple(getattr(value, 'shape', ()))
-  if fit_changes is not None:
-    entries, issues, changes = fit_spec(shape, entries, mesh)
-    fit_changes.extend(changes)
+  if replicated is not None:
+    entries, issues, changes = replicate_indivisible(shape, entries, mesh)
+    replicated.extend(changes)
   else:
     issues = check_spec(shape, entries, mesh)
   types = {n: t for n, t in zip(mesh.axis_names, mesh.axis_types) if n not in manual}
   kinds = set(types.values())
   if types and AxisType.Auto not in kinds:
-    entries, more = _no_open_dims(entries, fit_changes, types)
+    entries, more = _no_open_dims(entries, replicated, types)
     issues = tuple(issues) + tuple(more)
   spec = PartitionSpec(*entries)
   if issues:
@@ -152,10 +152,11 @@ def _apply(
 
 def _no_open_dims(
   entries: tuple[Any, ...],
-  fit_changes: list[str] | None,
+  replicated: list[str] | None,
   types: dict[str, Any],
 ) -> tuple[tuple[Any, ...], list[tuple[str, str, tuple[int, ...]]]]:
-  """UNCONSTRAINED on a mesh with no Auto axes: replicated with fit, else an issue.
+  """UNCONSTRAINED on a mesh with no Auto axes: replicated when ``replicated``
+  collects changes, else an issue.
 
   Only Auto axes can be left to the compiler; jax refuses UNCONSTRAINED when
   every axis is Explicit.
@@ -168,8 +169,8 @@ def _no_open_dims(
     f'UNCONSTRAINED leaves a dimension to the compiler, which only Auto mesh '
     f'axes allow, and this mesh has none ({shown})'
   )
-  if fit_changes is not None:
-    fit_changes.extend(
+  if replicated is not None:
+    replicated.extend(
       f'dimension {d}: UNCONSTRAINED -> None ({why})' for d in open_dims
     )
     return tuple(None if e is UNCONSTRAINED else e for e in entries), []
@@ -177,7 +178,7 @@ def _no_open_dims(
     (
       f'dimension {", ".join(map(str, open_dims))} is UNCONSTRAINED: {why}',
       'give the logical name a rule to None or to mesh axes, use a mesh with '
-      'Auto axes, or pass fit=True to replicate it',
+      'Auto axes, or pass replicate_indivisible=True to replicate it',
       open_dims,
     )
   ]

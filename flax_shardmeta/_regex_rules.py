@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec
 
 from flax_shardmeta._annotation import Leaf, walk
 from flax_shardmeta._errors import InvalidNamesError, InvalidRulesError
-from flax_shardmeta._rules import check_entries
+from flax_shardmeta._names import check_entries
 from flax_shardmeta._specs import make_spec, reductions_of, spec_entries
 from flax_shardmeta._typing import PyTree
 

@@ -1,11 +1,10 @@
-"""Logical axis rules: the rule context and the one resolution engine.
+"""Logical axis rules: their form, and the context that holds them.
 
-Rules are priority-ordered pairs ``(logical_name, mesh_axes)``. Resolution walks
-the rules in order; a rule gives its mesh axes to its name's dimension when that
-dimension has no assignment yet and none of the mesh axes is already used by
-another dimension of the same spec. Names left without a usable rule are
-replicated. Linen boxes, NNX Variables, constraints and plans all go through
-:func:`resolve`, so they share one semantics.
+Rules are priority-ordered pairs ``(logical_name, mesh_axes)``. This module
+checks their form (:func:`normalize_rules`), merges per-variable rules into
+global ones (:func:`composite_rules`) and keeps the rules in force per thread
+and asyncio task, with flax's ``nn.logical_axis_rules`` as the fallback. What
+the rules do to names is :mod:`flax_shardmeta._resolution`'s.
 """
 
 from __future__ import annotations
@@ -13,33 +12,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import dataclasses
 import functools
 import threading
 from collections.abc import Sequence
-from typing import Any, overload
+from typing import Any
 
-import jax
 from flax.core import spmd as flax_core_spmd
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from flax_shardmeta import _unmapped as unmapped_lib
 from flax_shardmeta._errors import (
-  InvalidNamesError,
   InvalidRulesError,
   RuleConflictError,
   RuleContextError,
-  ShardingError,
 )
-from flax_shardmeta._specs import (
-  UNASSIGNED,
-  UNCONSTRAINED,
-  format_entry,
-  format_spec,
-  mesh_axes_of,
-  unassigned_to_none,
-)
-from flax_shardmeta._typing import LogicalNames, LogicalRules, MeshAxes
+from flax_shardmeta._jit_key import require_key_honoured, set_thread_key, thread_key
+from flax_shardmeta._specs import UNCONSTRAINED
+from flax_shardmeta._typing import LogicalRules
 
 # Rule context
 # ------------------------------------------------------------------------------
@@ -49,13 +37,12 @@ from flax_shardmeta._typing import LogicalNames, LogicalRules, MeshAxes
 # Where none are set, flax's own ``nn.logical_axis_rules`` context is read, so
 # code that already sets flax's rules gets the same layouts from both. The
 # rules set here are also part of the cache key of ``jax.jit`` (through a jax
-# user context), so a function traced under one rule set is traced again
-# under another.
+# user context, see flax_shardmeta._jit_key), so a function traced under one
+# rule set is traced again under another.
 
 _own_rules: contextvars.ContextVar[tuple[tuple[str, Any], ...]] = (
   contextvars.ContextVar('flax_shardmeta_logical_axis_rules', default=())
 )
-_jit_key = jax.make_user_context(None)
 
 SOURCE_FSM = 'fsm.logical_axis_rules'
 SOURCE_FLAX = "flax's nn.logical_axis_rules"
@@ -69,9 +56,7 @@ def _key_of(rules: tuple[tuple[str, Any], ...]) -> Any:
 
 def _sync_jit_key(rules: tuple[tuple[str, Any], ...]) -> None:
   """Makes jax's thread-local cache key say ``rules``."""
-  key = _key_of(rules)
-  if _jit_key.value != key:
-    _jit_key(key).__enter__()  # sets the value for this thread; never undone
+  set_thread_key(_key_of(rules))
 
 
 def check_jit_key(tracing: bool) -> None:
@@ -83,14 +68,16 @@ def check_jit_key(tracing: bool) -> None:
   task's key; that is refused here. Outside a trace the key is just updated.
   """
   rules = _own_rules.get()
-  if _jit_key.value == _key_of(rules):
+  if thread_key() == _key_of(rules):
+    if tracing and rules:
+      require_key_honoured(format_rules(rules))
     return
   if tracing:
     raise RuleContextError(
       'this code is traced under the logical axis rules '
       f'{format_rules(rules)} of its own asyncio task (or contextvars '
       "Context), but jax.jit's cache key names "
-      f'{format_rules(_jit_key.value or ())}: another task of the same thread '
+      f'{format_rules(thread_key() or ())}: another task of the same thread '
       'changed it since this one entered its rules, and the trace would be '
       'reused under the wrong rules. Trace with fsm.jit(fn, mesh=..., rules=...), '
       'which enters its rules right where it traces, or do not await inside '
@@ -340,403 +327,3 @@ def _composite(g, loc):
       )
   seen = set(g)
   return g + tuple(r for r in loc if r not in seen)
-
-
-# Resolution
-# ------------------------------------------------------------------------------
-
-
-class Explanation(tuple):
-  """Per-dimension explanations: a tuple, printed one dimension per line.
-
-  Example:
-    >>> print(Explanation(['dim 0: replicated', 'dim 1: model']))
-    dim 0: replicated
-    dim 1: model
-  """
-
-  __slots__ = ()
-
-  def __str__(self) -> str:
-    return '\n'.join(str(x) for x in self)
-
-
-@dataclasses.dataclass(frozen=True)
-class RuleStep:
-  """What one rule did to one dimension during resolution."""
-
-  rule_index: int
-  rule: tuple[str, Any]
-  applied: bool
-  reason: str
-  source: str = ''
-  """Where the rule comes from: '' for rules passed as ``rules=``, else
-  ``fsm.logical_axis_rules``, ``flax's nn.logical_axis_rules`` or
-  ``per-variable rules``."""
-
-  def __str__(self) -> str:
-    verb = 'gave' if self.applied else 'skipped'
-    origin = f' of {self.source}' if self.source else ''
-    return f'rule #{self.rule_index} {self.rule!r}{origin} {verb}: {self.reason}'
-
-
-@dataclasses.dataclass(frozen=True)
-class DimExplanation:
-  """How one dimension got its mesh axes."""
-
-  name: Any
-  mesh_axes: Any
-  steps: tuple[RuleStep, ...]
-  no_rules: bool = False
-  """No rules were given or set at all."""
-
-  def __str__(self) -> str:
-    if not isinstance(self.name, str):
-      return f'{self.name!r} passed through as written'
-    if self.no_rules:
-      return (
-        f"'{self.name}': no rules are set (rules=None, and neither "
-        "fsm.logical_axis_rules nor flax's nn.logical_axis_rules is active), so "
-        'replicated'
-      )
-    if not self.steps:
-      return f"'{self.name}': no rule names it, so replicated"
-    return f"'{self.name}': " + '; '.join(str(s) for s in self.steps)
-
-
-def as_names(names: Any) -> tuple[Any, ...]:
-  """Names as a checked tuple: lists become tuples (also a list of mesh axes
-  inside), and anything else than one name entry per dimension is refused.
-
-  Example:
-    >>> as_names(['embed', ['data', 'model']])
-    ('embed', ('data', 'model'))
-  """
-  if isinstance(names, (str, bytes)):
-    raise InvalidNamesError(
-      f'names must be a sequence with one entry per dimension, got the '
-      f'string {names!r}; write ({names!r},) for a rank-1 value.'
-    )
-  if not isinstance(names, (tuple, list, PartitionSpec)):
-    raise InvalidNamesError(
-      f'names must be a tuple (or list) with one entry per dimension, got '
-      f'{_describe(names)}.'
-    )
-  out = tuple(tuple(n) if isinstance(n, list) else n for n in names)
-  check_entries(out)
-  return out
-
-
-def _describe(x: Any) -> str:
-  """A value's type and, for small values only, its text (never array contents)."""
-  if x is None or isinstance(x, (str, int, float, bool)):
-    return f'{type(x).__name__} {x!r}'
-  if hasattr(x, 'shape') and hasattr(x, 'dtype'):
-    return f'an array of shape {tuple(x.shape)}'
-  return f'a {type(x).__name__}'
-
-
-def _entry_issue(entry: Any) -> str | None:
-  if entry is None or entry is UNCONSTRAINED or isinstance(entry, str):
-    return None
-  if isinstance(entry, tuple):
-    inner = next((a for a in entry if not isinstance(a, str)), _OK)
-    if inner is _OK:
-      return None
-    if isinstance(inner, (tuple, list)):
-      return (
-        f'a tuple of mesh axes holds mesh-axis names only, not another tuple '
-        f'({inner!r}); flatten it, e.g. '
-        f'{tuple(a for e in entry for a in (e if isinstance(e, tuple) else (e,)))!r}'
-      )
-    return (
-      f'a tuple of mesh axes holds mesh-axis names (strings), not {_describe(inner)}'
-    )
-  return (
-    f'{_describe(entry)} is no name: an entry is a name (str), None, '
-    'PartitionSpec.UNCONSTRAINED or a tuple of mesh-axis names'
-  )
-
-
-_OK = object()
-
-
-def check_entries(names: tuple[Any, ...]) -> None:
-  """Refuses malformed entries: integers, nested tuples, anything not a name."""
-  for i, n in enumerate(names):
-    issue = _entry_issue(n)
-    if issue is not None:
-      raise InvalidNamesError(f'dimension {i} of names {format_spec(names)}: {issue}.')
-
-
-def check_names(names: tuple[Any, ...]) -> None:
-  """:func:`check_entries`, and a logical name may name one dimension only."""
-  check_entries(names)
-  seen = set()
-  for n in names:
-    if isinstance(n, str):
-      if n in seen:
-        raise InvalidNamesError(
-          f"Logical name '{n}' appears more than once in "
-          f'{format_spec(names)}; each logical name may name one dimension '
-          'only. Rename one of them.'
-        )
-      seen.add(n)
-
-
-def _assign(
-  names: tuple[Any, ...],
-  rules: tuple[tuple[str, Any], ...],
-  steps: list[list[RuleStep]] | None,
-) -> tuple[Any, ...]:
-  """The resolution loop; records each rule's effect in ``steps`` when given.
-
-  Rules are walked in priority order. A rule assigns its mesh axes to its
-  name's dimension when that dimension has none yet and none of the axes is
-  already used by another dimension of the spec.
-  """
-  check_names(names)
-  result: list[Any] = [UNASSIGNED if isinstance(n, str) else n for n in names]
-  if steps is None and UNASSIGNED not in result:
-    return tuple(result)
-  position = {n: i for i, n in enumerate(names) if isinstance(n, str)}
-  # Which dimension owns each mesh axis so far (names written as mesh axes too).
-  owner = {a: i for i, r in enumerate(result) for a in mesh_axes_of(r)}
-  assigned_by: dict[int, int] = {}
-  for k, (name, target) in enumerate(rules):
-    pos = position.get(name)
-    if pos is None:
-      continue
-    if result[pos] is not UNASSIGNED:
-      if steps is not None:
-        steps[pos].append(
-          RuleStep(
-            k,
-            (name, target),
-            False,
-            f'dimension already assigned by rule #{assigned_by[pos]}',
-          )
-        )
-      continue
-    axes = mesh_axes_of(target)
-    clash = next((a for a in axes if a in owner), None)
-    if clash is not None:
-      if steps is not None:
-        j = owner[clash]
-        steps[pos].append(
-          RuleStep(
-            k,
-            (name, target),
-            False,
-            f"mesh axis '{clash}' already used by dimension {j} ({names[j]!r})",
-          )
-        )
-      continue
-    result[pos] = target
-    assigned_by[pos] = k
-    owner.update((a, pos) for a in axes)
-    if steps is not None:
-      shown = 'replicated (None)' if target is None else format_entry(target)
-      steps[pos].append(RuleStep(k, (name, target), True, shown))
-  return tuple(result)
-
-
-@functools.lru_cache(maxsize=65536)
-def _resolve_cached(
-  names: tuple[Any, ...], rules: tuple[tuple[str, Any], ...]
-) -> tuple[Any, ...]:
-  return _assign(names, rules, None)
-
-
-def resolve(names: LogicalNames, rules: LogicalRules | None) -> tuple[Any, ...]:
-  """Resolves logical names to per-dimension mesh axes (cached).
-
-  Dimensions no rule could assign come back as :data:`UNASSIGNED` so callers
-  can choose a fallback; :func:`logical_to_mesh_axes` replicates them.
-  """
-  rules_t = normalize_rules(rules)
-  try:
-    return _resolve_cached(tuple(names), rules_t)
-  except TypeError:  # unhashable entries (lists of mesh axes), or no sequence
-    return _resolve_cached(as_names(names), rules_t)
-
-
-def explain(
-  names: LogicalNames,
-  rules: LogicalRules | None = None,
-  *,
-  local_rules: LogicalRules | None = None,
-  source: str | None = None,
-) -> Explanation:
-  """Per-dimension account of which rule gave the mesh axes and which were skipped.
-
-  The result is a tuple of :class:`DimExplanation`, printed one per line.
-
-  The same loop as :func:`resolve`, recording each rule's effect, so the
-  explanation always agrees with the resolution. With ``rules=None`` the
-  context rules are explained, and each step says which context they come
-  from (``fsm.logical_axis_rules`` or flax's ``nn.logical_axis_rules``).
-
-  Args:
-    names: one logical name (or None, mesh-axis tuple...) per dimension.
-    rules: the rules; None uses the context rules.
-    local_rules: per-variable rules, composed after ``rules``.
-    source: where ``rules`` come from, shown with each step (found out when
-      ``rules`` is None).
-
-  Example:
-    >>> import flax_shardmeta as fsm
-    >>> for d in fsm.explain_resolution(('bar', 'foo'),
-    ...                                 [('foo', 'model'), ('bar', 'model')]):
-    ...   print(d)
-    'bar': rule #1 ('bar', 'model') skipped: mesh axis 'model' already used by
-           dimension 1 ('foo')
-    'foo': rule #0 ('foo', 'model') gave: 'model'
-    >>> import flax.linen as nn
-    >>> with nn.logical_axis_rules([('foo', 'model')]):
-    ...   print(fsm.explain_resolution(('foo',))[0])
-    'foo': rule #0 ('foo', 'model') of flax's nn.logical_axis_rules gave: 'model'
-  """
-  names = as_names(names)
-  if rules is None:
-    global_rules, found = context_rules()
-  else:
-    global_rules, found = normalize_rules(rules), ''
-  source = found if source is None else source
-  all_rules = composite_rules(global_rules, local_rules)
-  steps: list[list[RuleStep]] = [[] for _ in names]
-  result = _assign(names, all_rules, steps)
-  n_global = len(global_rules)
-  sourced = [
-    [
-      dataclasses.replace(
-        st, source=source if st.rule_index < n_global else SOURCE_PER_VARIABLE
-      )
-      for st in dim
-    ]
-    for dim in steps
-  ]
-  return Explanation(
-    DimExplanation(n, m, tuple(st), no_rules=not all_rules and source == SOURCE_NONE)
-    for n, m, st in zip(names, unassigned_to_none(result), sourced)
-  )
-
-
-@overload
-def logical_to_mesh_axes(
-  names: None, rules: LogicalRules | None = None, *, strict: bool = False
-) -> None: ...
-@overload
-def logical_to_mesh_axes(
-  names: LogicalNames, rules: LogicalRules | None = None, *, strict: bool = False
-) -> PartitionSpec: ...
-def logical_to_mesh_axes(
-  names: LogicalNames | None,
-  rules: LogicalRules | None = None,
-  *,
-  strict: bool = False,
-) -> PartitionSpec | None:
-  """Resolves logical dimension names to a PartitionSpec of mesh axes.
-
-  Rules apply in order, so earlier rules have priority whatever the order of
-  the dimensions; a name with no usable rule is replicated; ``None`` and
-  ``PartitionSpec.UNCONSTRAINED`` entries pass through. ``rules=None`` uses
-  the context rules. A replicated name that is an axis of the mesh set by
-  ``jax.set_mesh`` gets an :class:`UnmappedMeshAxisNameWarning`.
-
-  Args:
-    names: one logical name (or None, a mesh-axis tuple, UNCONSTRAINED) per
-      dimension.
-    rules: logical axis rules; None uses the context rules.
-    strict: raise a ShardingError for a name no usable rule maps instead of
-      replicating it.
-
-  Example:
-    >>> import flax_shardmeta as fsm
-    >>> fsm.logical_to_mesh_axes(('bar', 'foo'),
-    ...                          [('foo', 'model'), ('bar', 'model')])
-    P(None, 'model')
-  """
-  if names is None:
-    return None
-  # Model code calls this per activation, also where no rules are meant to be
-  # set (planning, single device): no rules at all is not worth a warning here.
-  rules_t = rules_and_source(rules)[0]
-  names = as_names(names)
-  resolved = resolve(names, rules_t)
-  spec = PartitionSpec(*unassigned_to_none(resolved))
-  missing = unmapped_lib.unmapped_names(names, resolved, UNASSIGNED)
-  if missing:
-    record = unmapped_lib.Unmapped('<names>', None, names, spec, missing, rules_t)
-    problems = unmapped_lib.report([record], _context_mesh_axes(), strict, stacklevel=3)
-    if problems:
-      raise ShardingError(problems)
-  return spec
-
-
-def _context_mesh_axes() -> tuple[str, ...]:
-  # Only the axis names are needed: the abstract mesh of jax.set_mesh has them.
-  return tuple(jax.sharding.get_abstract_mesh().axis_names)
-
-
-# Standard rules
-# ------------------------------------------------------------------------------
-
-_T5X_REPLICATED = (
-  ('relpos_buckets', None),
-  ('abspos_buckets', None),
-  ('length', None),
-  ('layers', None),
-  ('stack', None),
-  ('mlp_activations', None),
-)
-
-
-def standard_logical_axis_rules(
-  activation_partitioning_dims: int = 1,
-  parameter_partitioning_dims: int = 1,
-  additional_rules: LogicalRules | None = None,
-) -> tuple[tuple[str, MeshAxes], ...]:
-  """The T5X default rules over a ``('data', 'model')`` mesh.
-
-  Args:
-    activation_partitioning_dims: 1, or 2 to also shard activations' embed
-      dimension over 'model'.
-    parameter_partitioning_dims: 1, or 2 to also shard parameters' embed
-      dimension over 'data' (2-D parameter sharding).
-    additional_rules: appended after the standard rules (lower priority).
-
-  Returns:
-    The priority-ordered rules.
-
-  Example:
-    >>> import flax_shardmeta as fsm
-    >>> rules = fsm.standard_logical_axis_rules(1, 2)
-    >>> fsm.logical_to_mesh_axes(('embed', 'mlp'), rules)
-    P('data', 'model')
-  """
-  base = (
-    ('batch', 'data'),
-    ('vocab', 'model'),
-    ('mlp', 'model'),
-    ('heads', 'model'),
-    ('kv', None),
-    ('joined_kv', 'model'),
-  )
-  dims = (activation_partitioning_dims, parameter_partitioning_dims)
-  if dims == (1, 1):
-    embed = (('embed', None),)
-  elif dims == (2, 1):
-    embed = (('embed', 'model'),)
-  elif dims == (1, 2):
-    embed = (('embed', 'data'),)
-  elif dims == (2, 2):
-    embed = (('embed', 'model'), ('embed', 'data'))
-  else:
-    raise InvalidRulesError(
-      f'activation_partitioning_dims={activation_partitioning_dims}, '
-      f'parameter_partitioning_dims={parameter_partitioning_dims} is not '
-      'supported; each must be 1 or 2.'
-    )
-  rules = base + embed + _T5X_REPLICATED
-  return rules + normalize_rules(additional_rules)

@@ -22,7 +22,7 @@ class _Unassigned:
 
 
 UNASSIGNED: Any = _Unassigned()
-"""Marker for a logical dimension no rule could assign (see ``_rules.resolve``)."""
+"""Marker for a logical dimension no rule could assign (see ``_resolution.resolve``)."""
 
 
 def mesh_axes_of(entry: Any) -> tuple[str, ...]:

@@ -210,34 +210,47 @@ def report(
   if no_rules:
     # Leaves with per-variable rules of their own are reported as usual.
     own = [r for r in records if r.rule_list()]
+    _warn_per_name(own, axes, stacklevel + 1, also)
     records = [r for r in records if not r.rule_list()]
-    report(own, axes, strict, stacklevel=stacklevel + 1, also=also)
-  if no_rules and records:
-    names = sorted({n for r in records for n in r.unmapped})
-    as_axes = [n for n in names if n in axes]
-    shown = ', '.join(repr(n) for n in names[:MAX_PATHS])
-    meant = (
-      f' ({", ".join(map(repr, as_axes))} '
-      + (
-        'is also a mesh-axis name' if len(as_axes) == 1 else 'are also mesh-axis names'
-      )
-      + ': annotate with `with_partitioning`, or pass logical=False to '
-      'shard_value, if mesh axes were meant)'
-      if as_axes
-      else ''
-    )
-    warnings.warn(
-      f'{len(records)} array(s) have logical names ({shown}) but no logical '
-      'axis rules are given or set (rules=None, and neither '
-      "fsm.logical_axis_rules nor flax's nn.logical_axis_rules is active), so "
-      f'they were replicated{meant}. Set rules with '
-      'fsm.logical_axis_rules([...]) or pass rules=...; strict=True makes this '
-      f'an error, rules=() replicates on purpose. {also}Concerned: '
-      f'{_listed(records)}.',
-      UnmappedNameWarning,
-      stacklevel=stacklevel,
-    )
+    if records:
+      _warn_no_rules(records, axes, stacklevel + 1, also)
     return []
+  _warn_per_name(records, axes, stacklevel + 1, also)
+  return []
+
+
+def _warn_no_rules(
+  records: list[Unmapped], axes: frozenset[str], stacklevel: int, also: str
+) -> None:
+  """One :class:`UnmappedNameWarning` for all a call replicated with no rules."""
+  names = sorted({n for r in records for n in r.unmapped})
+  as_axes = [n for n in names if n in axes]
+  shown = ', '.join(repr(n) for n in names[:MAX_PATHS])
+  meant = (
+    f' ({", ".join(map(repr, as_axes))} '
+    + ('is also a mesh-axis name' if len(as_axes) == 1 else 'are also mesh-axis names')
+    + ': annotate with `with_partitioning`, or pass logical=False to '
+    'shard_value, if mesh axes were meant)'
+    if as_axes
+    else ''
+  )
+  warnings.warn(
+    f'{len(records)} array(s) have logical names ({shown}) but no logical '
+    'axis rules are given or set (rules=None, and neither '
+    "fsm.logical_axis_rules nor flax's nn.logical_axis_rules is active), so "
+    f'they were replicated{meant}. Set rules with '
+    'fsm.logical_axis_rules([...]) or pass rules=...; strict=True makes this '
+    f'an error, rules=() replicates on purpose. {also}Concerned: '
+    f'{_listed(records)}.',
+    UnmappedNameWarning,
+    stacklevel=stacklevel,
+  )
+
+
+def _warn_per_name(
+  records: list[Unmapped], axes: frozenset[str], stacklevel: int, also: str
+) -> None:
+  """One warning per unmapped name that is a mesh axis or a near miss."""
   by_name: dict[str, list[Unmapped]] = {}
   close: dict[str, str] = {}
   for r in records:
@@ -275,4 +288,3 @@ def report(
       category,
       stacklevel=stacklevel,
     )
-  return []

@@ -42,37 +42,38 @@ def mesh(axis_type):
 @pytest.fixture
 def windowed_generations(monkeypatch) -> list[str]:
   """How each parameter generated from its windows was made, in order."""
-  from flax_shardmeta import _windowed as windowed
+  from flax_shardmeta._init import fill
 
   calls: list[str] = []
-  real = windowed.generate_sharded
+  real = fill.generate_sharded
 
   def spy(*args, **kwargs):
     calls.append(kwargs.get('how', 'chunks'))
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(windowed, 'generate_sharded', spy)
+  monkeypatch.setattr(fill, 'generate_sharded', spy)
   return calls
 
 
-# End-to-end grids run whole in CI (`-m slow`); by default one Auto and one
-# Explicit case of each stays, so `make test` is quick and still covers both.
-_FAST_CASES = {
-  'test_sharded_init.py::test_values_and_layout_match_plain_jitted_init': {
-    'auto-lecun-scan',
-    'explicit-orthogonal-unrolled',
-  },
-  'test_notebook_flow.py::test_notebook_flow': {
-    'auto-scan-logical',
-    'explicit-unrolled-mesh-axes',
-  },
-}
+@pytest.fixture(params=['fast', 'reference'])
+def nnx_reading(request):
+  """Runs an NNX test with each reading of Variables: the fast path (as the
+  probe chose it) and the reference reading it falls back to, forced."""
+  from flax_shardmeta._nnx import reading
+
+  if request.param == 'fast':
+    yield request.param
+    return
+  with reading.use_reference_reading():
+    yield request.param
 
 
-def pytest_collection_modifyitems(config, items):
-  for item in items:
-    spec = getattr(item, 'callspec', None)
-    key = f'{item.path.name}::{getattr(item, "originalname", "")}'
-    fast = _FAST_CASES.get(key)
-    if spec is not None and fast is not None and spec.id not in fast:
-      item.add_marker(pytest.mark.slow)
+def pytest_runtest_setup(item):
+  # TPU topologies come from libtpu: the `tpu` extra, which CI installs.
+  if item.get_closest_marker('libtpu'):
+    from flax_shardmeta._capacity import topology
+
+    if not topology.libtpu_available():
+      pytest.skip(
+        "libtpu is not installed (pip install 'flax_shardmeta[tpu]'; CI has it)"
+      )

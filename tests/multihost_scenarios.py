@@ -30,8 +30,10 @@ from flax import nnx  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import flax_shardmeta as fsm  # noqa: E402
-from flax_shardmeta.examples import linen as linen_models  # noqa: E402
-from flax_shardmeta.examples import nnx as nnx_models  # noqa: E402
+from flax_shardmeta.examples import (
+  linen as linen_models,  # noqa: E402
+  nnx as nnx_models,  # noqa: E402
+)
 
 RULES = linen_models.MLP_RULES
 # Processes sum gradients in another order than one process does. Adam turns a

@@ -3,8 +3,7 @@
 import jax
 import jax.numpy as jnp
 from flax.core import meta
-from jax.sharding import AbstractMesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh, PartitionSpec as P
 
 import flax_shardmeta as fsm
 from flax_shardmeta import _annotation

@@ -19,14 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import linen as nn
-from flax import nnx
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from flax import linen as nn, nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta import _loops as loops
-from flax_shardmeta import _windowed as windowed
+from flax_shardmeta._init import loops, windowed
 
 INITS = {
   'lecun_normal': nn.initializers.lecun_normal(),
@@ -322,7 +319,7 @@ def test_xla_computes_an_element_by_its_loops_minor_dimension(init_name):
         broken.append(f'{shape} at {offsets}, window {window}: {differ} differ')
   assert not broken, (
     f"XLA now computes {init_name} values by more than their loop's minor "
-    'dimension, so sharded inits (flax_shardmeta._loops.Loop) are no '
+    'dimension, so sharded inits (flax_shardmeta._init.loops.Loop) are no '
     'longer bit-identical to unsharded ones:\n' + '\n'.join(broken)
   )
 

@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax.core import meta
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
 
 import flax_shardmeta as fsm

@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import AbstractMesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh, PartitionSpec as P
 
 import flax_shardmeta as fsm
 from flax_shardmeta.examples.linen import MLP, MLP_RULES

@@ -12,6 +12,7 @@ import pytest
 
 import flax_shardmeta as fsm
 from flax_shardmeta import cli, examples
+from flax_shardmeta.cli.main import build_parser
 from flax_shardmeta.examples import linen as models
 
 MLP = ['plan', '--model', 'mlp', '--mesh', 'data=2,model=4']
@@ -96,7 +97,9 @@ def test_problems_exit_1_unless_allowed(capsys):
   }
 
 
-def test_fit_exits_0_and_lists_adjustments(capsys):
+@pytest.mark.parametrize('flag', ['--replicate-indivisible', '--fit'])
+def test_replicate_indivisible_exits_0_and_lists_adjustments(capsys, flag):
+  # --fit: the former name, kept for one release.
   code, out, err = run(
     capsys,
     'plan',
@@ -104,12 +107,12 @@ def test_fit_exits_0_and_lists_adjustments(capsys):
     'mlp',
     '--mesh',
     'data=3,model=5',
-    '--fit',
+    flag,
     '--optimizer',
     'none',
   )
   assert code == 0, err
-  assert 'fit mode adjustments (2):' in out
+  assert 'replicated by replicate_indivisible=True (2):' in out
 
 
 def test_strict_turns_unmapped_names_into_problems(capsys, tmp_path):
@@ -445,8 +448,9 @@ def test_the_factory_is_called_under_the_mesh_and_rules(capsys, mine):
 
 
 def test_cli_modules_share_their_pieces_not_their_privates():
-  # Shared argument pieces live in cli_common, the factory contract in
-  # cli_factory; no CLI module reaches for another module's private helpers.
+  # Shared argument pieces live in cli.common, the factory contract in
+  # cli.factory; no CLI module reaches for another module's private helpers,
+  # by name (`from m import _x`) or through the module (`m._x`).
   import ast
   import importlib.util
 
@@ -456,16 +460,47 @@ def test_cli_modules_share_their_pieces_not_their_privates():
     except ModuleNotFoundError:  # a name inside a module, not a submodule
       return False
 
-  package = Path(fsm.__file__).parent
+  paths = sorted((Path(fsm.__file__).parent / 'cli').glob('*.py'))
+  assert {p.stem for p in paths} >= {'common', 'factory', 'plan', 'fit', 'suggest'}
   taken = []
-  for path in sorted(package.glob('cli*.py')):
-    for node in ast.walk(ast.parse(path.read_text())):
+  for path in paths:
+    tree = ast.parse(path.read_text())
+    modules = set()
+    for node in ast.walk(tree):
       if isinstance(node, ast.ImportFrom) and (node.module or '').startswith('flax'):
         for alias in node.names:
           name = f'{node.module}.{alias.name}'
-          if alias.name.startswith('_') and not is_module(name):
+          if is_module(name):
+            modules.add(alias.asname or alias.name)
+          elif alias.name.startswith('_'):
             taken.append(f'{path.name}: {name}')
+      elif isinstance(node, ast.Import):
+        modules |= {
+          a.asname for a in node.names if a.name.startswith('flax') and a.asname
+        }
+    for node in ast.walk(tree):
+      if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in modules
+        and node.attr.startswith('_')
+        and not node.attr.startswith('__')
+      ):
+        taken.append(f'{path.name}:{node.lineno}: {node.value.id}.{node.attr}')
   assert taken == []
+
+
+def test_each_command_is_a_module_adding_its_own_arguments():
+  import importlib
+
+  from flax_shardmeta.cli.main import COMMANDS, build_parser
+
+  assert list(COMMANDS) == ['demo', 'plan', 'fit', 'suggest']
+  for name, command in COMMANDS.items():
+    assert command is importlib.import_module(f'flax_shardmeta.cli.{name}')
+    assert callable(command.add_arguments) and callable(command.run)
+  sub = next(a for a in build_parser()._actions if a.dest == 'command')
+  assert list(sub.choices or ()) == list(COMMANDS)
 
 
 @pytest.mark.slow
@@ -532,7 +567,7 @@ def test_help_shows_every_default_and_no_markup(capsys, command):
   assert code == 0
   assert '``' not in out and ':func:' not in out
   options = out[out.index('options:') :]
-  for prog, action in _actions(cli._parser()):
+  for prog, action in _actions(build_parser()):
     if prog == ' '.join(['flax-shardmeta', *command]) and action.option_strings:
       flag = action.option_strings[0]
       assert action.help, f'{prog} {flag} has no help'

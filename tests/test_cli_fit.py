@@ -6,14 +6,10 @@ import textwrap
 
 import pytest
 
-from flax_shardmeta import cli, cli_common
-from flax_shardmeta._planning import topology
-from flax_shardmeta.examples import _common, train
+from flax_shardmeta import cli
+from flax_shardmeta.cli import common as cli_common
+from flax_shardmeta.examples import linen, train
 
-needs_libtpu = pytest.mark.skipif(
-  not topology.libtpu_available(),
-  reason="libtpu is not installed (pip install 'flax_shardmeta[tpu]'; CI has it)",
-)
 POD = ['fit', '--model', 'mlp', '--topology', 'v5p:2x2x1', '--mesh', 'data=2,model=2']
 
 
@@ -31,11 +27,11 @@ def error_line(capsys, *argv):
 
 
 def test_choices_match_the_examples():
-  assert cli_common.REMAT == _common.REMAT_POLICIES
+  assert cli_common.REMAT == linen.REMAT_POLICIES
   assert cli_common.OPTIMIZERS == train.OPTIMIZERS
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_fits_exits_0_with_the_table(capsys):
   code, out, err = run(capsys, *POD, '--batch', '64')
   assert code == 0, err
@@ -43,7 +39,7 @@ def test_fits_exits_0_with_the_table(capsys):
   assert 'verdict: FITS' in out and 'collectives per step' in out
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_does_not_fit_exits_1_and_json(capsys):
   code, out, _ = run(capsys, *POD, '--batch', '64', '--hbm', '1MiB', '--format', 'json')
   assert code == 1
@@ -82,7 +78,7 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
   assert message in err and len(err.strip().splitlines()) == 1
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_bad_topologies_exit_2(capsys):
   code, _, err = run(capsys, *POD[:3], '--topology', 'v5p-8', '--mesh', 'data=4')
   assert code == 2 and "unknown TPU topology 'v5p-8'" in err
@@ -156,7 +152,7 @@ def test_a_failing_step_exits_2_naming_the_factory(capsys, my_step):
   assert err.startswith('flax-shardmeta: error: 2 leaves cannot be sharded as')
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_an_eager_array_on_a_topology_says_to_build_abstractly(capsys, my_step):
   argv = ['fit', '--module', 'my_step:eager', '--topology', 'v5p:2x2x1']
   assert error_line(capsys, *argv, '--mesh', 'data=2,model=2') == (

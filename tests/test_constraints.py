@@ -4,8 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
 
@@ -302,16 +301,19 @@ def test_shard_value_axis_twice_in_one_dimension(mesh):
     fsm.shard_value(jnp.ones((8, 8)), (('data', 'data'), None), mesh=mesh)
 
 
-# fit=, strict=, logical= and trees
+# replicate_indivisible=, strict=, logical= and trees
 # ------------------------------------------------------------------------------
 
 
-def test_shard_value_fit_replicates_and_warns_once(mesh):
+def test_shard_value_replicate_indivisible_warns_once(mesh):
   x = jnp.ones((3, 8))
   with pytest.raises(fsm.ShardingError, match=r'fsm\.shard_value'):
-    fsm.shard_value(x, ('data', None), mesh=mesh)  # the hint names fit's calls
-  with pytest.warns(fsm.ShardingFitWarning) as record:
-    out = fsm.shard_value(x, ('data', 'model'), mesh=mesh, fit=True, path='acts')
+    # The hint names every call that takes replicate_indivisible=.
+    fsm.shard_value(x, ('data', None), mesh=mesh)
+  with pytest.warns(fsm.IndivisibleDimensionWarning) as record:
+    out = fsm.shard_value(
+      x, ('data', 'model'), mesh=mesh, replicate_indivisible=True, path='acts'
+    )
   assert_layout(out, mesh, P(None, 'model'))
   (warning,) = record
   assert "acts: dimension 0: 'data' -> None" in str(warning.message)
@@ -321,28 +323,32 @@ def test_shard_value_fit_replicates_and_warns_once(mesh):
   )
 
 
-def test_constraint_fit_on_a_tree_one_warning(mesh):
+def test_constraint_replicate_indivisible_on_a_tree_one_warning(mesh):
   tree = {'a': jnp.ones((3, 8)), 'b': jnp.ones((8, 6))}
   names = {'a': ('batch', 'hidden'), 'b': ('batch', 'hidden')}
-  with pytest.warns(fsm.ShardingFitWarning) as record:
-    out = fsm.with_logical_constraint(tree, names, RULES, mesh=mesh, fit=True)
+  with pytest.warns(fsm.IndivisibleDimensionWarning) as record:
+    out = fsm.with_logical_constraint(
+      tree, names, RULES, mesh=mesh, replicate_indivisible=True
+    )
   assert_layout(out['a'], mesh, P(None, 'model'))
   assert_layout(out['b'], mesh, P('data', None))
   (warning,) = record
   text = str(warning.message)
-  assert 'replicated 2 dimension(s)' in text
+  assert '2 dimension(s) could not be sharded' in text
   assert "<constraint>/a: dimension 0: 'data' -> None" in text
   assert "<constraint>/b: dimension 1: 'model' -> None" in text
 
 
-def test_constraint_fit_inside_jit(mesh):
+def test_constraint_replicate_indivisible_inside_jit(mesh):
   @jax.jit
   def f(x):
     return fsm.with_logical_constraint(
-      x * 2, ('batch', 'hidden'), RULES, mesh=mesh, fit=True
+      x * 2, ('batch', 'hidden'), RULES, mesh=mesh, replicate_indivisible=True
     )
 
-  with pytest.warns(fsm.ShardingFitWarning, match="dimension 1: 'model' -> None"):
+  with pytest.warns(
+    fsm.IndivisibleDimensionWarning, match="dimension 1: 'model' -> None"
+  ):
     out = f(jax.device_put(jnp.ones((8, 6)), NamedSharding(mesh, P())))
   assert_layout(out, mesh, P('data', None))
 
@@ -445,7 +451,7 @@ def test_constraint_honours_the_legacy_mesh_context():
 # ------------------------------------------------------------------------------
 
 
-def test_unconstrained_rule_on_an_all_explicit_mesh_is_named_or_fitted():
+def test_unconstrained_rule_on_an_all_explicit_mesh_is_named_or_replicated():
   # Item 8: jax refuses UNCONSTRAINED when no axis is Auto.
   mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)
   rules = [('batch', P.UNCONSTRAINED), ('mlp', 'model')]
@@ -457,8 +463,10 @@ def test_unconstrained_rule_on_an_all_explicit_mesh_is_named_or_fitted():
       r'mesh has none \(data: Explicit, model: Explicit\)',
     ):
       call(x, ('batch', 'mlp'), rules, mesh=mesh)
-  with pytest.warns(fsm.ShardingFitWarning, match='UNCONSTRAINED -> None'):
-    out = fsm.shard_value(x, ('batch', 'mlp'), rules, mesh=mesh, fit=True)
+  with pytest.warns(fsm.IndivisibleDimensionWarning, match='UNCONSTRAINED -> None'):
+    out = fsm.shard_value(
+      x, ('batch', 'mlp'), rules, mesh=mesh, replicate_indivisible=True
+    )
   assert_layout(out, mesh, P(None, 'model'))
 
 

@@ -16,8 +16,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.nnx import bridge
-from jax.sharding import AxisType
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 import flax_shardmeta as fsm
 

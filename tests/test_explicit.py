@@ -14,10 +14,10 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
+from flax_shardmeta import _explicit as explicit
 
 RULES = [('batch', 'data'), ('mlp', 'model'), ('embed', None)]
 EXPLICIT = (AxisType.Explicit,) * 2
@@ -179,6 +179,66 @@ def test_other_errors_pass_through():
     with fsm.explain_sharding_type_errors('fsm.jit'):
       raise ValueError('plain')
   assert not isinstance(info.value, fsm.FlaxShardmetaError)
+
+
+# Reading jax's frames: the probe of what _explicit relies on, and its fallback
+# ------------------------------------------------------------------------------
+
+
+def _nnx_contraction_error():
+  """A real ShardingTypeError from an NNX layer under fsm.jit, explained: the
+  second Linear contracts 'model', sharded on both of its operands."""
+  mesh = _mesh(EXPLICIT)
+  x = _batch(mesh)
+  with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
+    up = nnx.Linear(4, 16, rngs=nnx.Rngs(0), kernel_init=_nnx_init(('embed', 'mlp')))
+    down = nnx.Linear(16, 4, rngs=nnx.Rngs(1), kernel_init=_nnx_init(('mlp', 'embed')))
+
+  def forward(up, down, x):
+    return down(nnx.relu(up(x)))
+
+  with pytest.raises(fsm.ExplicitShardingError) as info:
+    fsm.jit(forward, mesh=mesh, rules=RULES)(up, down, x)
+  return info.value
+
+
+def test_jax_frames_still_hold_the_primitive_and_its_operands():
+  # Fails when a jax release moves the locals operands_from_frames reads.
+  e = _nnx_contraction_error()
+  assert e.operands == ('float32[8@data,16@model]', 'float32[16@model,4]')
+  assert str(e).startswith('fsm.jit: jax cannot infer the sharding of dot_general')
+  assert 'flax/nnx/nn/linear.py' in e.source
+  assert type(e.__cause__) is explicit._JaxShardingTypeError
+
+
+def test_jax_still_raises_its_sharding_type_error_where_it_is_imported():
+  # If it moved, jax's errors would pass through unexplained.
+  assert explicit._JaxShardingTypeError is not explicit._NeverRaised
+  assert explicit._JaxShardingTypeError.__name__ == 'ShardingTypeError'
+
+
+def test_renamed_jax_locals_fall_back_to_the_operations_own_locals(monkeypatch):
+  monkeypatch.setattr(explicit, '_AVALS_LOCAL', 'no_such_local')
+  e = _nnx_contraction_error()
+  # flax's Linear.__call__ holds its operands as `inputs` and `kernel`.
+  assert 'inputs: float32[8@data,16@model]' in e.operands
+  assert 'kernel: float32[16@model,4]' in e.operands
+  assert 'operands: inputs: float32[8@data,16@model]' in str(e)
+
+
+def test_unreadable_frames_still_explain_the_error_without_operands(monkeypatch):
+  def unreadable(value):
+    raise AttributeError('an aval of another kind')
+
+  monkeypatch.setattr(explicit, '_type_of', unreadable)
+  e = _nnx_contraction_error()
+  assert e.operands == ()
+  message = str(e)
+  assert 'operands:' not in message
+  assert message.startswith('fsm.jit: jax cannot infer the sharding of')
+  assert 'flax/nnx/nn/linear.py' in e.source
+  assert 'Contracting dimensions are sharded' in e.jax_message
+  assert 'AxisType.Auto' in message and 'fsm.logical_out_sharding' in message
 
 
 # A TrainState whose static fields differ from the abstract one

@@ -11,22 +11,20 @@ import jax
 import jax.numpy as jnp
 import pytest
 import treescope
-from jax.sharding import AbstractMesh, AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
 from flax_shardmeta import examples
-from flax_shardmeta._planning import cache as cache_lib
-from flax_shardmeta._planning import fit as fit_lib
-from flax_shardmeta._planning import topology
-from flax_shardmeta._planning.chips import chip_named, parse_bytes
+from flax_shardmeta._capacity import (
+  cache as cache_lib,
+  compiled as compiled_lib,
+  step as step_lib,
+  topology,
+)
+from flax_shardmeta._capacity.chips import chip_named, parse_bytes
 from flax_shardmeta.examples import train
 
 AUTO = (AxisType.Auto,) * 2
-needs_libtpu = pytest.mark.skipif(
-  not topology.libtpu_available(),
-  reason="libtpu is not installed (pip install 'flax_shardmeta[tpu]'; CI has it)",
-)
 MEMORY_FIELDS = (
   'argument_size_in_bytes',
   'output_size_in_bytes',
@@ -137,7 +135,7 @@ def test_plain_jax_jit_under_set_mesh_with_boxed_arguments():
 
   with jax.set_mesh(mesh):
     report = fsm.fit(jax.jit(step), params, batch, hbm='1MiB', cache=False)
-    shardings = fit_lib.prepare(fit_lib.Step.of(jax.jit(step), 2), (params, batch))
+    shardings = step_lib.prepare(step_lib.Step.of(jax.jit(step), 2), (params, batch))
   assert report.row('parameters') == 512 * 256 * 4 // 4
   assert report.row('batch and other inputs') == 64 * 512 * 4 // 2
   lowered_batch = shardings.lowered[1]  # the box around the batch is its layout
@@ -262,7 +260,7 @@ def test_estimate_is_exact_per_value_under_explicit_axes():
 # ------------------------------------------------------------------------------
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 @pytest.mark.parametrize(
   'name, shape',
   [('v5p:2x2x1', (2, 2)), pytest.param('v6e:2x4', (2, 4), marks=pytest.mark.slow)],
@@ -294,7 +292,7 @@ def test_figures_equal_xlas_on_tpu_topologies(name, shape):
   assert sum(c.count for c in report.collectives) >= in_text
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 @pytest.mark.slow
 def test_nnx_optimizer_step_on_a_topology():
   mesh = pod_mesh('v5p:2x2x1', (2, 2))
@@ -305,7 +303,7 @@ def test_nnx_optimizer_step_on_a_topology():
   assert nnx.row('parameters') == linen.row('parameters')
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_a_refused_program_is_a_verdict_not_an_exception():
   mesh = pod_mesh('v5e:2x2', (2, 2))  # 15.75 GiB per chip
 
@@ -326,7 +324,7 @@ def test_a_refused_program_is_a_verdict_not_an_exception():
   assert 'the compiler needs' in str(report)
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_topology_meshes_and_their_errors(monkeypatch):
   mesh = fsm.make_mesh({'data': -1, 'model': 4}, topology='v5p:4x4x8')
   assert dict(mesh.shape) == {'data': 32, 'model': 4}
@@ -354,7 +352,7 @@ def test_topology_meshes_and_their_errors(monkeypatch):
 
 
 def test_refusal_messages_are_read():
-  r = fit_lib.parse_refusal(
+  r = compiled_lib.parse_refusal(
     'RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for '
     'HLO temporaries (252.84G) exceeds available HBM (95.74G).'
   )
@@ -363,12 +361,12 @@ def test_refusal_messages_are_read():
     int(252.84 * 2**30),
     int(95.74 * 2**30),
   )
-  r = fit_lib.parse_refusal(
+  r = compiled_lib.parse_refusal(
     'RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory '
     'space hbm. Used 20.50G of 15.75G hbm. Exceeded hbm capacity by 4.75G.'
   )
   assert r is not None and r.required_bytes == int(20.5 * 2**30)
-  assert fit_lib.parse_refusal('INVALID_ARGUMENT: something else') is None
+  assert compiled_lib.parse_refusal('INVALID_ARGUMENT: something else') is None
 
 
 def test_sizes_parse():

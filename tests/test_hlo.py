@@ -4,10 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from flax_shardmeta._planning import hlo
+from flax_shardmeta._capacity import hlo, hlo_collectives, hlo_text, hlo_work
 
 ADD = """
 %add (a: f32[], b: f32[]) -> f32[] {
@@ -114,6 +113,8 @@ ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {
     ('replica_groups=[2,4]<=[8]', ('model',)),
     ('replica_groups=[4,2]<=[2,4]T(1,0)', ('data',)),
     ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", ('data',)),
+    # As XLA writes it since jax 0.12: the mesh's own axis names.
+    ("replica_groups=mesh['data'=2,'model'=4] {'model'}", ('model',)),
     # As libtpu writes it when the devices are not in iota order over its axes.
     (
       "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], "
@@ -153,9 +154,9 @@ def test_parser_reads_tuples_layouts_and_comments():
   shape = (
     '(s32[]{:T(128)}, bf16[2,128,512]{2,1,0:T(8,128)(2,1)S(1)}, /*index=2*/f32[4])'
   )
-  assert hlo.shape_bytes(shape) == 4 + 2 * 128 * 512 * 2 + 16
+  assert hlo_text.shape_bytes(shape) == 4 + 2 * 128 * 512 * 2 + 16
   line = f'  %w = {shape} while(%t), condition=%c, body=%b, metadata={{op_name="x"}}'
-  inst = hlo._parse_instruction(line)
+  inst = hlo_text.parse_instruction(line)
   assert inst is not None
   assert (inst.opcode, inst.operands, inst.called()) == (
     'while',
@@ -184,7 +185,7 @@ def test_real_scan_collectives_count_every_trip(length):
   assert length in [n for _, n in summary.loops]
   in_text = sum(
     text.count(f' {kind}(') + text.count(f' {kind}-start(')
-    for kind in hlo.COLLECTIVE_KINDS
+    for kind in hlo_collectives.COLLECTIVE_KINDS
   )
   runs = sum(op.runs for op in summary.collectives)
   inside = sum(1 for op in summary.collectives if op.runs == length)
@@ -203,6 +204,66 @@ def test_dot_and_convolution_flops_count_valid_window_positions():
     'window={size=2 pad=1_1 rhs_reversal=1}, dim_labels=fb0_i0o->0fb\n'
     '}\n'
   )
-  comp = hlo.parse(text)['main']
+  comp = hlo_text.parse(text)['main']
   conv = comp.instructions[-1]
-  assert hlo._dot_flops(conv, comp) == 2 * 100 * 2048 * 128 * 2
+  assert hlo_work.dot_flops(conv, comp) == 2 * 100 * 2048 * 128 * 2
+
+
+def test_xlas_text_format_is_still_what_the_reader_reads():
+  """Fails loudly when XLA changes how it prints a compiled program.
+
+  A real compiled program with a known loop (7 trips) and a known collective
+  (an all-reduce over 'data' inside the loop): the reader must find both, and
+  read every computation, instruction, opcode and operand as XLA's own module
+  objects have them.
+  """
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2)
+
+  def f(x):
+    def body(i, h):
+      return (
+        jnp.tanh(h)
+        + jax.lax.with_sharding_constraint(
+          h.sum(0, keepdims=True), NamedSharding(mesh, P())
+        )
+        * i
+      )
+
+    return jax.lax.fori_loop(0, 7, body, x)
+
+  x = jax.ShapeDtypeStruct(
+    (64, 32), jnp.float32, sharding=NamedSharding(mesh, P('data'))
+  )
+  compiled = jax.jit(f).lower(x).compile()
+  text = hlo_text.program_text(compiled)
+  computations = hlo_text.parse(text)
+  assert hlo_text.disagreements(computations, compiled) == []
+  summary = hlo.summarize_computations(computations, mesh.devices, mesh.axis_names)
+  assert 7 in [n for _, n in summary.loops], summary.loops
+  reduces = [c for c in summary.collectives if c.kind == 'all-reduce']
+  assert reduces and all(c.runs == 7 and c.axes == ('data',) for c in reduces)
+
+
+def test_disagreements_name_what_the_reader_got_wrong():
+  compiled = jax.jit(lambda x: -x).lower(jnp.ones(4)).compile()
+  computations = hlo_text.parse(hlo_text.program_text(compiled))
+  entry = hlo_text.entry(computations)
+  assert entry is not None
+  root = entry.instructions[-1]
+  root.opcode, root.operands = 'while', ['nothing']
+  (found,) = hlo_text.disagreements(computations, compiled)
+  assert f"{root.name}: opcode 'while'" in found
+
+
+def test_attributes_are_read_at_the_top_level_only():
+  line = (
+    '  %r = f32[8] all-reduce(%x), channel_id=3, replica_groups={{0,1},{2,3}}, '
+    'to_apply=%add, metadata={op_name="jit(f)/body=%fake index=9" source_line=1}'
+  )
+  inst = hlo_text.parse_instruction(line)
+  assert inst is not None
+  assert inst.called() == [('to_apply', 'add')]
+  assert inst.int_attribute('index') is None
+  assert inst.int_attribute('channel_id') == 3
+  assert inst.attribute('replica_groups') == '{{0,1},{2,3}}'
+  assert inst.first_group(4) == [0, 1]

@@ -7,8 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
 from flax_shardmeta.examples.linen import MLP, MLP_RULES
@@ -118,7 +117,8 @@ def test_host_local_to_global_names_the_leaf_that_cannot_split():
 
 def test_host_local_to_global_error_speaks_of_this_call():
   # Item 17: it showed names None though logical names were given, the
-  # inferred global size, an empty path for a bare array, and fit=True, which
+  # inferred global size, an empty path for a bare array, and
+  # replicate_indivisible=True (then spelled fit=True), which
   # this function does not take.
   mesh = jax.make_mesh((2, 4), ('data', 'model'))
   with pytest.raises(fsm.ShardingError) as info:
@@ -130,7 +130,7 @@ def test_host_local_to_global_error_speaks_of_this_call():
   assert problem.names == ('batch', None) and problem.spec == P('data', None)
   assert 'this process passed 7' in problem.reason and '3.5 each' in problem.reason
   assert 'fsm.data_layout(mesh, global_batch_size).batch_size' in problem.hint
-  assert 'fit' not in problem.hint and '14' not in str(info.value)
+  assert 'replicate_indivisible' not in problem.hint and '14' not in str(info.value)
   with pytest.raises(fsm.NoMeshError, match='host_local_to_global needs a mesh'):
     fsm.host_local_to_global(np.ones((8, 3)), None, ('batch', None))
   # Names as a list, as boxes take them.

@@ -7,6 +7,7 @@ or inside a function); the public ``__init__`` only re-exports. Modules under
 
 import ast
 import pathlib
+import re
 
 import flax_shardmeta
 
@@ -15,30 +16,57 @@ PACKAGE = pathlib.Path(flax_shardmeta.__file__).parent
 # Lowest first. A module may import any module of an earlier layer, or of its
 # own layer when listed before it.
 LAYERS = [
-  ['_typing', '_specs', '_caches', '_program_memory', '_frames'],
+  # The core: vocabulary -> rules -> placement -> boxes -> shardings -> constraints.
+  ['_typing', '_specs', '_caches', '_frames', '_arrays'],
   ['_errors'],
-  ['_unmapped'],
+  # How the rules enter jax.jit's cache key (the rule context sets it).
+  ['_jit_key'],
+  ['_names', '_unmapped'],
   ['_rules'],
+  ['_resolution', '_standard_rules'],
   ['_validate'],
   ['_placement'],
   ['_explicit'],
-  ['_loops', '_windowed'],
-  ['_generate'],
+  # _init (its lower half): one parameter made where it lives; the boxes call it.
+  ['_init.loops', '_init.jaxpr_graph', '_init.windowed', '_init.fill'],
+  ['_init.generate'],
+  # The NNX adapter's view of fsm's rules, which the Linen boxes hand to nnx.bridge.
+  ['_nnx.rules'],
   ['_boxes'],
+  ['_paths'],
   ['_annotation'],
   ['_sharding'],
-  ['_constraints', '_regex_rules'],
-  # _planning: whole-layout plans and what a step costs.
-  ['_planning.chips', '_planning.topology', '_planning.hlo', '_planning.cache'],
-  ['_planning.explain', '_planning.format', '_planning.plan'],
-  ['_planning.roofline', '_planning.fit_format', '_planning.report'],
-  ['_planning.presets'],
-  ['_planning.step', '_planning.estimate', '_planning.fit'],
-  ['_sharded_init'],
+  ['_abstract'],
+  ['_spec_trees', '_constraints', '_regex_rules'],
+  # _init (its upper half): a whole init as one program.
+  ['_init.program_memory', '_init.sharded_init'],
+  # _jit: fsm.jit.
+  ['_jit.graph', '_jit.jit'],
+  # _planning: whole-layout plans.
+  ['_planning.explain', '_planning.format', '_planning.entry'],
+  ['_planning.plan', '_planning.verify'],
+  # _capacity: what a whole step costs.
+  ['_capacity.chips', '_capacity.topology', '_capacity.cache'],
+  # The compiled program's text: read, then its loops, collectives and work.
+  [
+    '_capacity.hlo_text',
+    '_capacity.hlo_loops',
+    '_capacity.hlo_collectives',
+    '_capacity.hlo_work',
+    '_capacity.hlo',
+  ],
+  ['_capacity.roofline', '_capacity.fit_format', '_capacity.report'],
+  ['_capacity.presets'],
+  # The step, the estimate without a compiler, the compiled figures, fit.
+  ['_capacity.step', '_capacity.propagate', '_capacity.liveness', '_capacity.estimate'],
+  ['_capacity.compiled', '_capacity.extrapolate', '_capacity.fit'],
+  ['_capacity.candidate', '_capacity.suggest'],
   # _hosts: devices, processes, data and transfers.
-  ['_hosts.checkpoint', '_hosts.launch', '_hosts.mesh', '_hosts.data'],
-  ['_hosts.transfer', '_hosts.graph_jit', '_hosts.jit'],
-  ['_suggest'],
+  ['_hosts.launch', '_hosts.mesh', '_hosts.data'],
+  ['_hosts.transfer'],
+  # Adapters at the edges.
+  ['_nnx.metadata', '_nnx.writing'],
+  ['_nnx.reading', '_nnx.construct'],
   ['nnx'],
   [
     'examples._names',
@@ -49,10 +77,21 @@ LAYERS = [
     'examples.demo',
   ],
   ['examples.train'],
-  ['cli_common', 'cli_factory', 'cli_fit', 'cli_suggest', 'cli', '__main__'],
+  [
+    'cli.common',
+    'cli.factory',
+    'cli.demo',
+    'cli.plan',
+    'cli.fit',
+    'cli.suggest',
+    'cli.main',
+    'cli',
+    '__main__',
+  ],
 ]
 ORDER = {m: i for i, m in enumerate(m for layer in LAYERS for m in layer)}
-PACKAGES = {'', 'examples', '_planning', '_hosts'}
+SUBPACKAGES = ('_init', '_jit', '_planning', '_capacity', '_hosts', '_nnx')
+PACKAGES = {'', 'examples', *SUBPACKAGES}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -119,7 +158,7 @@ def test_imports_point_down_the_layers():
 
 def test_the_check_sees_function_level_imports():
   # A lazy import inside a function would hide a cycle from Python itself.
-  source = PACKAGE / 'cli.py'
+  source = PACKAGE / 'cli' / 'plan.py'
   assert any(target == '_planning.plan' for _, target in _imports(source))
   assert any(
     target == 'examples.nnx'
@@ -129,18 +168,61 @@ def test_the_check_sees_function_level_imports():
 
 def test_subpackages_say_what_they_may_import():
   # The layer a subpackage forms is documented where its modules live.
-  for sub in ('_planning', '_hosts'):
+  for sub in SUBPACKAGES:
     doc = ast.get_docstring(ast.parse((PACKAGE / sub / '__init__.py').read_text()))
     assert doc and 'may import' in doc, f'{sub}/__init__.py: say what it may import'
 
 
-def test_planning_never_imports_the_host_side():
-  # Planning runs on abstract meshes with no processes; the host side builds on it.
+# What each part of the package never imports, whatever the layer order says.
+NEVER = {
+  # The core builds no plans and costs no steps.
+  '': ('_planning', '_capacity', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
+  # Creating values knows nothing of plans, steps, hosts or adapters.
+  '_init': ('_planning', '_capacity', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
+  # Planning and capacity run on abstract meshes with no processes.
+  '_planning': ('_capacity', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
+  '_capacity': ('_hosts', '_jit', 'nnx', 'examples', 'cli'),
+  '_jit': ('_planning', '_capacity', '_hosts', 'nnx', 'examples', 'cli'),
+  # The NNX adapter's implementation serves the public nnx module, not a plan.
+  '_nnx': ('_planning', '_capacity', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
+}
+
+
+def _part(name: str) -> str:
+  head = name.split('.')[0]
+  return head if '.' in name and head in SUBPACKAGES else ''
+
+
+def test_each_part_never_imports_what_sits_above_it():
   wrong = [
     f'{name}:{line} imports {target}'
     for name, path in _modules().items()
-    if name.startswith('_planning.')
+    if name not in PACKAGES and name[:1] == '_' != name[1:2] and _part(name) in NEVER
     for line, target in _imports(path)
-    if target.startswith(('_hosts', 'nnx', 'examples', 'cli'))
+    if target.split('.')[0] in NEVER[_part(name)]
   ]
   assert not wrong, '\n'.join(wrong)
+
+
+def _readme_module_map() -> set[str]:
+  """The modules README.md's module map names, as dotted names."""
+  readme = (PACKAGE.parent / 'README.md').read_text()
+  table = readme.split('| layer | modules | what they hold |', 1)[1]
+  table = table.split('\n\n', 1)[0]
+  named = set()
+  for row in table.strip().splitlines()[1:]:
+    layer, modules = row.split(' | ')[:2]
+    package = re.search(r'\(`(\w+)/`', layer)
+    for module in re.findall(r'`([\w.]+/?)`', modules):
+      if module.endswith('/'):  # a whole package, e.g. `examples/`
+        named |= {m for m in _modules() if m.split('.')[0] == module[:-1]}
+      else:
+        named.add(f'{package.group(1)}.{module}' if package else module)
+  return named
+
+
+def test_the_readme_module_map_is_the_tree():
+  modules = set(_modules()) - PACKAGES - {'__main__'}
+  named = _readme_module_map() - PACKAGES
+  assert modules - named == set(), 'modules missing from README.md module map'
+  assert named - modules == set(), 'README.md module map names missing modules'

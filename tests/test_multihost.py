@@ -145,7 +145,7 @@ time.sleep(600)  # would hang in a collective forever
 
 def test_a_failing_process_fails_the_launch_fast_and_leaves_nothing(tmp_path):
   start = time.monotonic()
-  with pytest.raises(fsm.LaunchError, match='process 1 exited with code 1') as info:
+  with pytest.raises(_launch.LaunchError, match='process 1 exited with code 1') as info:
     _launch.launch(
       ['-c', FAILING],
       num_processes=2,
@@ -162,7 +162,7 @@ def test_a_failing_process_fails_the_launch_fast_and_leaves_nothing(tmp_path):
 
 def test_the_deadline_kills_every_process_and_frees_the_port():
   sleeper = 'import time; time.sleep(600)'
-  with pytest.raises(fsm.LaunchError, match=r'still running after 2 s') as info:
+  with pytest.raises(_launch.LaunchError, match=r'still running after 2 s') as info:
     _launch.launch(['-c', sleeper], num_processes=2, devices_per_process=1, timeout=2)
   assert len(info.value.results) == 2
 

@@ -8,12 +8,15 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
 
 RULES = [('batch', 'data'), ('mlp', 'model'), ('heads', 'model')]
+
+# Key tests run with each reading of Variables: the fast path and the
+# reference reading it falls back to (conftest's nnx_reading).
+each_reading = pytest.mark.usefixtures('nnx_reading')
 
 lecun = nnx.initializers.lecun_normal()
 zeros = nnx.initializers.zeros_init()
@@ -108,6 +111,7 @@ def test_eval_shape_under_explicit_mesh_carries_fsm_layout():
   assert value.sharding.spec == P(None, 'model')
 
 
+@each_reading
 def test_fsm_eval_shape_under_any_mesh_carries_fsm_layout(mesh):
   # Plain nnx.eval_shape under an Auto mesh lets flax attach shardings by its
   # own renaming, which fails on 'embed'; fsm.nnx.eval_shape does not.
@@ -135,6 +139,7 @@ def test_names_must_be_a_sequence():
 # ------------------------------------------------------------------------------
 
 
+@each_reading
 def test_get_partition_spec_is_as_written_with_state_structure():
   state = nnx.state(nnx.eval_shape(lambda: Mlp(16, 32, nnx.Rngs(0))))
   specs = fsm.get_partition_spec(state)
@@ -144,6 +149,7 @@ def test_get_partition_spec_is_as_written_with_state_structure():
   assert specs['up']['bias'].get_value() == P('mlp')
 
 
+@each_reading
 def test_get_sharding_has_exactly_the_state_structure(mesh):
   state = nnx.state(nnx.eval_shape(lambda: Mlp(16, 32, nnx.Rngs(0))))
   shardings = fsm.get_sharding(state, mesh, RULES)
@@ -152,6 +158,7 @@ def test_get_sharding_has_exactly_the_state_structure(mesh):
   assert shardings['up']['kernel'].get_value().spec == P(None, 'model')
 
 
+@each_reading
 def test_out_shardings_from_state_made_outside_any_context(mesh):
   # The abstract state comes from no mesh and no rules; the real one is
   # created under both: the trees must still match for jit.
@@ -167,6 +174,7 @@ def test_out_shardings_from_state_made_outside_any_context(mesh):
   )
 
 
+@each_reading
 @pytest.mark.parametrize('key', ['out_sharding', 'sharding_names', 'sharding'])
 def test_flax_own_annotations_under_every_key(key):
   mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
@@ -204,6 +212,7 @@ def test_flax_own_annotation_with_context_rules_and_mesh_metadata(mesh):
   assert got == P('model', 'data')
 
 
+@each_reading
 def test_named_sharding_metadata_is_understood():
   mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
   var = nnx.Param.from_metadata(
@@ -218,6 +227,7 @@ def test_named_sharding_metadata_is_understood():
   assert fsm.get_sharding(var, mesh).get_value().spec == P('model', None)
 
 
+@each_reading
 def test_errors_name_the_variable_path():
   class Block(nnx.Module):
     def __init__(self, rngs):
@@ -238,6 +248,7 @@ def test_errors_name_the_variable_path():
   assert len(info.value.problems) == 12
 
 
+@each_reading
 def test_rank_mismatch_is_reported_by_path():
   var = nnx.Param(
     jnp.ones((2, 8, 4)),
@@ -254,6 +265,7 @@ def test_rank_mismatch_is_reported_by_path():
 # ------------------------------------------------------------------------------
 
 
+@each_reading
 def test_bridge_to_nnx_keeps_fsm_box_annotations(mesh):
   import flax.linen as nn
 
@@ -303,6 +315,7 @@ def test_mixed_axis_types_at_construction():
 # ------------------------------------------------------------------------------
 
 
+@each_reading
 def test_as_abstract_on_a_module_and_on_its_state():
   # Abstract mesh with Auto axes; the layout comes from fsm's rules.
   mesh = jax.sharding.AbstractMesh(
@@ -325,19 +338,6 @@ def test_as_abstract_needs_a_mesh():
   abstract = nnx.eval_shape(lambda: Mlp(8, 16, nnx.Rngs(0)))
   with pytest.raises(fsm.NoMeshError, match='as_abstract needs a mesh'):
     fsm.nnx.as_abstract(abstract)
-
-
-def test_abstract_with_sharding_is_deprecated_for_as_abstract():
-  mesh = jax.sharding.AbstractMesh(
-    (2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2
-  )
-  state = nnx.state(nnx.eval_shape(lambda: Mlp(8, 16, nnx.Rngs(0))))
-  with pytest.warns(DeprecationWarning, match='use fsm.nnx.as_abstract'):
-    old = fsm.nnx.abstract_with_sharding(state, mesh, RULES)
-  new = fsm.nnx.as_abstract(state, mesh, RULES)
-  assert jax.tree.map(lambda x: x.sharding, old) == jax.tree.map(
-    lambda x: x.sharding, new
-  )
 
 
 def test_eager_sharding_switch_is_honoured(mesh):
@@ -370,6 +370,7 @@ def test_format_metadata_is_read_through_to_its_sharding():
   assert fsm.plan({'w': var}, mesh).entry('w').spec == P('model', None)
 
 
+@each_reading
 def test_reduced_axes_of_metadata_stay_in_the_layout():
   mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)
   spec = P('data', None, reduced={'model'})
@@ -378,6 +379,7 @@ def test_reduced_axes_of_metadata_stay_in_the_layout():
     assert fsm.get_sharding(var, mesh).get_value().spec == spec
 
 
+@each_reading
 def test_flax_optimizer_sharding_metadata_lays_out_the_moments():
   # flax's own metadata, no fsm initializer: nnx.Optimizer moves a parameter's
   # optimizer_sharding into its moments' out_sharding, and fsm reads that.

@@ -9,15 +9,17 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from hypothesis import HealthCheck, given, settings, strategies as st
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
 
 RULES = [('batch', 'data'), ('mlp', 'model'), ('layers', 'data')]
 LAYERS = {nnx.PARTITION_NAME: 'layers'}
+
+# Key tests run with each reading of Variables: the fast path and the
+# reference reading it falls back to (conftest's nnx_reading).
+each_reading = pytest.mark.usefixtures('nnx_reading')
 
 lecun = nnx.initializers.lecun_normal()
 
@@ -73,6 +75,7 @@ def carries(state, shardings) -> bool:
 # ------------------------------------------------------------------------------
 
 
+@each_reading
 def test_notebook_flow(mesh):
   tx = optax.adam(1e-2)
   with fsm.logical_axis_rules(RULES):
@@ -118,6 +121,7 @@ def make_stack(n: int, **vmap_kwargs):
   return create(jax.random.split(jax.random.key(0), n))
 
 
+@each_reading
 def test_vmap_inserts_layer_name_and_stack_is_sharded_along_it(mesh):
   with jax.set_mesh(mesh), fsm.logical_axis_rules(RULES):
     stack = fsm.nnx.shard_module(make_stack(4))
@@ -127,6 +131,7 @@ def test_vmap_inserts_layer_name_and_stack_is_sharded_along_it(mesh):
   assert stack.up.bias.get_value().sharding.spec == P('data', 'model')
 
 
+@each_reading
 def test_stack_layout_inside_jit_and_from_out_shardings(mesh):
   abstract = nnx.state(nnx.eval_shape(lambda: make_stack(4)))
   shardings = fsm.get_sharding(abstract, mesh, RULES)
@@ -164,6 +169,7 @@ def test_scan_construction_inserts_layer_name():
   assert specs['up']['kernel'].get_value() == P('layers', 'embed', 'mlp')
 
 
+@each_reading
 def test_tree_mode_vmap_leaves_names_short_and_error_names_path():
   # With graph=False flax does not insert the layer name.
   stack = make_stack(2, graph=False)
@@ -179,6 +185,7 @@ def test_shard_module_needs_a_mesh():
     fsm.nnx.shard_module(Block(nnx.Rngs(0)))
 
 
+@each_reading
 def test_shard_module_on_a_state_returns_a_new_state(mesh):
   state = nnx.state(Block(nnx.Rngs(0)))
   placed = fsm.nnx.shard_module(state, mesh, RULES)
@@ -195,6 +202,7 @@ def test_shard_module_on_a_state_returns_a_new_state(mesh):
   [optax.adam(1e-3), optax.adamw(1e-3), optax.adafactor(1e-3)],
   ids=['adam', 'adamw', 'adafactor'],
 )
+@each_reading
 def test_optimizer_state_gets_valid_shardings(tx, mesh):
   abstract = nnx.state(nnx.eval_shape(lambda: Trainer(tx)))
   shardings = fsm.get_sharding(abstract, mesh, RULES)
@@ -224,6 +232,7 @@ def test_adafactor_factored_moments_are_replicated(mesh):
   assert nnx.state(model)['w']['kernel'].shape == (256, 256)
 
 
+@each_reading
 def test_optimizer_sharding_overrides_the_moments_layout(mesh):
   tx = optax.adam(1e-3)
 

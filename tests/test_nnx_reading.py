@@ -3,17 +3,19 @@
 fsm reads a plain Variable from its fields and rebuilds results without
 flax's copying accessors, and makes one Annotation per distinct metadata.
 These tests pin that every result (tree structure, Variable types and
-metadata, shardings, specs, warnings, errors) is the one the straightforward
-reading gives: ``variable.get_value()``, the annotation made afresh from
-``variable.get_metadata()``, and ``variable.replace(result)``. Meshes have
-Auto or Explicit axes (the ``mesh`` fixture runs both).
+metadata, shardings, specs, warnings, errors) is the one the reference
+reading gives (``flax_shardmeta._nnx.reading``, the fallback the probe picks
+when flax's internals change): ``variable.get_value()``, the annotation made
+afresh from ``variable.get_metadata()``, and ``variable.replace(result)``.
+They also pin that the probe picks the fast path on the flax versions tested
+and the fallback when the internals it relies on are gone. Meshes have Auto
+or Explicit axes (the ``mesh`` fixture runs both).
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -22,78 +24,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.experimental.layout import Format
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
 from flax_shardmeta import _annotation as ann_lib
-from flax_shardmeta._boxes import as_names, local_rules_of
-from flax_shardmeta._specs import reductions_of, spec_entries
-from flax_shardmeta.nnx import FSM_LOGICAL, NAME_KEYS
+from flax_shardmeta._nnx import reading
+from flax_shardmeta._nnx.reading import reference_read
+from flax_shardmeta.nnx import FSM_LOGICAL
 
 RULES = [('batch', 'data'), ('embed', None), ('mlp', 'model'), ('heads', 'model')]
 
 
-# The straightforward reading, as fsm.nnx read Variables before
+# What a reading gives
 # ------------------------------------------------------------------------------
-
-
-def reference_annotation(variable: nnx.Variable[Any]) -> ann_lib.Annotation | None:
-  metadata = variable.get_metadata()
-  raw = next((metadata[k] for k in NAME_KEYS if metadata.get(k)), None)
-  if raw is None:
-    return None
-  mesh = metadata.get('mesh')
-  if isinstance(raw, Format):
-    raw = raw.sharding
-  if isinstance(raw, NamedSharding):
-    mesh = mesh if mesh is not None else raw.mesh
-    raw = raw.spec
-  reductions = reductions_of(raw)
-  names = as_names(spec_entries(raw) if isinstance(raw, P) else raw)
-  rules = local_rules_of(metadata.get('sharding_rules'))
-  is_optimizer = isinstance(variable, nnx.OptState)
-  if FSM_LOGICAL in metadata:
-    return ann_lib.Annotation(
-      names,
-      bool(metadata[FSM_LOGICAL]),
-      rules,
-      mesh,
-      optimizer_state=is_optimizer,
-      reductions=reductions,
-    )
-  return ann_lib.Annotation(
-    names,
-    True,
-    rules,
-    mesh,
-    keep_mesh_names=True,
-    optimizer_state=is_optimizer,
-    reductions=reductions,
-  )
-
-
-def reference_read(variable: nnx.Variable[Any]) -> tuple[Any, Any]:
-  return variable.get_value(), reference_annotation(variable)
-
-
-def reference_rebuild(variable: nnx.Variable[Any], result: Any) -> Any:
-  return variable.replace(result)
-
-
-@contextlib.contextmanager
-def reference_reading() -> Iterator[None]:
-  """Variables are read the straightforward way inside the block."""
-  saved = list(ann_lib._registry)
-  ann_lib.register_annotation_type(nnx.Variable, reference_read, reference_rebuild)
-  try:
-    yield
-  finally:
-    ann_lib._registry[:] = saved
-    ann_lib._by_type.clear()
 
 
 def outcome(fn: Callable[[], Any]) -> tuple[Any, ...]:
@@ -114,7 +59,7 @@ def outcome(fn: Callable[[], Any]) -> tuple[Any, ...]:
 def assert_same_as_reference(fn: Callable[[], Any]) -> tuple[Any, ...]:
   """``fn`` gives the same outcome as with the straightforward reading,
   both when fsm's caches are cold and when they are warm."""
-  with reference_reading():
+  with reading.use_reference_reading():
     want = outcome(fn)
   fsm.clear_caches()
   cold = outcome(fn)
@@ -317,15 +262,14 @@ def test_results_follow_each_rule_context_as_the_reference_does(mesh):
     assert assert_same_as_reference(fn)[0] == 'returned', fn.__name__
 
 
-def test_abstract_state_specs_plans_and_fit_mode_are_the_reference_results(mesh):
-  # (fsm.nnx.as_abstract is checked on a module below: it does not take
-  # Variables holding trees or Variables, with either reading.)
+def test_abstract_state_specs_plans_and_replication_are_the_reference_results(mesh):
   state = as_structs(varied_state(mesh))
   for fn in (
     lambda: fsm.get_sharding(state, mesh, RULES),
+    lambda: fsm.nnx.as_abstract(state, mesh, RULES),
     lambda: fsm.get_partition_spec(state),
     lambda: fsm.plan(state, mesh, RULES).shardings(),
-    lambda: fsm.get_sharding(state, mesh, RULES, fit=True),
+    lambda: fsm.get_sharding(state, mesh, RULES, replicate_indivisible=True),
   ):
     assert assert_same_as_reference(fn)[0] == 'returned'
 
@@ -394,6 +338,80 @@ def test_variables_rebuilt_under_a_trace_belong_to_that_trace(mesh):
   assert seen == {'inside': True, 'outer': False, 'as replace': True}
   assert before._trace_state.is_valid() and after._trace_state.is_valid()
   after.set_value(NamedSharding(mesh, P()))  # updatable where it was made
+
+
+# Choosing the reading
+# ------------------------------------------------------------------------------
+
+
+def test_the_fast_path_holds_on_this_flax():
+  # Fails loudly when a flax release changes what the fast path relies on
+  # (users then get the reference reading: correct, only slower).
+  assert reading.probe(reading.fast_path())
+  assert reading.chosen_reading().name == 'fast'
+
+
+def test_the_probe_sees_a_field_gone(monkeypatch):
+  monkeypatch.setattr(nnx.Variable, '__slots__', ('_raw_value', '_var_metadata'))
+  assert not reading.probe(reading.fast_path())
+  monkeypatch.setattr(reading, '_chosen', [])
+  assert reading.chosen_reading() is reading.REFERENCE
+
+
+def test_the_probe_sees_fields_that_no_longer_hold_what_accessors_give(monkeypatch):
+  # A flax whose Variable keeps its value elsewhere than the field read.
+  def get_value(self, **kwargs):
+    return jax.ShapeDtypeStruct((1,), jnp.float32)
+
+  monkeypatch.setattr(nnx.Variable, 'get_value', get_value)
+  assert not reading.probe(reading.fast_path())
+
+
+def test_the_probe_sees_a_rebuild_that_differs_from_replace(monkeypatch):
+  real = nnx.Variable.copy
+
+  def copy(self, *args, **kwargs):  # a flax whose replace adds metadata
+    out = real(self, *args, **kwargs)
+    out.set_metadata('added', True)
+    return out
+
+  monkeypatch.setattr(nnx.Variable, 'copy', copy)
+  monkeypatch.setattr(nnx.Variable, 'replace', copy)
+  assert not reading.probe(reading.fast_path())
+
+
+def test_a_failed_probe_on_first_use_installs_the_reference_reading(monkeypatch):
+  state = nnx.State({'w': fsm_param((8, 16), ('embed', 'mlp'))})
+  mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+  want = fsm.get_sharding(state, mesh, RULES)
+  monkeypatch.setattr(nnx.Variable, '__slots__', ('_raw_value', '_var_metadata'))
+  monkeypatch.setattr(reading, '_chosen', [])
+  monkeypatch.setattr(reading, '_installed', [reading._FIRST_USE])
+  saved = list(ann_lib._registry)
+  try:
+    reading._install(reading._FIRST_USE)
+    got = fsm.get_sharding(state, mesh, RULES)  # the first use probes
+    assert reading.installed_reading() == 'reference'
+  finally:
+    ann_lib._registry[:] = saved
+    ann_lib._by_type.clear()
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  assert jax.tree.leaves(got) == jax.tree.leaves(want)
+
+
+def test_the_nnx_reading_fixture_runs_each_reading(nnx_reading):
+  fsm.get_partition_spec(nnx.State({'w': fsm_param((8,), ('mlp',))}))
+  assert reading.installed_reading() == nnx_reading
+
+
+def test_forcing_the_reference_reading_puts_the_previous_one_back(mesh):
+  state = nnx.State({'w': fsm_param((8, 16), ('embed', 'mlp'))})
+  fsm.get_sharding(state, mesh, RULES)  # chosen and installed by now
+  before = reading.installed_reading()
+  with reading.use_reference_reading():
+    assert reading.installed_reading() == 'reference'
+    assert ann_lib._classify(nnx.Param).read is reading.reference_read
+  assert reading.installed_reading() == before == reading.chosen_reading().name
 
 
 # Identical errors

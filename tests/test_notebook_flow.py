@@ -13,8 +13,7 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
 from flax_shardmeta.examples.linen import MLP, MLP_RULES
@@ -44,8 +43,24 @@ def first_layer(params, use_scan):
   return params['ScanDotReluDot_0'] if use_scan else params['DotReluDot_0']
 
 
-@pytest.mark.parametrize('logical', [False, True], ids=['mesh-axes', 'logical'])
-@pytest.mark.parametrize('use_scan', [False, True], ids=['unrolled', 'scan'])
+# The whole grid runs in CI (-m slow); by default one Auto and one Explicit case.
+_FAST = {('auto', 'scan', 'logical'), ('explicit', 'unrolled', 'mesh-axes')}
+_GRID = [
+  pytest.param(
+    axis,
+    use_scan,
+    logical,
+    id='-'.join(ids),
+    marks=() if ids in _FAST else pytest.mark.slow,
+  )
+  for axis_id, axis in (('auto', AxisType.Auto), ('explicit', AxisType.Explicit))
+  for scan_id, use_scan in (('unrolled', False), ('scan', True))
+  for logical_id, logical in (('mesh-axes', False), ('logical', True))
+  for ids in [(axis_id, scan_id, logical_id)]
+]
+
+
+@pytest.mark.parametrize('axis_type, use_scan, logical', _GRID)  # axis_type: the mesh's
 def test_notebook_flow(mesh, use_scan, logical):
   model = model_of(LAYERS, use_scan, logical)
   tx = optax.adam(1e-3)

@@ -18,7 +18,6 @@ import nbformat
 import pytest
 
 import flax_shardmeta
-from flax_shardmeta._planning import topology
 
 ROOT = pathlib.Path(flax_shardmeta.__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / 'notebooks'
@@ -160,17 +159,14 @@ def test_plan_a_pod():
     assert float(total) == pytest.approx(float(params) + float(opt), abs=0.02)
     assert problems == '0'
   assert '<image/png>' in out  # the bar chart
-  assert 'ShardingFitWarning - 2 adjustments' in out
+  assert 'IndivisibleDimensionWarning - 2 adjustments' in out
   assert "wk: P(None, 'data', 'model', None) -> P(None, 'data', None, None)" in out
   assert "dim 3 'head_dim' -> None: no rule names it, so replicated" in out
   assert 'Sharding plan: 37 arrays on mesh data=32 x model=8 (256 devices)' in cells[-1]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-  not topology.libtpu_available(),
-  reason="libtpu is not installed (pip install 'flax_shardmeta[tpu]'; CI has it)",
-)
+@pytest.mark.libtpu
 def test_will_it_fit():
   # Each compile of the 8B step takes about a minute on 2 cores; suggest's
   # cell compiles three candidates.

@@ -1,4 +1,5 @@
-"""Sharding plans: entries, totals, problems, fit mode, explanations, verify."""
+"""Sharding plans: entries, totals, problems, replicate_indivisible, explanations,
+verify."""
 
 import json
 
@@ -6,13 +7,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh, AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
 from flax_shardmeta import examples
-from flax_shardmeta.examples import linen as models
-from flax_shardmeta.examples import nnx as models_nnx
+from flax_shardmeta.examples import linen as models, nnx as models_nnx
 from flax_shardmeta.examples.linen import LLAMA_RULES, MLP, MLP_RULES, LlamaConfig
 
 TINY_LLAMA = LlamaConfig(
@@ -125,11 +124,11 @@ def test_rank_problem_is_reported_not_raised():
   assert p.entries[0].spec is None and p.entries[0].shard_shape == (4, 4)
 
 
-def test_fit_mode_replicates_and_lists_adjustments():
+def test_replicate_indivisible_replicates_and_lists_adjustments():
   mesh = AbstractMesh((3, 7), ('data', 'model'))
   rules = [('embed', 'data'), ('hidden', 'model'), ('layers', None)]
-  with pytest.warns(fsm.ShardingFitWarning, match='Dense_0/kernel'):
-    p = fsm.plan(_mlp_state(optimizer='none'), mesh, rules, fit=True)
+  with pytest.warns(fsm.IndivisibleDimensionWarning, match='Dense_0/kernel'):
+    p = fsm.plan(_mlp_state(optimizer='none'), mesh, rules, replicate_indivisible=True)
   assert not p.problems
   assert len(p.adjustments) == 4
   assert p.adjustments[0].startswith(
@@ -138,18 +137,18 @@ def test_fit_mode_replicates_and_lists_adjustments():
   kernel = p.entry('params/ScanDotReluDot_0/Dense_0/kernel')
   assert kernel.spec == P(None, None, None)
   assert kernel.adjustments
-  assert 'fit mode replicated it' in str(kernel.explain[2])
-  assert 'fit mode adjustments (4)' in str(p)
+  assert 'replicated instead of' in str(kernel.explain[2])
+  assert 'replicated by replicate_indivisible=True (4)' in str(p)
 
 
-def test_fit_mode_in_get_sharding_warns_once():
+def test_replicate_indivisible_in_get_sharding_warns_once():
   mesh = AbstractMesh((3,), ('model',))
   tree = {
     'a': fsm.Partitioned(_sds((4,)), ('model',)),
     'b': fsm.Partitioned(_sds((8,)), ('model',)),
   }
-  with pytest.warns(fsm.ShardingFitWarning) as record:
-    out = fsm.get_sharding(tree, mesh, fit=True)
+  with pytest.warns(fsm.IndivisibleDimensionWarning) as record:
+    out = fsm.get_sharding(tree, mesh, replicate_indivisible=True)
   assert len(record) == 1 and 'a: ' in str(record[0].message)
   assert out['a'].spec == P(None)
 
@@ -193,9 +192,9 @@ def test_explain_for_optimizer_moments_their_parameter_cannot_shard():
 
 
 def test_moments_keep_the_dimensions_that_divide():
-  # 8 kv heads on a 16-way 'model' axis: fit mode replicates that dimension of
-  # wk; adam's moments of wk must do the same and keep 'embed' over 'data'
-  # (not fall back to whole copies, 16x the memory).
+  # 8 kv heads on a 16-way 'model' axis: replicate_indivisible replicates that
+  # dimension of wk; adam's moments of wk must do the same and keep 'embed'
+  # over 'data' (not fall back to whole copies, 16x the memory).
   mesh = AbstractMesh((4, 16), ('data', 'model'))
   params = examples.abstract_linen_params(
     models.Llama(TINY_LLAMA), _sds((1, 1), jnp.int32)
@@ -203,8 +202,8 @@ def test_moments_keep_the_dimensions_that_divide():
   wk = params['layers']['wk']
   params['layers']['wk'] = fsm.LogicalPartitioned(_sds((3, 64, 8, 16)), wk.names)
   state = examples.abstract_train_state(params, 'adam')
-  with pytest.warns(fsm.ShardingFitWarning, match='params/layers/wk'):
-    p = fsm.plan(state, mesh, LLAMA_RULES, fit=True)
+  with pytest.warns(fsm.IndivisibleDimensionWarning, match='params/layers/wk'):
+    p = fsm.plan(state, mesh, LLAMA_RULES, replicate_indivisible=True)
   assert p.entry('params/layers/wk').spec == P(None, 'data', None, None)
   for moment in ('mu', 'nu'):
     entry = p.entry(f'opt_state/0/{moment}/layers/wk')
@@ -430,3 +429,16 @@ def test_reduced_axes_on_auto_axes_are_a_problem():
   assert [problem.reason for problem in p.problems] == [
     "reduced axis 'model' is Auto; jax needs it Explicit"
   ]
+
+
+def test_bytes_count_key_arrays_and_packed_int4_as_the_device_holds_them():
+  # np.dtype(...).itemsize fails on key<fry> and says one byte for int4.
+  mesh = jax.sharding.AbstractMesh((8,), ('data',))
+  tree = {
+    'rng': jax.ShapeDtypeStruct((4,), jax.random.key(0).dtype),
+    'q': fsm.Partitioned(jax.ShapeDtypeStruct((16, 8), jnp.int4), ('data', None)),
+  }
+  p = fsm.plan(tree, mesh)
+  assert p.entry('rng').nbytes == 4 * 8  # threefry keys: two uint32 each
+  assert p.entry('q').nbytes == 16 * 8 // 2
+  assert p.entry('q').bytes_per_device == 2 * 8 // 2

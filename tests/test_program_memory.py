@@ -5,10 +5,14 @@ import types
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from flax_shardmeta._program_memory import ProgramMemory, program_memory
+from flax_shardmeta._init.program_memory import (
+  MEMORY_FIELDS,
+  ProgramMemory,
+  memory_fields,
+  program_memory,
+)
 
 
 def test_bytes_are_per_device(mesh):
@@ -58,3 +62,12 @@ def test_missing_optional_fields_read_as_zero():
     argument_size_in_bytes=4, output_size_in_bytes=8, temp_size_in_bytes=16
   )
   assert program_memory(_Compiled(stats)) == ProgramMemory(4, 8, 16, 0, 0)
+
+
+def test_memory_fields_are_xlas_unaltered():
+  compiled = jax.jit(lambda a: a * 2, donate_argnums=0).lower(jnp.zeros(256)).compile()
+  fields = memory_fields(compiled)
+  assert fields is not None and set(fields) == set(MEMORY_FIELDS)
+  stats = compiled.memory_analysis()
+  assert fields['alias_size_in_bytes'] == stats.alias_size_in_bytes == 1024
+  assert memory_fields(_Compiled(None)) is None

@@ -10,8 +10,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 from jax.sharding import AxisType, NamedSharding
 
 import flax_shardmeta as fsm
@@ -78,8 +77,8 @@ def check_placed(sharding, shape):
 
 
 @SETTINGS
-@given(leaf=annotated(), rules=rules_st, mesh=meshes, fit=st.booleans())
-def test_get_sharding_is_valid_or_a_sharding_error(leaf, rules, mesh, fit):
+@given(leaf=annotated(), rules=rules_st, mesh=meshes, replicate=st.booleans())
+def test_get_sharding_is_valid_or_a_sharding_error(leaf, rules, mesh, replicate):
   shape, names, logical = leaf
   cls = fsm.LogicalPartitioned if logical else fsm.Partitioned
   tree = {'layer': {'w': cls(jax.ShapeDtypeStruct(shape, jnp.float32), names)}}
@@ -87,9 +86,9 @@ def test_get_sharding_is_valid_or_a_sharding_error(leaf, rules, mesh, fit):
     with fsm.logical_axis_rules(rules), warnings.catch_warnings():
       # With no rules at all, logical names are replicated with this warning.
       warnings.simplefilter('ignore', fsm.UnmappedNameWarning)
-      if fit:
-        warnings.simplefilter('ignore', fsm.ShardingFitWarning)
-        out = fsm.get_sharding(tree, mesh, fit=True)
+      if replicate:
+        warnings.simplefilter('ignore', fsm.IndivisibleDimensionWarning)
+        out = fsm.get_sharding(tree, mesh, replicate_indivisible=True)
       else:
         out = fsm.get_sharding(tree, mesh)
   except (fsm.ShardingError, fsm.InvalidNamesError) as e:  # names repeated

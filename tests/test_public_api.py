@@ -1,6 +1,7 @@
 """The public import surface is a contract: pin it."""
 
 import ast
+import importlib
 import importlib.resources
 import inspect
 import json
@@ -17,85 +18,32 @@ import pytest
 
 import flax_shardmeta as fsm
 
-# The whole public surface: a name added or removed is a decision, made here.
-PUBLIC_API = {
-  'Annotation',
-  'BatchLayoutError',
-  'Candidate',
-  'DataLayout',
-  'FitError',
-  'FitReport',
-  'ExplicitShardingError',
-  'NnxJitError',
-  'FlaxShardmetaError',
-  'InvalidNamesError',
-  'InvalidRulesError',
-  'JitWithContext',
-  'LaunchError',
-  'LogicalPartitioned',
-  'MeshShapeError',
-  'Mismatch',
-  'Mismatches',
-  'NoMeshError',
-  'PARTITION_NAME',
-  'Partitioned',
-  'PlanEntry',
-  'RULE_PRESETS',
-  'RulePreset',
-  'RuleConflictError',
-  'RuleContextError',
-  'RulesFallback',
-  'ShardingError',
-  'ShardingFitWarning',
-  'ShardingPlan',
-  'ShardingProblem',
-  'Suggestions',
-  'TopologyError',
-  'UnmappedMeshAxisNameWarning',
-  'UnmappedNameWarning',
-  '__version__',
-  'as_abstract',
-  'clear_caches',
-  'actual_shardings',
-  'composite_rules',
-  'data_layout',
-  'explain_sharding_type_errors',
-  'explain_resolution',
-  'fit',
-  'gather_tree',
-  'get_logical_axis_rules',
-  'get_partition_spec',
-  'get_sharding',
-  'global_to_host_local',
-  'host_local_to_global',
-  'jit',
-  'logical_axis_rules',
-  'logical_out_sharding',
-  'logical_to_mesh',
-  'logical_to_mesh_axes',
-  'logical_to_mesh_sharding',
-  'make_mesh',
-  'match_partition_rules',
-  'nnx',
-  'plan',
-  'register_annotation_type',
-  'replace_boxed',
-  'set_logical_axis_rules',
-  'shard_tree',
-  'shard_value',
-  'sharded_init',
-  'standard_logical_axis_rules',
-  'suggest',
-  'unbox',
-  'verify',
-  'with_logical_constraint',
-  'with_logical_partitioning',
-  'with_partitioning',
-}
+README = (pathlib.Path(__file__).parents[1] / 'README.md').read_text()
 
 
-def test_public_api_is_exactly_this():
-  assert set(fsm.__all__) == PUBLIC_API
+def _readme_public_names() -> set[str]:
+  """The names the README's "Public API" table documents, top level only."""
+  section = README.split('\n## Public API\n', 1)[1].split('\n## ', 1)[0]
+  names = set()
+  for row in re.findall(r'^\| (.+?) \| .+ \| .+ \|$', section, re.M):
+    names |= set(re.findall(r'`([A-Za-z_]\w*)(?:[(`.])', row))
+  return names - {'name'}
+
+
+def test_the_readme_documents_exactly_the_public_api():
+  # The public surface is __init__'s one table; a name added or removed is a
+  # decision the README's Public API table records. Errors are documented as
+  # "FlaxShardmetaError and its subclasses".
+  public = set(fsm.__all__) - {'__version__'}
+  errors = {
+    n
+    for n in public
+    if isinstance(getattr(fsm, n), type)
+    and issubclass(getattr(fsm, n), fsm.FlaxShardmetaError)
+  }
+  documented = _readme_public_names()
+  assert public - errors - documented == set(), 'public but not in the README'
+  assert documented - public == set(), 'in the README but not public'
 
 
 def test_all_is_unique_and_resolvable():
@@ -104,28 +52,25 @@ def test_all_is_unique_and_resolvable():
     assert hasattr(fsm, name), name
 
 
-def _type_checking_imports() -> dict[str, str]:
-  """Public name -> 'module[:name]' as the __init__'s TYPE_CHECKING block imports it."""
+def test_every_public_name_is_re_exported_for_type_checkers():
+  # py.typed: type checkers take `from m import X as X` as a re-export and
+  # nothing else (no __all__ is visible to them); Python reads the same table.
   tree = ast.parse(pathlib.Path(fsm.__file__).read_text())
-  block = next(
-    n for n in tree.body if isinstance(n, ast.If) and 'TYPE_CHECKING' in ast.unparse(n)
-  )
-  found = {}
+  (block,) = [
+    n
+    for n in tree.body
+    if isinstance(n, ast.If) and ast.unparse(n.test) == 'TYPE_CHECKING'
+  ]
+  typed = {}
   for node in block.body:
-    assert isinstance(node, ast.ImportFrom) and node.module
-    module = node.module.removeprefix('flax_shardmeta').lstrip('.')
-    for a in node.names:
-      if not module:  # `from flax_shardmeta import nnx`: the submodule itself
-        found[a.name] = a.name
-      else:
-        found[a.asname or a.name] = f'{module}:{a.name}' if a.asname else module
-  return found
-
-
-def test_lazy_exports_match_the_typed_imports_and_all():
-  # Type checkers read the TYPE_CHECKING imports, Python the _EXPORTS table.
-  assert fsm._EXPORTS == _type_checking_imports()
-  assert set(fsm._EXPORTS) | {'__version__'} == set(fsm.__all__)
+    assert isinstance(node, ast.ImportFrom), ast.unparse(node)
+    for alias in node.names:
+      assert alias.asname == alias.name, f'write `{alias.name} as {alias.name}`'
+      typed[alias.name] = node.module
+  assert set(typed) | {'__version__'} == set(fsm.__all__)
+  for name, module in typed.items():
+    held = importlib.import_module(module)
+    assert getattr(fsm, name) is getattr(held, name, held), name
 
 
 def test_submodule_stays_the_same_object_however_imported():
@@ -233,7 +178,7 @@ def test_library_code_raises_no_bare_value_error():
     if re.search(r'raise (ValueError|TypeError|AssertionError)\b', line)
   ]
   assert not offenders, offenders
-  assert issubclass(fsm.ShardingFitWarning, UserWarning)
+  assert issubclass(fsm.IndivisibleDimensionWarning, UserWarning)
   assert issubclass(fsm.UnmappedMeshAxisNameWarning, fsm.UnmappedNameWarning)
   assert issubclass(fsm.UnmappedNameWarning, UserWarning)
 
@@ -256,7 +201,7 @@ def test_mesh_and_rules_are_keyword_only_in_both_front_ends():
 
 
 def test_clear_caches_empties_resolution_and_layout_caches():
-  from flax_shardmeta import _rules, _sharding
+  from flax_shardmeta import _resolution, _sharding
 
   mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
   tree = {
@@ -265,10 +210,10 @@ def test_clear_caches_empties_resolution_and_layout_caches():
     )
   }
   before = fsm.get_sharding(tree, mesh, [('mlp', 'model')])
-  assert _rules._resolve_cached.cache_info().currsize > 0
+  assert _resolution._resolve_cached.cache_info().currsize > 0
   assert _sharding._layout_cached.cache_info().currsize > 0
   fsm.clear_caches()
-  assert _rules._resolve_cached.cache_info().currsize == 0
+  assert _resolution._resolve_cached.cache_info().currsize == 0
   assert _sharding._layout_cached.cache_info().currsize == 0
   assert _sharding.named_sharding.cache_info().currsize == 0
   assert fsm.get_sharding(tree, mesh, [('mlp', 'model')]) == before

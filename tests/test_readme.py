@@ -94,12 +94,12 @@ def _no_mesh_error() -> str:
   return _message(info.value)
 
 
-def _fit_warning() -> str:
+def _indivisible_warning() -> str:
   mesh = AbstractMesh((2, 4), ('data', 'model'), axis_types=AUTO)
   tree = {'kernel': fsm.Partitioned(jnp.zeros((6, 10)), (None, 'model'))}
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
-    fsm.get_sharding(tree, mesh, fit=True)
+    fsm.get_sharding(tree, mesh, replicate_indivisible=True)
   (warning,) = caught
   return f'{warning.category.__name__}: {warning.message}'
 
@@ -158,7 +158,7 @@ def _unnumbered(text: str) -> str:
     ('flax_shardmeta._errors.ShardingError:', _sharding_error),
     ('flax_shardmeta._errors.RuleConflictError:', _rule_conflict_error),
     ('flax_shardmeta._errors.NoMeshError:', _no_mesh_error),
-    ('ShardingFitWarning:', _fit_warning),
+    ('IndivisibleDimensionWarning:', _indivisible_warning),
   ],
 )
 def test_quoted_message_is_what_is_raised(head, generate):

@@ -1,8 +1,7 @@
 """The logical-rule engine: resolution, composition, context, standard rules."""
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
 
 import flax_shardmeta as fsm
@@ -255,6 +254,20 @@ def test_explain_reports_an_already_assigned_dimension():
   (d,) = fsm.explain_resolution(('embed',), [('embed', 'model'), ('embed', 'data')])
   assert [s.applied for s in d.steps] == [True, False]
   assert 'already assigned by rule #0' in str(d)
+
+
+def test_names_with_unreduced_or_reduced_axes_are_refused_the_same_everywhere():
+  # One as_names for every way in: boxes, NNX metadata, resolution, shard_value.
+  spec = P('embed', reduced={'model'})
+  rules = [('embed', 'data')]
+  calls = (
+    lambda: fsm.logical_to_mesh_axes(spec, rules),
+    lambda: fsm.explain_resolution(spec, rules),
+    lambda: fsm.LogicalPartitioned(None, spec),
+  )
+  for call in calls:
+    with pytest.raises(fsm.InvalidNamesError, match='have unreduced / reduced axes'):
+      call()
 
 
 def test_rule_target_repeating_a_mesh_axis_raises():

@@ -1,4 +1,4 @@
-"""sharded_init and window-by-window generation (flax_shardmeta.windowed)."""
+"""sharded_init and window-by-window generation (flax_shardmeta._init)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,13 +7,15 @@ import optax
 import pytest
 from flax import linen as nn
 from flax.training import train_state
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta import _loops as loops
-from flax_shardmeta import _sharded_init as sharded_init_lib
-from flax_shardmeta import _windowed as windowed
+from flax_shardmeta._init import (
+  fill,
+  loops,
+  sharded_init as sharded_init_lib,
+  windowed,
+)
 
 RULES = (('embed', 'data'), ('mlp', 'model'), ('layers', None))
 LECUN = nn.initializers.lecun_normal()
@@ -87,10 +89,20 @@ def _check_same(got, want, shardings):
     assert g.sharding.is_equivalent_to(s, g.ndim), (g.sharding, s)
 
 
-@pytest.mark.parametrize('scan', [False, True], ids=['unrolled', 'scan'])
-@pytest.mark.parametrize(
-  'init', [LECUN, nn.initializers.orthogonal()], ids=['lecun', 'orthogonal']
-)
+# The whole grid runs in CI (-m slow); by default one Auto and one Explicit case.
+_FAST = {('auto', 'lecun', 'scan'), ('explicit', 'orthogonal', 'unrolled')}
+_GRID = [
+  pytest.param(
+    axis, init, scan, id='-'.join(ids), marks=() if ids in _FAST else pytest.mark.slow
+  )
+  for axis_id, axis in (('auto', AxisType.Auto), ('explicit', AxisType.Explicit))
+  for init_id, init in (('lecun', LECUN), ('orthogonal', nn.initializers.orthogonal()))
+  for scan_id, scan in (('unrolled', False), ('scan', True))
+  for ids in [(axis_id, init_id, scan_id)]
+]
+
+
+@pytest.mark.parametrize('axis_type, init, scan', _GRID)  # axis_type: the mesh's
 def test_values_and_layout_match_plain_jitted_init(mesh, scan, init):
   model = Stack(scan, init)
   x = jnp.ones((4, 32))
@@ -335,9 +347,9 @@ def test_eager_nnx_construction_fills_large_parameters_by_chunks(mesh, monkeypat
   # Make this small kernel count as large so the chunked generator is used.
   monkeypatch.setattr(windowed, 'CHUNK_BYTES', 256)
   calls = []
-  real = windowed.generate_sharded
+  real = fill.generate_sharded
   monkeypatch.setattr(
-    windowed, 'generate_sharded', lambda *a, **k: calls.append(1) or real(*a, **k)
+    fill, 'generate_sharded', lambda *a, **k: calls.append(1) or real(*a, **k)
   )
   base = nnx.initializers.truncated_normal(0.5)
   init = fsm.nnx.with_logical_partitioning(base, ('embed', 'mlp'))

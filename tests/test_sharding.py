@@ -9,8 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
-from jax.sharding import AbstractMesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
 
@@ -462,36 +461,36 @@ def test_logical_to_mesh_sharding_reports_missing_axes(mesh):
   assert info.value.problems[0].spec == P('expert', 'model')
 
 
-# fit=True
+# replicate_indivisible=True
 # ------------------------------------------------------------------------------
 
 
-def test_fit_replicates_and_warns(mesh):
+def test_replicate_indivisible_replicates_and_warns(mesh):
   variables = abstract_vars(Net(6, (None, 'model'), ('model', 'expert')))
-  with pytest.warns(fsm.ShardingFitWarning) as record:
-    out = fsm.get_sharding(variables, mesh, fit=True)
+  with pytest.warns(fsm.IndivisibleDimensionWarning) as record:
+    out = fsm.get_sharding(variables, mesh, replicate_indivisible=True)
   params = out['params']['DotReluDot_0']
   assert params['Dense_0']['kernel'].spec == P(None, None)
   assert params['W2'].spec == P(None, None)
   (warning,) = record
   text = str(warning.message)
-  assert 'fit=True replicated 3 dimension(s)' in text
+  assert '3 dimension(s) could not be sharded as annotated and were replicated' in text
   assert f"{KERNEL}: dimension 1: 'model' -> None" in text
   assert "params/DotReluDot_0/W2: dimension 1: 'expert' -> None" in text
 
 
-def test_fit_keeps_what_fits_and_is_silent_when_nothing_changes(mesh):
+def test_replicate_indivisible_keeps_what_divides_and_is_silent_otherwise(mesh):
   variables = abstract_vars(Net(8, ('data', 'model'), ('model', None)))
   with warnings.catch_warnings():
     warnings.simplefilter('error')
-    out = fsm.get_sharding(variables, mesh, fit=True)
+    out = fsm.get_sharding(variables, mesh, replicate_indivisible=True)
   assert out['params']['DotReluDot_0']['Dense_0']['kernel'].spec == P('data', 'model')
 
 
-def test_fit_cannot_fix_a_rank_mismatch(mesh):
+def test_replicate_indivisible_cannot_fix_a_rank_mismatch(mesh):
   variables = abstract_vars(Net(16, ('data', None, 'model'), (None, None)))
   with pytest.raises(fsm.ShardingError, match='3 names for a rank-2 array'):
-    fsm.get_sharding(variables, mesh, fit=True)
+    fsm.get_sharding(variables, mesh, replicate_indivisible=True)
 
 
 def test_shardings_place_real_arrays(mesh):
@@ -585,15 +584,15 @@ def test_unconstrained_is_a_problem_for_named_shardings(mesh):
     fsm.ShardingError, match='UNCONSTRAINED .*only valid in a sharding constraint'
   ):
     fsm.get_sharding(tree, mesh)
-  with pytest.warns(fsm.ShardingFitWarning, match='UNCONSTRAINED -> None'):
-    out = fsm.get_sharding(tree, mesh, fit=True)
+  with pytest.warns(fsm.IndivisibleDimensionWarning, match='UNCONSTRAINED -> None'):
+    out = fsm.get_sharding(tree, mesh, replicate_indivisible=True)
   assert out['w'].spec == P('data', None)
   # What jit refused before is now accepted.
   y = jax.jit(lambda: jnp.zeros((8, 6)), out_shardings=out['w'])()
   assert y.sharding.is_equivalent_to(out['w'], 2)
 
 
-def test_large_fit_warning_summarises_and_lists_lazily(mesh):
+def test_large_replication_warning_summarises_and_lists_lazily(mesh):
   tree = {
     f'layer_{i}': {
       'w': fsm.Partitioned(jax.ShapeDtypeStruct((6,), jnp.float32), ('model',)),
@@ -602,11 +601,11 @@ def test_large_fit_warning_summarises_and_lists_lazily(mesh):
     }
     for i in range(30)
   }
-  with pytest.warns(fsm.ShardingFitWarning) as record:
-    fsm.get_sharding(tree, mesh, fit=True)
+  with pytest.warns(fsm.IndivisibleDimensionWarning) as record:
+    fsm.get_sharding(tree, mesh, replicate_indivisible=True)
   (warning,) = record
   text = str(warning.message)
-  assert 'replicated 60 dimension(s)' in text
+  assert '60 dimension(s) could not be sharded' in text
   assert "30 x dimension 0: 'data' -> None" in text
   assert 'layer_0/v, layer_1/v, layer_10/v, ...' in text
   assert text.count('\n') < 10
@@ -614,6 +613,46 @@ def test_large_fit_warning_summarises_and_lists_lazily(mesh):
   assert len(full) == 60
   assert full[0].startswith("layer_0/v: dimension 0: 'data' -> None")
   assert full[-1].startswith("layer_9/w: dimension 0: 'model' -> None")
+
+
+def _laid_out_by(call, mesh, **option):
+  """``call`` on a 6-row value sharded over the 4-way 'model' axis."""
+  rules = [('rows', 'model')]
+  if call in ('get_sharding', 'plan'):
+    tree = {
+      'w': fsm.LogicalPartitioned(jax.ShapeDtypeStruct((6,), jnp.float32), ('rows',))
+    }
+    out = getattr(fsm, call)(tree, mesh, rules, **option)
+    return out.entry('w').spec if call == 'plan' else out['w'].spec
+  x = jnp.ones(6)
+  out = getattr(fsm, call)(x, ('rows',), rules, mesh=mesh, **option)
+  return out.sharding.spec
+
+
+CALLS = ['get_sharding', 'plan', 'shard_value', 'with_logical_constraint']
+
+
+@pytest.mark.parametrize('call', CALLS)
+def test_fit_is_the_deprecated_spelling_of_replicate_indivisible(mesh, call):
+  # fit= kept its meaning for one release; fsm.fit is the memory check.
+  with pytest.warns(fsm.IndivisibleDimensionWarning):
+    new = _laid_out_by(call, mesh, replicate_indivisible=True)
+  with (
+    pytest.deprecated_call(match=f'{call}.fit=.... is deprecated: pass '),
+    pytest.warns(fsm.IndivisibleDimensionWarning),
+  ):
+    old = _laid_out_by(call, mesh, fit=True)
+  assert old == new == P(None)
+
+
+def test_sharding_fit_warning_is_the_deprecated_name_of_the_new_class():
+  with pytest.deprecated_call(match='use fsm.IndivisibleDimensionWarning'):
+    old = fsm.ShardingFitWarning
+  assert old is fsm.IndivisibleDimensionWarning
+  with pytest.raises(AttributeError, match='ShardingFitWarnin'):
+    from flax_shardmeta import _errors
+
+    _errors.ShardingFitWarnin  # noqa: B018
 
 
 def test_few_paths_are_found_without_flattening_the_tree():

@@ -11,19 +11,12 @@ import textwrap
 
 import jax
 import pytest
-from jax.sharding import AbstractMesh, AxisType
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta import _suggest, cli
-from flax_shardmeta._planning import presets as presets_lib
-from flax_shardmeta._planning import topology
+from flax_shardmeta import cli
+from flax_shardmeta._capacity import presets as presets_lib, suggest as _suggest
 from flax_shardmeta.examples import train
-
-needs_libtpu = pytest.mark.skipif(
-  not topology.libtpu_available(),
-  reason="libtpu is not installed (pip install 'flax_shardmeta[tpu]'; CI has it)",
-)
 
 
 def llama_specs(preset):
@@ -146,9 +139,12 @@ def test_ranking_agrees_with_fit_on_each_candidate():
   steps = [c.step_s for c in fitting]
   assert steps == sorted(steps)
   assert found[0].reason and 'vs the next' in found[0].reason
-  explained = found[0].explain()
-  assert 'mesh and rules for the training script:' in explained
-  assert 'fsm.make_mesh(' in explained and 'rules = [' in explained
+  compared = found[0].compare()
+  assert 'mesh and rules for the training script:' in compared
+  assert 'fsm.make_mesh(' in compared and 'rules = [' in compared
+  # explain(): its former name, deprecated (an explanation is per dimension).
+  with pytest.deprecated_call(match=r'use Candidate\.compare\(\)'):
+    assert found[0].explain() == compared
 
 
 def test_pruning_never_rejects_a_layout_that_compiles_within_the_hbm():
@@ -201,7 +197,7 @@ def test_bad_arguments_are_named():
     grid(max_candidates=0)
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 @pytest.mark.slow
 def test_cli_ranks_and_explains_on_a_topology(capsys):
   argv = [
@@ -263,7 +259,7 @@ def my_search(tmp_path, monkeypatch):
   monkeypatch.delitem(sys.modules, 'my_search', raising=False)
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_cli_searches_your_own_step(capsys, my_search):
   code = cli.main([*SEARCH, '--module', 'my_search:make', '--max-candidates', '1'])
   out, err = capsys.readouterr()

@@ -7,8 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
 

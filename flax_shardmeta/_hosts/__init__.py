@@ -1,8 +1,8 @@
-"""Host-side chores: meshes over processes, data and transfers, jit, launches.
+"""Host-side chores: meshes over processes, data and transfers, launches.
 
 Everything that deals with real devices and processes: ``make_mesh``, per-host
-data layouts, moving host values onto shards and back, ``fsm.jit`` with its
-mesh and rules, orbax restore targets and local multi-process launches. These
-modules may import the core and ``_planning``, never the NNX adapter, the
-examples or the CLI.
+data layouts, moving host values onto shards and back, and local
+multi-process launches. These modules may import the core,
+``_init``, ``_planning`` and ``_capacity`` (the topologies behind
+``make_mesh``), never the NNX adapter, the examples or the CLI.
 """

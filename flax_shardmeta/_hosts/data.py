@@ -22,7 +22,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax_shardmeta._annotation import path_str
 from flax_shardmeta._errors import BatchLayoutError, ShardingError, ShardingProblem
 from flax_shardmeta._placement import check_mesh
-from flax_shardmeta._rules import get_logical_axis_rules, logical_to_mesh_axes
+from flax_shardmeta._resolution import logical_to_mesh_axes
+from flax_shardmeta._rules import get_logical_axis_rules
 from flax_shardmeta._specs import mesh_axes_of
 from flax_shardmeta._typing import LogicalRules, PyTree
 

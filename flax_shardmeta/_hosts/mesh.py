@@ -14,11 +14,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from flax_shardmeta._capacity.topology import device_mesh, topology_devices
 from flax_shardmeta._errors import MeshShapeError
-from flax_shardmeta._planning.topology import topology_devices
 
 
 def make_mesh(
@@ -82,45 +81,47 @@ def make_mesh(
     {'data': 2, 'model': 4}
   """
   axis_sizes, names = _sizes_and_names(axis_sizes, axis_names)
-  if topology is not None:
-    if devices is not None:
-      raise MeshShapeError('give devices= or topology=, not both.')
-    devices = topology_devices(topology, num_slices=num_slices)
-    if num_slices > 1 and dcn_axis_sizes is None:
-      dcn_axis_sizes = (num_slices,) + (1,) * (len(names) - 1)
-  elif num_slices != 1:
-    raise MeshShapeError(
-      f'num_slices={num_slices} needs topology=...; on real devices the slices '
-      'are those the devices report (their slice_index).'
-    )
-  devices = list(jax.devices() if devices is None else devices)
+  devices, dcn_axis_sizes = _devices_and_dcn(
+    devices, topology, num_slices, dcn_axis_sizes, len(names)
+  )
   if len(names) != len(axis_sizes):
     raise MeshShapeError(
       f'{len(axis_sizes)} axis sizes {tuple(axis_sizes)} for {len(names)} axis '
       f'names {names}; give one size per name.'
     )
-  hosts = _hosts(devices)
-  sizes = _fill_wildcard(_as_ints(axis_sizes, names), names, len(devices), len(hosts))
+  n_hosts = len(_hosts(devices))
+  sizes = _fill_wildcard(_as_ints(axis_sizes, names), names, len(devices), n_hosts)
   # Auto unless told otherwise (jax.make_mesh's own default is Explicit): see
   # the axis_types argument above for why.
   types = tuple(axis_types) if axis_types is not None else (AxisType.Auto,) * len(names)
-  if dcn_axis_sizes is None:
-    try:
-      return jax.make_mesh(sizes, names, axis_types=types, devices=devices)
-    except NotImplementedError:
-      # A TPU torus whose axes no product of mesh sizes matches (64 on
-      # 4x4x8): jax refuses to split a physical axis unless asked to.
-      grid = mesh_utils.create_device_mesh(
-        sizes, devices, allow_split_physical_axes=True
-      )
-      return Mesh(np.asarray(grid), names, axis_types=types)
-  dcn = _as_ints(dcn_axis_sizes, names, what='dcn_axis_sizes')
-  ici = _split(sizes, dcn, names, len(devices), len(hosts))
-  by_slice = len({getattr(d, 'slice_index', 0) for d in devices}) > 1
-  grid = mesh_utils.create_hybrid_device_mesh(
-    ici, dcn, devices, process_is_granule=not by_slice, allow_split_physical_axes=True
-  )
-  return Mesh(np.asarray(grid), names, axis_types=types)
+  dcn = None
+  if dcn_axis_sizes is not None:
+    dcn = _as_ints(dcn_axis_sizes, names, what='dcn_axis_sizes')
+    _check_dcn(sizes, dcn, names, len(devices), n_hosts)
+  return device_mesh(sizes, names, devices, types, dcn)
+
+
+def _devices_and_dcn(
+  devices: Sequence[Any] | None,
+  topology: str | None,
+  num_slices: int,
+  dcn_axis_sizes: Sequence[int] | None,
+  n_axes: int,
+) -> tuple[list[Any], Sequence[int] | None]:
+  """The devices to lay the mesh over (this machine's, or a pod's), and the
+  hosts each axis spans (with slices, the first axis spans them by default)."""
+  if topology is not None:
+    if devices is not None:
+      raise MeshShapeError('give devices= or topology=, not both.')
+    devices = topology_devices(topology, num_slices=num_slices)
+    if num_slices > 1 and dcn_axis_sizes is None:
+      dcn_axis_sizes = (num_slices,) + (1,) * (n_axes - 1)
+  elif num_slices != 1:
+    raise MeshShapeError(
+      f'num_slices={num_slices} needs topology=...; on real devices the slices '
+      'are those the devices report (their slice_index).'
+    )
+  return list(jax.devices() if devices is None else devices), dcn_axis_sizes
 
 
 def _sizes_and_names(
@@ -190,14 +191,14 @@ def _fill_wildcard(
   return sizes
 
 
-def _split(
+def _check_dcn(
   sizes: tuple[int, ...],
   dcn: tuple[int, ...],
   names: tuple[str, ...],
   n_devices: int,
   n_hosts: int,
-) -> tuple[int, ...]:
-  """Per-axis sizes inside one host, checking ``dcn`` against the hosts."""
+) -> None:
+  """Refuses ``dcn`` sizes that do not fit the axes and the hosts."""
   if len(dcn) != len(sizes) or any(d < 1 for d in dcn):
     raise MeshShapeError(
       f'dcn_axis_sizes {dcn} for axes {names}: give one positive entry per '
@@ -215,7 +216,6 @@ def _split(
       f'{n_devices} devices in {n_hosts} host(s), {n_devices // n_hosts} each; '
       f'e.g. dcn_axis_sizes={_suggest_dcn(sizes, n_hosts)} would fit.'
     )
-  return tuple(s // d for s, d in zip(sizes, dcn))
 
 
 def _suggest_dcn(sizes: tuple[int, ...], n_hosts: int) -> tuple[int, ...]:

@@ -2,6 +2,8 @@
 
 Explanations are made on demand (``PlanEntry.explain``) and cached per
 distinct (shape, annotation, rules, mesh, spec), so plans stay cheap to build.
+Like ``fsm.explain_resolution``, an entry's explanation is an
+:class:`~flax_shardmeta._resolution.Explanation`: one line per dimension.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from jax.sharding import PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._errors import FlaxShardmetaError
-from flax_shardmeta._rules import Explanation, RuleStep, explain
+from flax_shardmeta._resolution import Explanation, RuleStep, explain_resolution
 from flax_shardmeta._specs import spec_entries
 
 
@@ -55,45 +57,16 @@ def explain_entry(
   """Per dimension of one entry: the rule steps and the outcome in words
   (a tuple of :class:`ExplainedDim`, printed one per line).
 
-  ``spec`` is the final (possibly fitted) spec, so a dimension the rules gave
-  mesh axes to but that ended up replicated says why. ``source`` says where
-  ``rules`` come from (``''`` for rules passed explicitly).
+  ``spec`` is the final (possibly replicated) spec, so a dimension the rules
+  gave mesh axes to but that ended up replicated says why. ``source`` says
+  where ``rules`` come from (``''`` for rules passed explicitly).
   """
   given = spec_entries(spec) if spec is not None else ()
   final = given + (None,) * (len(shape) - len(given))
-  if ann is None:
-    return Explanation(
-      ExplainedDim(d, None, None, (), 'not annotated, so replicated')
-      for d in range(len(shape))
-    )
-  if len(ann.names) != len(shape):
-    note = (
-      f'optimizer state under a rank-{len(ann.names)} annotation '
-      f'{ann.names!r}: replicated'
-      if ann.optimizer_state
-      else f'{len(ann.names)} names for a rank-{len(shape)} array: not planned'
-    )
-    return Explanation(
-      ExplainedDim(d, None, final[d], (), note) for d in range(len(shape))
-    )
-  if not ann.logical:
-    return Explanation(
-      ExplainedDim(
-        d,
-        n,
-        final[d],
-        (),
-        _fitted(
-          'mesh axes as written' if n is not None else 'replicated as written',
-          n,
-          final[d],
-          ann.optimizer_state,
-        ),
-      )
-      for d, n in enumerate(ann.names)
-    )
+  if ann is None or len(ann.names) != len(shape) or not ann.logical:
+    return _without_rules(shape, ann, final)
   try:
-    dims = explain(ann.names, rules, local_rules=ann.rules, source=source)
+    dims = explain_resolution(ann.names, rules, local_rules=ann.rules, source=source)
   except FlaxShardmetaError as e:
     return Explanation(
       ExplainedDim(d, n, final[d], (), f'not resolved: {e}')
@@ -121,13 +94,49 @@ def explain_entry(
         x.name,
         final[d],
         x.steps,
-        _fitted(note, resolved, final[d], ann.optimizer_state),
+        _replicated(note, resolved, final[d], ann.optimizer_state),
       )
     )
   return Explanation(out)
 
 
-def _fitted(note: str, resolved: Any, final: Any, optimizer_state: bool) -> str:
+def _without_rules(
+  shape: tuple[int, ...], ann: ann_lib.Annotation | None, final: tuple[Any, ...]
+) -> Explanation:
+  """An entry no rule takes part in: not annotated, another rank, mesh axes."""
+  if ann is None:
+    return Explanation(
+      ExplainedDim(d, None, None, (), 'not annotated, so replicated')
+      for d in range(len(shape))
+    )
+  if len(ann.names) != len(shape):
+    note = (
+      f'optimizer state under a rank-{len(ann.names)} annotation '
+      f'{ann.names!r}: replicated'
+      if ann.optimizer_state
+      else f'{len(ann.names)} names for a rank-{len(shape)} array: not planned'
+    )
+    return Explanation(
+      ExplainedDim(d, None, final[d], (), note) for d in range(len(shape))
+    )
+  return Explanation(
+    ExplainedDim(
+      d,
+      n,
+      final[d],
+      (),
+      _replicated(
+        'mesh axes as written' if n is not None else 'replicated as written',
+        n,
+        final[d],
+        ann.optimizer_state,
+      ),
+    )
+    for d, n in enumerate(ann.names)
+  )
+
+
+def _replicated(note: str, resolved: Any, final: Any, optimizer_state: bool) -> str:
   """Says why the final axes differ from what the rules gave, if they do."""
   if resolved is None or final is not None:
     return note
@@ -136,5 +145,5 @@ def _fitted(note: str, resolved: Any, final: Any, optimizer_state: bool) -> str:
     # fit (e.g. adafactor's (1,)-shaped factors); problems show on the parameter.
     change = f'optimizer state that {resolved!r} cannot shard, so replicated'
   else:
-    change = f'fit mode replicated it instead of {resolved!r}'
+    change = f'replicated instead of {resolved!r} (replicate_indivisible=True)'
   return f'{note}; {change}' if note else change

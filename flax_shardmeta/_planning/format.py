@@ -3,17 +3,60 @@
 Unrolled stacks (``Block_0`` ... ``Block_125``, or ``layers/0`` ...) whose
 copies are laid out identically are shown once with their count, so a plan
 stays readable however deep the model is.
+
+Imports point one way: the plan and its entries import this module, which
+knows them only by what it reads of them (:class:`PlanView`, :class:`EntryView`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from flax_shardmeta._specs import format_spec
 
-if TYPE_CHECKING:
-  from flax_shardmeta._planning.plan import Mismatch, PlanEntry, ShardingPlan
+
+class EntryView(Protocol):
+  """What the table reads of a plan entry (a ``PlanEntry``)."""
+
+  @property
+  def path(self) -> str: ...
+  @property
+  def shape(self) -> tuple[int, ...]: ...
+  @property
+  def dtype(self) -> Any: ...
+  @property
+  def names(self) -> tuple[Any, ...] | None: ...
+  @property
+  def spec(self) -> Any: ...
+  @property
+  def shard_shape(self) -> tuple[int, ...]: ...
+  @property
+  def bytes_per_device(self) -> int: ...
+
+
+class PlanView(Protocol):
+  """What the table reads of a plan (a ``ShardingPlan``)."""
+
+  @property
+  def entries(self) -> Sequence[EntryView]: ...
+  @property
+  def mesh(self) -> Any: ...
+  @property
+  def rules(self) -> Sequence[Any]: ...
+  @property
+  def num_devices(self) -> int: ...
+  @property
+  def bytes_per_device(self) -> int: ...
+  @property
+  def total_bytes(self) -> int: ...
+  @property
+  def adjustments(self) -> Sequence[str]: ...
+  @property
+  def problems(self) -> Sequence[Any]: ...
+  def num_elements(self, prefix: str = '') -> int: ...
+
 
 _INDEX = re.compile(r'(?<=_)\d+$|^\d+$')
 _MIN_STACK = 3
@@ -57,7 +100,7 @@ def _module_key(module: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
   return tuple(parts), tuple(idx)
 
 
-def _signature(entries: list[PlanEntry]) -> tuple[Any, ...]:
+def _signature(entries: list[EntryView]) -> tuple[Any, ...]:
   return tuple((_split(e.path)[1], e.shape, str(e.dtype), e.spec) for e in entries)
 
 
@@ -81,9 +124,11 @@ def _stack_label(key: tuple[str, ...], indices: list[tuple[int, ...]]) -> str:
   return '/'.join(out)
 
 
-def _groups(entries: tuple[PlanEntry, ...]) -> list[tuple[str, int, list[PlanEntry]]]:
+def _groups(
+  entries: Sequence[EntryView],
+) -> list[tuple[str, int, list[EntryView]]]:
   """(label, copies, entries of one copy), in first-seen order."""
-  by_module: dict[str, list[PlanEntry]] = {}
+  by_module: dict[str, list[EntryView]] = {}
   for e in entries:
     by_module.setdefault(_split(e.path)[0], []).append(e)
   # Identical copies of one module pattern are merged into a stack.
@@ -91,7 +136,7 @@ def _groups(entries: tuple[PlanEntry, ...]) -> list[tuple[str, int, list[PlanEnt
   for module, members in by_module.items():
     key, _ = _module_key(module)
     stacks.setdefault((key, _signature(members)), []).append(module)
-  out: list[tuple[str, int, list[PlanEntry]]] = []
+  out: list[tuple[str, int, list[EntryView]]] = []
   done: set[str] = set()
   for module, members in by_module.items():
     if module in done:
@@ -118,14 +163,14 @@ def _natural_key(label: str) -> tuple[tuple[int, str | int], ...]:
   )
 
 
-def _stacked_layers(members: list[PlanEntry]) -> int | None:
+def _stacked_layers(members: list[EntryView]) -> int | None:
   """The layer count when every array has a leading 'layers' dimension."""
   sizes = {e.shape[0] for e in members if e.names and e.names[0] == 'layers'}
   ok = all(e.names and e.names[0] == 'layers' for e in members)
   return sizes.pop() if ok and len(sizes) == 1 else None
 
 
-def format_table(plan: ShardingPlan) -> str:
+def format_table(plan: PlanView) -> str:
   """The plan as a table: one block per module, then totals and problems."""
   mesh = ' x '.join(
     f'{n}={s}' for n, s in zip(plan.mesh.axis_names, plan.mesh.axis_sizes)
@@ -184,50 +229,11 @@ def format_table(plan: ShardingPlan) -> str:
     f'{format_bytes(plan.bytes_per_device)} per device'
   )
   if plan.adjustments:
-    lines.append(f'fit mode adjustments ({len(plan.adjustments)}):')
+    lines.append(f'replicated by replicate_indivisible=True ({len(plan.adjustments)}):')
     lines += [f'  - {a}' for a in plan.adjustments]
   if plan.problems:
     lines.append(f'problems ({len(plan.problems)}):')
     lines += [f'  - {p}' for p in plan.problems]
   else:
     lines.append('problems: none')
-  return '\n'.join(lines)
-
-
-def _spec_text(sharding: Any) -> str:
-  if sharding is None:
-    return '-'
-  spec = getattr(sharding, 'spec', None)
-  return format_spec(spec) if spec is not None else type(sharding).__name__
-
-
-def format_mismatches(mismatches: list[Mismatch], checked: int) -> str:
-  """:func:`verify`'s result as a table: path, shape, planned and actual spec.
-
-  ``-`` marks a sharding that is missing (an array the plan does not know,
-  or a value without one).
-  """
-  if not mismatches:
-    return f'all {checked} arrays match the plan'
-  header = ('array', 'shape', 'planned', 'actual')
-  rows = [header] + [
-    (
-      m.path,
-      'x'.join(map(str, m.shape)) or 'scalar' if m.shape is not None else '?',
-      _spec_text(m.expected),
-      _spec_text(m.actual),
-    )
-    for m in mismatches
-  ]
-  widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-
-  def line(r: tuple[str, ...]) -> str:
-    return '  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-
-  lines = [
-    f'{len(mismatches)} of {checked} arrays differ from the plan:',
-    line(header),
-    '-' * len(line(header)),
-  ]
-  lines += [line(r) for r in rows[1:]]
   return '\n'.join(lines)

@@ -8,10 +8,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flax_shardmeta._placement import context_mesh
-from flax_shardmeta.examples._names import LLAMA_RULES as LLAMA_RULES  # re-exported
-from flax_shardmeta.examples._names import MLP_RULES as MLP_RULES  # re-exported
-from flax_shardmeta.examples._names import MODEL_NAMES
+from flax_shardmeta.examples._names import (
+  LLAMA_RULES as LLAMA_RULES,  # re-exported
+  MLP_RULES as MLP_RULES,  # re-exported
+  MODEL_NAMES,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +95,9 @@ def out_sharding(spec: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec
   Under Explicit axes a matmul whose contracting dimension is sharded needs
   its output sharding spelled out; under Auto axes the compiler chooses.
   """
-  mesh = context_mesh()
-  if mesh is not None and all(
-    t == jax.sharding.AxisType.Explicit for t in mesh.axis_types
-  ):
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = jax.sharding.AxisType.Explicit
+  if not mesh.empty and all(t == explicit for t in mesh.axis_types):
     return spec
   return None
 

@@ -9,14 +9,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-from flax_shardmeta._boxes import (
-  PARTITION_NAME,
-  with_logical_partitioning,
-  with_partitioning,
-)
-from flax_shardmeta._constraints import shard_value, with_logical_constraint
-from flax_shardmeta._placement import context_mesh
-from flax_shardmeta._rules import logical_to_mesh_axes
+import flax_shardmeta as fsm
 from flax_shardmeta.examples._common import (
   LLAMA_CONFIGS,
   LLAMA_RULES,
@@ -50,19 +43,22 @@ class DotReluDot(nn.Module):
     self, x: jax.Array, names: tuple[str, str], axes: tuple[str | None, ...]
   ) -> jax.Array:
     if self.mesh_axes:
-      return shard_value(x, axes) if context_mesh() is not None else x
-    return with_logical_constraint(x, names)
+      try:
+        return fsm.shard_value(x, axes)
+      except fsm.NoMeshError:  # no mesh set: nothing to lay the value out over
+        return x
+    return fsm.with_logical_constraint(x, names)
 
   @nn.compact
   def __call__(self, x):
     if self.mesh_axes:
-      w1 = with_partitioning(self.dense_init, (None, 'model'))
-      w2_init = with_partitioning(self.dense_init, ('model', None))
+      w1 = fsm.with_partitioning(self.dense_init, (None, 'model'))
+      w2_init = fsm.with_partitioning(self.dense_init, ('model', None))
       z_sharding = P('data', None)
     else:
-      w1 = with_logical_partitioning(self.dense_init, ('embed', 'hidden'))
-      w2_init = with_logical_partitioning(self.dense_init, ('hidden', 'embed'))
-      z_sharding = logical_to_mesh_axes(('batch', 'embed'))
+      w1 = fsm.with_logical_partitioning(self.dense_init, ('embed', 'hidden'))
+      w2_init = fsm.with_logical_partitioning(self.dense_init, ('hidden', 'embed'))
+      z_sharding = fsm.logical_to_mesh_axes(('batch', 'embed'))
     y = nn.Dense(
       self.depth, kernel_init=w1, use_bias=False, param_dtype=self.param_dtype
     )(x)
@@ -105,7 +101,7 @@ class MLP(nn.Module):
         length=self.num_layers,
         variable_axes={'params': 0},
         split_rngs={'params': True},
-        metadata_params={PARTITION_NAME: None if self.mesh_axes else 'layers'},
+        metadata_params={fsm.PARTITION_NAME: None if self.mesh_axes else 'layers'},
       )(self.depth, param_dtype=self.param_dtype, mesh_axes=self.mesh_axes)(x)
     else:
       for _ in range(self.num_layers):
@@ -131,7 +127,7 @@ class RMSNorm(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     scale = self.param(
       'scale',
-      with_logical_partitioning(nn.initializers.ones, ('norm',)),
+      fsm.with_logical_partitioning(nn.initializers.ones, ('norm',)),
       (x.shape[-1],),
       self.param_dtype,
     )
@@ -146,7 +142,7 @@ class LlamaBlock(nn.Module):
 
   def _param(self, name: str, shape: tuple[int, ...], names: tuple[str, ...]):
     return self.param(
-      name, with_logical_partitioning(_init, names), shape, self.param_dtype
+      name, fsm.with_logical_partitioning(_init, names), shape, self.param_dtype
     )
 
   @nn.compact
@@ -174,7 +170,7 @@ class LlamaBlock(nn.Module):
     w2 = self._param('w2', (c.ffn_dim, c.dim), ('mlp', 'embed'))
     h = RMSNorm(c.norm_eps, self.param_dtype, name='ffn_norm')(x)
     x = x + (jax.nn.silu(h @ w1) * (h @ w3)) @ w2
-    x = with_logical_constraint(x, ('batch', 'length', 'embed'))
+    x = fsm.with_logical_constraint(x, ('batch', 'length', 'embed'))
     return x, None
 
 
@@ -193,7 +189,7 @@ class Llama(nn.Module):
     c = self.config
     embedding = self.param(
       'embedding',
-      with_logical_partitioning(_init, ('vocab', 'embed')),
+      fsm.with_logical_partitioning(_init, ('vocab', 'embed')),
       (c.vocab_size, c.dim),
       self.param_dtype,
     )
@@ -203,12 +199,12 @@ class Llama(nn.Module):
       length=c.num_layers,
       variable_axes={'params': 0},
       split_rngs={'params': True},
-      metadata_params={PARTITION_NAME: 'layers'},
+      metadata_params={fsm.PARTITION_NAME: 'layers'},
     )(c, self.param_dtype, name='layers')(x, None)
     x = RMSNorm(c.norm_eps, self.param_dtype, name='norm')(x)
     lm_head = self.param(
       'lm_head',
-      with_logical_partitioning(_init, ('embed', 'vocab')),
+      fsm.with_logical_partitioning(_init, ('embed', 'vocab')),
       (c.dim, c.vocab_size),
       self.param_dtype,
     )

@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_shardmeta._constraints import with_logical_constraint
-from flax_shardmeta._rules import logical_to_mesh_axes
+import flax_shardmeta as fsm
 from flax_shardmeta.examples._common import (
   LlamaConfig,
   attend,
@@ -24,7 +23,6 @@ from flax_shardmeta.examples._common import (
   rms_norm,
   rope,
 )
-from flax_shardmeta.nnx import with_logical_partitioning
 
 _init = nnx.initializers.normal(0.02)
 _STACK = {nnx.PARTITION_NAME: 'layers'}
@@ -37,7 +35,8 @@ def _param(
   dtype: Any,
   init: Any = _init,
 ) -> nnx.Param[jax.Array]:
-  return nnx.Param(with_logical_partitioning(init, names)(rngs.params(), shape, dtype))
+  annotated = fsm.nnx.with_logical_partitioning(init, names)
+  return nnx.Param(annotated(rngs.params(), shape, dtype))
 
 
 class DotReluDot(nnx.Module):
@@ -51,10 +50,10 @@ class DotReluDot(nnx.Module):
     self.W2 = _param(rngs, (depth, width), ('hidden', 'embed'), dtype, init)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = with_logical_constraint(jax.nn.relu(x @ self.W1[...]), ('batch', 'hidden'))
+    y = fsm.with_logical_constraint(jax.nn.relu(x @ self.W1[...]), ('batch', 'hidden'))
     # Under Explicit axes the contracted 'hidden' dimension is sharded, so the
     # output layout must be spelled out.
-    spec = out_sharding(logical_to_mesh_axes(('batch', 'embed')))
+    spec = out_sharding(fsm.logical_to_mesh_axes(('batch', 'embed')))
     return jnp.dot(y, self.W2[...], out_sharding=spec)
 
 
@@ -136,7 +135,7 @@ class LlamaBlock(nnx.Module):
     x = x + jnp.einsum('bshd,hde->bse', attend(q, k, v), self.wo[...])
     h = self.ffn_norm(x)
     x = x + (jax.nn.silu(h @ self.w1[...]) * (h @ self.w3[...])) @ self.w2[...]
-    return with_logical_constraint(x, ('batch', 'length', 'embed'))
+    return fsm.with_logical_constraint(x, ('batch', 'length', 'embed'))
 
 
 class Llama(nnx.Module):

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from flax_shardmeta._errors import FlaxShardmetaError
+import flax_shardmeta as fsm
 from flax_shardmeta.examples._names import LLAMA_RULES, MLP_RULES, MODEL_NAMES
 
 OPTIMIZERS = ('adam', 'adafactor', 'none')
 """Optimizer names :func:`abstract_state` (and ``--optimizer``) accepts."""
 
 
-class UnknownNameError(FlaxShardmetaError):
+class UnknownNameError(fsm.FlaxShardmetaError):
   """An optimizer, model or API name that is not one of the choices.
 
   Example:

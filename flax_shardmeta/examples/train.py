@@ -9,6 +9,7 @@ batch=256, seq=2048))``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -16,9 +17,8 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from flax_shardmeta._hosts.jit import JitWithContext, jit
-from flax_shardmeta._rules import logical_axis_rules
-from flax_shardmeta._typing import AnyMesh, LogicalRules
+import flax_shardmeta as fsm
+from flax_shardmeta.examples._common import llama_config
 from flax_shardmeta.examples.state import UnknownNameError, model_rules
 
 OPTIMIZERS = ('adamw', 'adam', 'adafactor', 'sgd')
@@ -45,6 +45,18 @@ def optimizer(name: str) -> optax.GradientTransformation:
   )
 
 
+def num_layers(name: str) -> int:
+  """The depth of built-in model ``name``: what ``fit --extrapolate`` reports on.
+
+  Example:
+    >>> num_layers('mlp'), num_layers('llama3-8b')
+    (4, 32)
+  """
+  if name == 'mlp':
+    return 4  # the notebook's depth, as examples.linen.model('mlp') builds it
+  return llama_config(name).num_layers
+
+
 def _loss(name: str, apply: Any, batch: jax.Array) -> jax.Array:
   if name == 'mlp':
     return jnp.mean((apply(batch) - jnp.tanh(batch)) ** 2)
@@ -62,9 +74,9 @@ def abstract_batch(name: str, batch: int, seq: int) -> jax.ShapeDtypeStruct:
 
 def train_step(
   name: str,
-  mesh: AnyMesh,
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
   *,
-  rules: LogicalRules | None = None,
+  rules: Sequence[tuple[str, Any]] | None = None,
   batch: int = 8,
   seq: int = 2048,
   api: str = 'linen',
@@ -72,7 +84,7 @@ def train_step(
   optimizer_name: str = 'adamw',
   dtype: Any = jnp.bfloat16,
   num_layers: int | None = None,
-) -> tuple[JitWithContext, Any, jax.ShapeDtypeStruct]:
+) -> tuple[fsm.JitWithContext, Any, jax.ShapeDtypeStruct]:
   """A built-in model's training step on ``mesh``, with abstract arguments.
 
   Args:
@@ -111,7 +123,7 @@ def train_step(
     fn, state = _nnx(name, tx, remat, dtype, num_layers, rules)
   else:
     raise UnknownNameError(f"unknown api {api!r}; choose 'linen' or 'nnx'")
-  step = jit(
+  step = fsm.jit(
     fn,
     mesh=mesh,  # pyright: ignore[reportArgumentType]
     rules=rules,
@@ -141,7 +153,7 @@ def _linen(
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
 
-  with logical_axis_rules(rules):
+  with fsm.logical_axis_rules(rules):
     return step, jax.eval_shape(init, jax.random.key(0))
 
 
@@ -158,7 +170,7 @@ def _nnx(
     )
     return m, nnx.Optimizer(m, tx, wrt=nnx.Param)
 
-  with logical_axis_rules(rules):
+  with fsm.logical_axis_rules(rules):
     graphdef, state = nnx.split(nnx.eval_shape(create))
 
   def step(state: Any, batch: jax.Array) -> tuple[Any, jax.Array]:
@@ -195,7 +207,11 @@ def builder(
     (16, 1024)
   """
 
-  def build(mesh: AnyMesh, rules: LogicalRules, remat: str) -> Any:
+  def build(
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
+    rules: Sequence[tuple[str, Any]],
+    remat: str,
+  ) -> Any:
     return train_step(
       name,
       mesh,

@@ -2,15 +2,14 @@
 
 Replaced: ``with_partitioning`` (``fsm.nnx.with_partitioning``),
 ``get_partition_spec`` and ``get_named_sharding`` (``fsm.get_partition_spec``,
-``fsm.get_sharding``), ``eval_shape``, ``as_abstract`` and
-``abstract_with_sharding`` (``fsm.nnx``'s), ``logical_axis_rules`` and
+``fsm.get_sharding``), ``eval_shape`` and ``as_abstract`` (``fsm.nnx``'s; also
+under flax's old name ``abstract_with_sharding``), ``logical_axis_rules`` and
 ``PARTITION_NAME`` (fsm's). Not adapted, so a call using flax's other
 parameters fails visibly: ``fsm.nnx.eval_shape(create, *, mesh, rules)`` takes
-no arguments for ``create``; ``fsm.nnx.as_abstract(tree, mesh=None, ...)`` and
-``abstract_with_sharding(state, mesh, ...)`` take a mesh where flax's take
-``graph``. Kept as flax's: everything else, e.g. ``with_metadata``,
-``get_abstract_model``, ``use_eager_sharding``, ``transform_metadata``,
-``spmd`` and ``bridge`` (no fsm counterparts).
+no arguments for ``create``; ``fsm.nnx.as_abstract(tree, mesh=None, ...)``
+takes a mesh where flax's takes ``graph``. Kept as flax's: everything else,
+e.g. ``with_metadata``, ``get_abstract_model``, ``use_eager_sharding``,
+``transform_metadata``, ``spmd`` and ``bridge`` (no fsm counterparts).
 """
 
 from typing import Any
@@ -29,7 +28,7 @@ get_partition_spec = fsm.get_partition_spec
 get_named_sharding = fsm.get_sharding
 eval_shape = fsm_nnx.eval_shape
 as_abstract = fsm_nnx.as_abstract
-abstract_with_sharding = fsm_nnx.abstract_with_sharding
+abstract_with_sharding = fsm_nnx.as_abstract
 logical_axis_rules = fsm.logical_axis_rules
 PARTITION_NAME = fsm.PARTITION_NAME
 

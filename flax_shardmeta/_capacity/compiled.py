@@ -1,0 +1,172 @@
+"""Compiling a step and reading the compiled program's own figures.
+
+XLA's ``memory_analysis()`` and ``cost_analysis()``, the bytes of each input
+as the compiled program holds it (its input shardings: an argument the step
+never reads is dropped by jax and holds nothing), and the optimised HLO
+(collectives, loops, work). When the compiler refuses the program for lack
+of memory, its message is the verdict. Figures are cached by the lowered
+program (``_capacity.cache``) unless ``fit(..., cache=False)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any
+
+import jax
+
+from flax_shardmeta._arrays import is_key, shard_bytes
+from flax_shardmeta._capacity import cache as cache_lib, hlo, hlo_text, report as rep
+from flax_shardmeta._capacity.step import Arguments, Step
+from flax_shardmeta._errors import FitError
+from flax_shardmeta._init.program_memory import memory_fields
+
+_REFUSAL = re.compile(
+  r'(?:required for HLO temporaries|Used)\s*\(?([0-9.]+)\s*([KMGT]?)i?B?\)?'
+  r'.*?(?:available HBM|of)\s*\(?([0-9.]+)\s*([KMGT]?)i?B?\)?',
+  re.S,
+)
+# Bumped when the cached figures change form: older entries are not read.
+_FIGURES_FORMAT = 'figures-2'
+_UNIT = {'': 1, 'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30, 'T': 1 << 40}
+
+
+def parse_refusal(message: str) -> rep.Refusal | None:
+  """The compiler's required and available bytes from an out-of-memory error.
+
+  Example:
+    >>> r = parse_refusal('RESOURCE_EXHAUSTED: Ran out of memory on HBM, the '
+    ...   'total memory required for HLO temporaries (115.85G) exceeds available '
+    ...   'HBM (95.74G).')
+    >>> round(r.required_bytes / 2**30, 2), round(r.available_bytes / 2**30, 2)
+    (115.85, 95.74)
+  """
+  if 'RESOURCE_EXHAUSTED' not in message and 'Ran out of memory' not in message:
+    return None
+  first = message.strip().split('\n')[0]
+  m = _REFUSAL.search(first)
+  if m is None:
+    return rep.Refusal(0, 0, first)
+  need = float(m.group(1)) * _UNIT[m.group(2)]
+  have = float(m.group(3)) * _UNIT[m.group(4)]
+  return rep.Refusal(int(need), int(have), first)
+
+
+def _compile(lowered: Any) -> tuple[Any, rep.Refusal | None, float]:
+  start = time.perf_counter()
+  try:
+    compiled = lowered.compile()
+  except Exception as e:  # jax's JaxRuntimeError (XlaRuntimeError before)
+    refusal = parse_refusal(str(e))
+    if refusal is None:
+      raise FitError(
+        f'the compiler failed on the step (not for lack of memory): '
+        f'{str(e).strip().splitlines()[0]}'
+      ) from e
+    return None, refusal, time.perf_counter() - start
+  return compiled, None, time.perf_counter() - start
+
+
+def _memory(compiled: Any) -> dict[str, int]:
+  fields = memory_fields(compiled)
+  if fields is None:  # no figures is no verdict, not a program of 0 bytes
+    raise FitError(
+      "this backend's compiler gives no memory analysis of the step; fit it on "
+      "a TPU topology (fsm.make_mesh(..., topology='v5p:2x2x1')) or estimate it "
+      'on a jax.sharding.AbstractMesh.'
+    )
+  return fields
+
+
+def _cost(compiled: Any) -> dict[str, float]:
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # some backends have none; the report says so
+    return {}
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+    cost = cost[0] if cost else {}
+  return {str(k): float(v) for k, v in (cost or {}).items()}
+
+
+def input_bytes(compiled: Any) -> list[tuple[str, int, bool]]:
+  """``(path, bytes per device, is a key array)`` of each input leaf, as the
+  compiled program holds it, in ``jax.tree.leaves`` order over the positional
+  arguments.
+
+  An argument jax dropped because the step never reads it has no sharding
+  (``None``) and holds nothing; a key array holds its key data.
+  """
+  shardings = jax.tree_util.tree_leaves(
+    compiled.input_shardings[0], is_leaf=lambda x: x is None
+  )
+  avals, _ = jax.tree_util.tree_flatten_with_path(compiled.in_avals[0])
+  out = []
+  for (path, aval), sharding in zip(avals, shardings):
+    size = 0 if sharding is None else shard_bytes(aval.shape, aval.dtype, sharding)
+    out.append((jax.tree_util.keystr(path), size, is_key(aval.dtype)))
+  return out
+
+
+def figures(target: Step, arguments: Arguments, use_cache: bool) -> dict[str, Any]:
+  """Compiles (or reads the cache) and returns the program's figures.
+
+  The cache keeps XLA's own figures and the optimised HLO text; the HLO is
+  read again by this version's reader, so cached collectives and loop counts
+  are never those of an older one. Without ``use_cache`` nothing is read
+  from or kept in the cache, in memory or on disk.
+  """
+  lowered = target.lower(*arguments.lowered)
+  mesh = target.mesh
+  key = (
+    cache_lib.key(lowered.as_text(), mesh.devices, extra=_FIGURES_FORMAT)
+    if use_cache
+    else None
+  )
+  found = cache_lib.load(key, on_disk=True) if key is not None else None
+  cached = found is not None
+  text = None
+  if found is not None and 'refusal' not in found:
+    text = cache_lib.load_text(key, on_disk=True) if key is not None else None
+    if text is None:  # a cache entry without its program: compile again
+      cache_lib.forget(key or '')
+      found, cached = None, False
+  computations = None
+  if found is None:
+    found, text, computations = _compiled_figures(lowered)
+    if key is not None:
+      if text is not None:
+        cache_lib.store_text(key, text, on_disk=True)
+      cache_lib.store(key, found, on_disk=True)
+  out = dict(found)
+  if text is not None:
+    if computations is None:
+      computations = hlo_text.parse(text)
+    summary = hlo.summarize_computations(computations, mesh.devices, mesh.axis_names)
+    out['summary'] = summary.to_dict()
+  out['cached'] = cached
+  out['compile_seconds'] = 0.0 if cached else out['seconds']
+  return out
+
+
+def _compiled_figures(
+  lowered: Any,
+) -> tuple[dict[str, Any], str | None, dict[str, Any] | None]:
+  """Compiles: the figures to cache, the HLO text and its parse (None when
+  the compiler refused the program)."""
+  compiled, refusal, seconds = _compile(lowered)
+  if refusal is not None:
+    return {'refusal': dataclasses.asdict(refusal), 'seconds': seconds}, None, None
+  text = hlo_text.program_text(compiled)
+  computations = hlo_text.parse(text)
+  found = {
+    'memory': _memory(compiled),
+    'cost': _cost(compiled),
+    'input_bytes': input_bytes(compiled),
+    'seconds': seconds,
+    # Where the text reader disagrees with XLA's own module objects: kept with
+    # the figures, so a cached report says so too.
+    'reader': hlo_text.disagreements(computations, compiled),
+  }
+  return found, text, computations

@@ -1,0 +1,337 @@
+"""``FitReport``: what one training step costs each chip, the verdict, and how
+the report reads (its table and its treescope view)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from flax_shardmeta._capacity.chips import Chip
+from flax_shardmeta._capacity.fit_format import format_seconds, signed_bytes, table
+from flax_shardmeta._capacity.roofline import CollectiveRow, Roofline
+
+PARAMETERS = 'parameters'
+OPTIMIZER = 'optimizer state'
+RNG = 'RNG state'
+INPUTS = 'batch and other inputs'
+PADDING = 'argument padding'
+OUTPUTS = 'outputs not donated'
+TEMPORARIES = 'temporaries'
+CODE = 'generated code'
+GRADIENTS = 'gradients'
+ACTIVATIONS = 'activations and workspace'
+
+ARGUMENT_ROWS = (PARAMETERS, OPTIMIZER, RNG, INPUTS, PADDING)
+"""The rows that together are XLA's ``argument_size_in_bytes``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One line of the per-chip breakdown.
+
+  Attributes:
+    name: what the bytes are (``'parameters'``, ``'temporaries'``, ...); RNG
+      streams (key arrays, NNX ``RngKey``/``RngCount``) are ``'RNG state'``,
+      a row only when the step's arguments hold some.
+    bytes: bytes per chip.
+    note: where the figure comes from.
+  """
+
+  name: str
+  bytes: int
+  note: str = ''
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready form."""
+    return {'name': self.name, 'bytes': int(self.bytes), 'note': self.note}
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+  """The compiler refused the program for lack of memory.
+
+  Attributes:
+    required_bytes: what it said the program needs per chip.
+    available_bytes: what it said the chip has.
+    message: its message, first line.
+  """
+
+  required_bytes: int
+  available_bytes: int
+  message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FitReport:
+  """What one step of a program costs each chip: memory, collectives, time.
+
+  Made by :func:`flax_shardmeta.fit`. ``print(report)`` shows a table,
+  ``report.to_dict()`` is JSON, and in a notebook the report renders with
+  treescope.
+
+  Memory per chip (``total_bytes``) is the peak the chip must hold::
+
+    argument + output - alias + temporaries + generated code
+
+  with XLA's own figures (``memory_analysis``): arguments (parameters,
+  optimizer state, batch) stay live for the whole step, donated arguments
+  share their buffers with the outputs (``alias``), and the temporaries are
+  the activations kept for the backward pass, the gradients and the
+  workspace at the program's peak.
+
+  Attributes:
+    source: ``'compiled'`` (XLA's figures) or ``'estimate'`` (no compiler
+      for the target: from the plan and the traced program).
+    method: how the figures were made, in a sentence.
+    mesh: axis name -> size.
+    devices: the devices compiled for, e.g. ``'TPU v5, 128 devices in 32
+      hosts'``.
+    chip: the chip figures used for the verdict and the roofline, if known.
+    rows: the per-chip breakdown; the rows add up to ``total_bytes``, and
+      the argument rows to XLA's argument bytes.
+    total_bytes: the peak per chip (see above).
+    hbm_bytes: the memory judged against (``hbm=`` or the chip's), if known.
+    memory_analysis: XLA's figures, unaltered (None for estimates and
+      refusals).
+    donated_bytes: argument bytes reused for outputs (XLA's alias bytes).
+    collectives: per step and device, grouped by kind and mesh axes.
+    flops: flops per step and device, loop trips included.
+    bytes_accessed: HBM bytes per step and device, loop trips included.
+    cost_analysis: XLA's ``cost_analysis()``, unaltered (it counts each loop
+      body once).
+    roofline: a step-time estimate, if the chip is known.
+    refusal: set when the compiler refused the program for lack of memory.
+    loops: ``(loop, trip count)`` of the program's loops.
+    compile_seconds: how long compiling took (0 for cached figures).
+    cached: the figures came from the cache.
+    notes: anything else worth knowing, one sentence each.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> mesh = jax.make_mesh((8,), ('data',))
+    >>> step = fsm.jit(lambda x: (x * 2).sum(), mesh=mesh,
+    ...                in_shardings=(jax.P('data'),))
+    >>> report = fsm.fit(step, jax.ShapeDtypeStruct((1024,), jnp.float32),
+    ...                  hbm='1MiB', cache=False)
+    >>> report.source, report.fits, report.row('batch and other inputs')
+    ('compiled', True, 512)
+  """
+
+  source: str
+  method: str
+  mesh: dict[str, int]
+  devices: str
+  chip: Chip | None
+  rows: tuple[Row, ...]
+  total_bytes: int
+  hbm_bytes: int | None
+  memory_analysis: dict[str, int] | None
+  donated_bytes: int
+  collectives: tuple[CollectiveRow, ...]
+  flops: float | None
+  bytes_accessed: float | None
+  cost_analysis: dict[str, float] | None
+  roofline: Roofline | None
+  refusal: Refusal | None = None
+  loops: tuple[tuple[str, int | None], ...] = ()
+  compile_seconds: float = 0.0
+  cached: bool = False
+  notes: tuple[str, ...] = ()
+
+  @property
+  def fits(self) -> bool | None:
+    """Whether the step fits in ``hbm_bytes`` (None when that is unknown)."""
+    if self.refusal is not None:
+      return False
+    if self.hbm_bytes is None:
+      return None
+    return self.total_bytes <= self.hbm_bytes
+
+  @property
+  def headroom_bytes(self) -> int | None:
+    """``hbm_bytes - total_bytes`` (negative when it does not fit)."""
+    if self.hbm_bytes is None:
+      return None
+    return self.hbm_bytes - self.total_bytes
+
+  @property
+  def headroom(self) -> float | None:
+    """Headroom as a fraction of ``hbm_bytes``."""
+    if self.hbm_bytes is None or self.headroom_bytes is None:
+      return None
+    return self.headroom_bytes / self.hbm_bytes
+
+  @property
+  def collective_bytes(self) -> float:
+    """Bytes per device per step over all collectives."""
+    return sum(r.bytes for r in self.collectives)
+
+  def row(self, name: str) -> int:
+    """Bytes of the row called ``name`` (0 when there is none)."""
+    return sum(r.bytes for r in self.rows if r.name == name)
+
+  @property
+  def argument_bytes(self) -> int:
+    """The argument rows together (XLA's ``argument_size_in_bytes``)."""
+    return sum(r.bytes for r in self.rows if r.name in ARGUMENT_ROWS)
+
+  @property
+  def largest_row(self) -> Row:
+    """The biggest category."""
+    return max(self.rows, key=lambda r: r.bytes)
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready form (see the CLI's ``fit --format json``)."""
+    return {
+      'source': self.source,
+      'method': self.method,
+      'mesh': dict(self.mesh),
+      'devices': self.devices,
+      'chip': self.chip.to_dict() if self.chip else None,
+      'rows': [r.to_dict() for r in self.rows],
+      'total_bytes': int(self.total_bytes),
+      'hbm_bytes': self.hbm_bytes,
+      'fits': self.fits,
+      'headroom_bytes': self.headroom_bytes,
+      'memory_analysis': self.memory_analysis,
+      'donated_bytes': int(self.donated_bytes),
+      'collectives': [r.to_dict() for r in self.collectives],
+      'flops': self.flops,
+      'bytes_accessed': self.bytes_accessed,
+      'cost_analysis': self.cost_analysis,
+      'roofline': self.roofline.to_dict() if self.roofline else None,
+      'refusal': dataclasses.asdict(self.refusal) if self.refusal else None,
+      'loops': [list(loop) for loop in self.loops],
+      'compile_seconds': self.compile_seconds,
+      'cached': self.cached,
+      'notes': list(self.notes),
+    }
+
+  def __str__(self) -> str:
+    return format_report(self)
+
+  def _treescope_view(self) -> dict[str, Any]:
+    return treescope_view(self)
+
+  def __treescope_repr__(self, path: str, subtree_renderer: Any) -> Any:
+    import treescope  # only for notebooks: keeps the CLI start-up light
+
+    return treescope.repr_lib.render_object_constructor(
+      object_type=type(self),
+      attributes=self._treescope_view(),
+      path=path,
+      subtree_renderer=subtree_renderer,
+    )
+
+  def _repr_html_(self) -> str:
+    import treescope
+
+    return treescope.render_to_html(self._treescope_view())
+
+
+# Reading a report: its verdict, table and treescope view
+# ------------------------------------------------------------------------------
+
+
+def verdict(report: FitReport) -> str:
+  """One line: FITS / DOES NOT FIT, with the headroom or the shortfall."""
+  if report.refusal is not None:
+    r = report.refusal
+    return (
+      f'DOES NOT FIT: the compiler needs {signed_bytes(r.required_bytes)} per chip, '
+      f'{signed_bytes(r.available_bytes)} available '
+      f'({signed_bytes(r.required_bytes - r.available_bytes)} short)'
+    )
+  if report.fits is None:
+    return 'no verdict: the device memory is unknown (pass hbm=..., e.g. "95GiB")'
+  room, share = report.headroom_bytes, report.headroom
+  if report.fits:
+    return f'FITS, headroom {signed_bytes(room)} ({share:.1%} of HBM)'
+  return f'DOES NOT FIT: {signed_bytes(-(room or 0))} over ({-(share or 0):.1%} of HBM)'
+
+
+def format_report(report: FitReport) -> str:
+  """The report as a table: one line per category, then the collectives."""
+  mesh = ', '.join(f'{k}={v}' for k, v in report.mesh.items())
+  head = f'Will it fit: {report.source} for {report.devices}; mesh {mesh}'
+  lines = [head, f'method: {report.method}', '']
+  total = max(report.total_bytes, 1)
+  rows = [('per chip', 'bytes', 'share', 'from')]
+  for r in report.rows:
+    rows.append(
+      (f'  {r.name}', signed_bytes(r.bytes), f'{r.bytes / total:.1%}', r.note)
+    )
+  total_note = (
+    'the compiler, refusing'
+    if report.refusal
+    else 'argument + output - alias + temporaries + code'
+  )
+  rows.append(('  total', signed_bytes(report.total_bytes), '', total_note))
+  if report.hbm_bytes is not None:
+    where = f'{report.chip.name} HBM' if report.chip else 'hbm='
+    rows.append(('  HBM', signed_bytes(report.hbm_bytes), '', where))
+  lines += table(rows, {1, 2})
+  lines.append(f'verdict: {verdict(report)}')
+  if report.collectives:
+    lines.append('')
+    crows = [('collectives per step', 'count', 'bytes/chip', 'over', 'time')]
+    for c in report.collectives:
+      over = c.over + (' (DCN)' if c.crosses_slices else '')
+      crows.append(
+        (
+          f'  {c.kind}',
+          f'{c.count:,}',
+          signed_bytes(c.bytes),
+          over,
+          format_seconds(c.seconds),
+        )
+      )
+    lines += table(crows, {1, 2, 4})
+  elif report.source == 'compiled' and report.refusal is None:
+    lines += ['', 'collectives per step: none']
+  if report.flops is not None:
+    lines.append('')
+    xla = report.cost_analysis or {}
+    text_flops = xla.get('flops')
+    once = (
+      f' (XLA counts {text_flops:.3g} with each loop body once)'
+      if text_flops is not None and abs(text_flops - report.flops) > 0.01 * report.flops
+      else ''
+    )
+    lines.append(f'flops per step and chip: {report.flops:.3g}{once}')
+    if report.bytes_accessed is not None:
+      lines.append(
+        f'HBM traffic per step and chip: {signed_bytes(report.bytes_accessed)}'
+      )
+  if report.roofline is not None:
+    r = report.roofline
+    lines.append(
+      f'roofline estimate ({r.chip.name}): step {format_seconds(r.step_s)} '
+      f'({r.bound}-bound; {format_seconds(r.serial_s)} with no overlap): '
+      f'compute {format_seconds(r.compute_s)}, HBM {format_seconds(r.memory_s)}, '
+      f'collectives {format_seconds(r.collective_s)}'
+    )
+  for note in report.notes:
+    lines.append(f'note: {note}')
+  return '\n'.join(lines)
+
+
+def treescope_view(report: FitReport) -> dict[str, Any]:
+  """What treescope shows: the verdict, the breakdown and the collectives."""
+  return {
+    'verdict': verdict(report),
+    'source': report.source,
+    'method': report.method,
+    'mesh': dict(report.mesh),
+    'devices': report.devices,
+    'per_chip': {r.name: signed_bytes(r.bytes) for r in report.rows},
+    'total': signed_bytes(report.total_bytes),
+    'hbm': signed_bytes(report.hbm_bytes),
+    'collectives': {
+      f'{c.kind} over {c.over}': f'{c.count:,} x, {signed_bytes(c.bytes)}'
+      for c in report.collectives
+    },
+    'roofline': report.roofline.to_dict() if report.roofline else None,
+    'memory_analysis': report.memory_analysis,
+    'notes': list(report.notes),
+  }

@@ -1,0 +1,161 @@
+"""Collectives per step, grouped, and a roofline step-time estimate.
+
+The estimate is the classic roofline: a step takes at least as long as its
+matmuls at peak throughput, its HBM traffic at full bandwidth, and its
+collectives at the interconnect's bandwidth. With perfect overlap it takes
+the largest of the three (``step_s``); with none, their sum (``serial_s``).
+Real steps land in between. Collective time per run, for a group of ``n``
+devices and ``B`` bytes (the full buffer per device): all-gather,
+reduce-scatter and all-to-all move ``B (n-1)/n``; all-reduce ``2 B (n-1)/n``;
+collective-permute ``B``; over the data-centre network when the group spans
+slices, else over the chip's per-axis ICI bandwidth (see ``chips.Chip``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from flax_shardmeta._capacity.chips import Chip
+from flax_shardmeta._capacity.hlo_collectives import COLLECTIVE_KINDS, CollectiveOp
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRow:
+  """Collectives of one kind over the same mesh axes, per step and per device.
+
+  Attributes:
+    kind: ``'all-gather'``, ``'reduce-scatter'``, ``'all-reduce'``,
+      ``'all-to-all'`` or ``'collective-permute'``.
+    axes: the mesh axes the groups span (empty when they cannot be told).
+    count: runs per step (async start/done pairs once; loop trips included).
+    bytes: bytes per device per step (the full buffer of each run).
+    seconds: the time they take at the interconnect's bandwidth (None
+      without a known chip).
+    crosses_slices: the groups span slices (the data-centre network).
+
+  Example:
+    >>> row = CollectiveRow('all-gather', ('data',), 64, 2**30, 0.01)
+    >>> row.over
+    'data'
+  """
+
+  kind: str
+  axes: tuple[str, ...]
+  count: int
+  bytes: float
+  seconds: float | None = None
+  crosses_slices: bool = False
+
+  @property
+  def over(self) -> str:
+    """The axes as text: ``'data'``, ``'data+model'`` or ``'?'``."""
+    return '+'.join(self.axes) if self.axes else '?'
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready form."""
+    return {
+      'kind': self.kind,
+      'axes': list(self.axes),
+      'count': self.count,
+      'bytes': int(self.bytes),
+      'seconds': self.seconds,
+      'crosses_slices': self.crosses_slices,
+    }
+
+
+def op_seconds(op: CollectiveOp, chip: Chip) -> float:
+  """Seconds one step spends on ``op`` at ``chip``'s bandwidths."""
+  n = max(op.group_size, 1)
+  share = (n - 1) / n
+  moved = {
+    'all-reduce': 2 * op.bytes * share,
+    'collective-permute': float(op.bytes),
+  }.get(op.kind, op.bytes * share)
+  bandwidth = chip.dcn_bandwidth if op.crosses_slices else chip.ici_bandwidth
+  return op.runs * moved / bandwidth
+
+
+def group(ops: Iterable[CollectiveOp], chip: Chip | None) -> tuple[CollectiveRow, ...]:
+  """Rows per (kind, axes), in :data:`COLLECTIVE_KINDS` order, largest first."""
+  rows: dict[tuple[str, tuple[str, ...], bool], list[float]] = {}
+  for op in ops:
+    key = (op.kind, op.axes, op.crosses_slices)
+    acc = rows.setdefault(key, [0, 0.0, 0.0])
+    acc[0] += op.runs
+    acc[1] += op.bytes_per_step
+    acc[2] += op_seconds(op, chip) if chip is not None else 0.0
+  out = [
+    CollectiveRow(kind, axes, int(n), b, s if chip is not None else None, crosses)
+    for (kind, axes, crosses), (n, b, s) in rows.items()
+  ]
+  order = {k: i for i, k in enumerate(COLLECTIVE_KINDS)}
+  return tuple(sorted(out, key=lambda r: (order.get(r.kind, 99), -r.bytes)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+  """A step-time estimate from peak throughput and bandwidths (an estimate).
+
+  Attributes:
+    chip: the figures used.
+    compute_s: flops / peak bf16 flops.
+    memory_s: HBM bytes accessed / HBM bandwidth.
+    collective_s: collective time at the interconnect's bandwidth.
+
+  Example:
+    >>> from flax_shardmeta._capacity.chips import chip_named
+    >>> r = Roofline(chip_named('v5p'), 0.8, 0.3, 0.5)
+    >>> r.step_s, r.serial_s, r.bound
+    (0.8, 1.6, 'compute')
+  """
+
+  chip: Chip
+  compute_s: float
+  memory_s: float
+  collective_s: float
+
+  @property
+  def step_s(self) -> float:
+    """With perfect overlap: the largest of the three."""
+    return max(self.compute_s, self.memory_s, self.collective_s)
+
+  @property
+  def serial_s(self) -> float:
+    """With no overlap: their sum."""
+    return self.compute_s + self.memory_s + self.collective_s
+
+  @property
+  def bound(self) -> str:
+    """What limits the step: ``'compute'``, ``'memory'`` or ``'collectives'``."""
+    parts = {
+      'compute': self.compute_s,
+      'memory': self.memory_s,
+      'collectives': self.collective_s,
+    }
+    return max(parts, key=lambda k: parts[k])
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready form."""
+    return {
+      'chip': self.chip.name,
+      'compute_s': self.compute_s,
+      'memory_s': self.memory_s,
+      'collective_s': self.collective_s,
+      'step_s': self.step_s,
+      'serial_s': self.serial_s,
+      'bound': self.bound,
+    }
+
+
+def roofline(
+  chip: Chip | None, flops: float, bytes_accessed: float, rows: Iterable[CollectiveRow]
+) -> Roofline | None:
+  """The estimate for a step, or None without a known chip."""
+  if chip is None:
+    return None
+  collective_s = sum(r.seconds or 0.0 for r in rows)
+  return Roofline(
+    chip, flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth, collective_s
+  )

@@ -1,0 +1,217 @@
+"""Devices of a TPU pod this machine does not have, from libtpu, and meshes
+laid out over devices (``device_mesh``).
+
+``libtpu`` (``pip install 'flax_shardmeta[tpu]'``, which brings the
+``jax[tpu]`` matching the installed jax) describes any TPU topology and gives
+compile-only devices for it: a ``Mesh`` over them lowers and compiles a
+sharded program exactly as the pod would, and XLA reports its per-chip
+memory and cost, with no TPU attached.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.util
+import math
+import os
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from flax_shardmeta._errors import MeshShapeError, TopologyError
+
+if TYPE_CHECKING:  # jax is imported when a mesh is made: the CLI starts light
+  from jax.sharding import AxisType, Mesh
+
+ACCEPTED_FORMS = (
+  "'v4:2x2x1', 'v5e:4x4' (v5litepod), 'v5p:4x4x8', 'v6e:8x8', 'tpu7x:2x2x1'; "
+  'GENERATION:SHAPE with one size per torus dimension (3 for v4, v5p and '
+  'TPU7x, 2 for v5e and v6e)'
+)
+"""The topology names libtpu accepts, as given in errors."""
+
+_NAME = re.compile(r'^([a-zA-Z0-9_ ]+)[=_:]([0-9x]+)(_twisted|_untwisted)?$')
+
+# Without these, libtpu looks for the TPU VM it runs on (cloud metadata, worker
+# hostnames) and prints several lines of warnings before it answers. They only
+# describe *this* machine, never the topology asked for. libtpu also takes a
+# machine-wide lock meant for processes that drive real TPUs; compiling ahead of
+# time drives none, so several processes (parallel tests, a notebook beside a
+# CLI run) may share it.
+_QUIET_ENV = {
+  'TPU_SKIP_MDS_QUERY': '1',
+  'TPU_ACCELERATOR_TYPE': 'v5p-8',
+  'TPU_WORKER_HOSTNAMES': 'localhost',
+  'TPU_WORKER_ID': '0',
+  'ALLOW_MULTIPLE_LIBTPU_LOAD': '1',
+}
+
+
+def libtpu_available() -> bool:
+  """Whether libtpu is installed (TPU topologies can be described).
+
+  Example:
+    >>> isinstance(libtpu_available(), bool)
+    True
+  """
+  return importlib.util.find_spec('libtpu') is not None or bool(
+    os.environ.get('TPU_LIBRARY_PATH')
+  )
+
+
+def _on_a_tpu_vm() -> bool:
+  return bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))
+
+
+def topology_devices(name: str, *, num_slices: int = 1) -> tuple[Any, ...]:
+  """The compile-only devices of a TPU topology, e.g. ``'v5p:8x8x16'``.
+
+  Devices are what JAX makes of a chip: one per chip for v4 (megacore), v5e,
+  v5p and v6e, two per chip for TPU7x. Results are cached per name.
+
+  Args:
+    name: ``GENERATION:SHAPE``, e.g. ``'v5p:4x4x8'`` or ``'v6e:16x16'``.
+    num_slices: slices joined over the data-centre network; each device's
+      ``slice_index`` says which it belongs to.
+
+  Returns:
+    The devices, in libtpu's order.
+
+  Raises:
+    TopologyError: libtpu is missing, or the name is not a topology it knows.
+
+  Example:
+    >>> from flax_shardmeta._capacity import topology
+    >>> if topology.libtpu_available():
+    ...   devices = topology.topology_devices('v5p:2x2x2')
+    ...   print(len(devices), devices[0].device_kind)
+    ... else:
+    ...   print(8, 'TPU v5')
+    8 TPU v5
+  """
+  if not isinstance(name, str) or not _NAME.match(name.strip()):
+    raise TopologyError(f'unknown TPU topology {name!r}: use {ACCEPTED_FORMS}.')
+  if not isinstance(num_slices, int) or num_slices < 1:
+    raise TopologyError(f'num_slices={num_slices!r}: give a positive number.')
+  if not libtpu_available():
+    import jax
+
+    raise TopologyError(
+      f'TPU topology {name!r} needs libtpu, which is not installed. Install the '
+      f"extra that brings it: pip install 'flax_shardmeta[tpu]' (jax[tpu], "
+      f'matching jax {jax.__version__}).'
+    )
+  return _devices(name.strip(), num_slices)
+
+
+@functools.lru_cache(maxsize=32)
+def _devices(name: str, num_slices: int) -> tuple[Any, ...]:
+  from jax.experimental import topologies
+
+  if not _on_a_tpu_vm():
+    for key, value in _QUIET_ENV.items():
+      os.environ.setdefault(key, value)
+  kwargs: dict[str, Any] = {}
+  if num_slices > 1:
+    kwargs['num_slices'] = num_slices
+  if name.lower().startswith('v4'):
+    kwargs['chip_config_name'] = 'megacore'  # one device per chip, as on a v4 VM
+  try:
+    desc = topologies.get_topology_desc(topology_name=name, platform='tpu', **kwargs)
+  except Exception as e:  # libtpu's JaxRuntimeError: INVALID_ARGUMENT ...
+    reason = str(e).split('\n')[0].removeprefix('INVALID_ARGUMENT: ')
+    raise TopologyError(
+      f'unknown TPU topology {name!r}: libtpu says "{reason}". Use {ACCEPTED_FORMS}.'
+    ) from None
+  return tuple(desc.devices)
+
+
+def describe(devices: Any) -> str:
+  """``'v5p 4x4x8, 128 devices in 32 hosts'`` for a device list or mesh.
+
+  Example:
+    >>> import jax
+    >>> describe(jax.devices()[:8])
+    'cpu, 8 devices in 1 host'
+  """
+  flat = list(getattr(getattr(devices, 'devices', devices), 'flat', devices))
+  if not flat:
+    return 'no devices'
+  kind = getattr(flat[0], 'device_kind', '?')
+  hosts = len({getattr(d, 'process_index', 0) for d in flat})
+  slices = len({getattr(d, 'slice_index', 0) or 0 for d in flat})
+  where = f'{hosts} host' + ('s' if hosts > 1 else '')
+  if slices > 1:
+    where += f', {slices} slices'
+  return f'{kind}, {len(flat)} devices in {where}'
+
+
+def device_mesh(
+  axis_sizes: Sequence[int],
+  axis_names: Sequence[str],
+  devices: Sequence[Any],
+  axis_types: Sequence[AxisType],
+  dcn_axis_sizes: Sequence[int] | None = None,
+) -> Mesh:
+  """A ``Mesh`` of exactly ``axis_sizes`` over ``devices``, neighbouring mesh
+  positions on neighbouring chips; with ``dcn_axis_sizes``, each axis spans
+  that many hosts (slices where the devices report several ``slice_index``
+  values) and the rest of it stays inside one.
+
+  The devices may be a TPU pod's from :func:`topology_devices` or this
+  machine's. ``fsm.make_mesh`` checks its arguments and calls this.
+
+  Args:
+    axis_sizes: one size per axis; their product is ``len(devices)``.
+    axis_names: one name per axis.
+    devices: the devices to lay the mesh over.
+    axis_types: one ``jax.sharding.AxisType`` per axis.
+    dcn_axis_sizes: hosts (or slices) each axis spans; their product is the
+      number of hosts, each a divisor of its axis size.
+
+  Raises:
+    MeshShapeError: the sizes do not multiply to the devices, or the
+      ``dcn_axis_sizes`` do not divide them.
+
+  Example:
+    >>> import jax
+    >>> from jax.sharding import AxisType
+    >>> mesh = device_mesh((2, 4), ('data', 'model'), jax.devices(),
+    ...                    (AxisType.Auto,) * 2)
+    >>> dict(mesh.shape)
+    {'data': 2, 'model': 4}
+  """
+  import jax
+  import numpy as np
+  from jax.experimental import mesh_utils
+  from jax.sharding import Mesh
+
+  sizes, names, types = tuple(axis_sizes), tuple(axis_names), tuple(axis_types)
+  if math.prod(sizes) != len(devices):
+    raise MeshShapeError(
+      f'mesh {dict(zip(names, sizes))} needs {math.prod(sizes)} devices; '
+      f'{len(devices)} given.'
+    )
+  if dcn_axis_sizes is None:
+    try:
+      return jax.make_mesh(sizes, names, axis_types=types, devices=devices)
+    except NotImplementedError:
+      # A TPU torus whose axes no product of mesh sizes matches (64 on
+      # 4x4x8): jax refuses to split a physical axis unless asked to.
+      grid = mesh_utils.create_device_mesh(
+        sizes, devices, allow_split_physical_axes=True
+      )
+      return Mesh(np.asarray(grid), names, axis_types=types)
+  dcn = tuple(dcn_axis_sizes)
+  if len(dcn) != len(sizes) or any(d < 1 or s % d for s, d in zip(sizes, dcn)):
+    raise MeshShapeError(
+      f'dcn_axis_sizes {dcn} for mesh {dict(zip(names, sizes))}: give one '
+      'positive divisor of each axis size.'
+    )
+  ici = tuple(s // d for s, d in zip(sizes, dcn))
+  by_slice = len({getattr(d, 'slice_index', 0) for d in devices}) > 1
+  grid = mesh_utils.create_hybrid_device_mesh(
+    ici, dcn, devices, process_is_granule=not by_slice, allow_split_physical_axes=True
+  )
+  return Mesh(np.asarray(grid), names, axis_types=types)

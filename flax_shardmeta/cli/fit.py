@@ -1,0 +1,167 @@
+"""``flax-shardmeta fit``: does a training step fit the pod, before the pod?
+
+Builds a model's training step abstractly (forward, backward and the
+optimizer update, the state donated) and compiles it for a TPU topology with
+libtpu, or estimates it on an abstract mesh, then prints the per-chip report:
+memory by category, the verdict against HBM, collectives per step and a
+roofline step time.
+
+* ``--model NAME`` uses a built-in model and its rules (Auto mesh axes, as the
+  built-in models are written for).
+* ``--module PKG.MOD:FACTORY`` uses your own step: the factory returns ``(step,
+  *abstract_args)``, the training step (a plain function, ``jax.jit`` or
+  ``fsm.jit``) and its arguments as ``jax.eval_shape`` trees; annotated
+  arguments are laid out by the rules, an argument that is itself a box (e.g.
+  ``fsm.LogicalPartitioned(batch, ('batch', None))``) by its annotation. With
+  ``--extrapolate`` it takes ``num_layers``, whose default is the depth
+  reported on.
+
+Without ``--topology`` the mesh is an ``AbstractMesh`` (Auto axes) and the
+figures are an estimate (``--chip`` names the hardware for the verdict).
+
+Exit codes: 0 the step fits (or no memory size is known), 1 it does not fit,
+2 bad arguments or a failing factory (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from flax_shardmeta.cli import common
+from flax_shardmeta.cli.factory import CONTRACT, Factory, under
+
+HELP = 'memory per chip, collectives and step time of a training step on a pod'
+DESCRIPTION = (
+  'Will a training step fit each chip? Compiled for a TPU topology (libtpu), or '
+  'estimated on an abstract mesh.'
+)
+EPILOG = (__doc__ or '').split('\n\n', 1)[1] + '\n\n' + CONTRACT
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  """The ``fit`` subcommand's options."""
+  common.add_model_or_module(p, 'your own step (see below)')
+  common.add_mesh(
+    p, 'data=32,model=4 (their product is the number of devices of the topology)'
+  )
+  common.add_pod(p, required=False)
+  common.add_step(
+    p,
+    remat=f'rematerialise each layer: {", ".join(common.REMAT)} (default: none)',
+    batch_required=False,
+  )
+  common.add_front_end(p, api="a built-in model's Flax front end", dtype='bfloat16')
+  common.add_rules(p)
+  p.add_argument(
+    '--chip',
+    help='hardware figures when the mesh does not say, e.g. v5p, h100 '
+    "(default: the devices' own)",
+  )
+  p.add_argument(
+    '--extrapolate',
+    action='store_true',
+    help='compile at 2 and 4 layers and extrapolate (faster only when compile '
+    'time grows with depth, i.e. layers not scanned)',
+  )
+  common.add_output(p, table='a table of the per-chip report, or JSON', cache=True)
+
+
+def run(args: argparse.Namespace) -> int:
+  """The ``fit`` subcommand; returns the exit code."""
+  common.check_model_name(args.model)
+  names, sizes = common.parse_mesh(args.mesh)
+  if args.remat is not None:
+    common.check_remat(args.remat, [args.remat], builtin=args.model is not None)
+  common.require_positive(args, ('batch', 'seq', 'num_slices'))
+  common.check_hbm(args.hbm)
+  rules = common.mesh_rules(args, names)
+  factory = Factory.load(args.module) if args.module is not None else None
+
+  import jax
+
+  import flax_shardmeta as fsm
+
+  auto = (jax.sharding.AxisType.Auto,) * len(names)
+  if args.topology:
+    mesh: Any = fsm.make_mesh(
+      sizes,
+      names,
+      topology=args.topology,
+      num_slices=args.num_slices,
+      axis_types=auto,
+    )
+  else:
+    mesh = jax.sharding.AbstractMesh(sizes, names, axis_types=auto)
+  options = {
+    'hbm': args.hbm,
+    'chip': args.chip,
+    'cache': not args.no_cache,
+  }
+  if factory is None:
+    report = _builtin(args, mesh, rules, options)
+  else:
+    report = _user(args, factory, mesh, rules, options)
+  if args.format == 'json':
+    print(json.dumps(report.to_dict(), indent=1))
+  else:
+    print(report)
+  return 1 if report.fits is False else 0
+
+
+def _builtin(args: argparse.Namespace, mesh: Any, rules: Any, options: dict) -> Any:
+  import flax_shardmeta as fsm
+  from flax_shardmeta.examples import train
+
+  kwargs = {
+    'rules': rules,
+    'batch': args.batch or 8,
+    'seq': args.seq or 2048,
+    'api': args.api,
+    'remat': args.remat or 'none',
+    'optimizer_name': args.optimizer,
+    'dtype': common.param_dtype(args),
+  }
+  if args.extrapolate:
+
+    def build(n: int) -> Any:
+      return train.train_step(args.model, mesh, num_layers=n, **kwargs)
+
+    return fsm.fit(build, layers=train.num_layers(args.model), **options)
+  return fsm.fit(*train.train_step(args.model, mesh, **kwargs), **options)
+
+
+def _user(
+  args: argparse.Namespace,
+  factory: Factory,
+  mesh: Any,
+  rules: Any,
+  options: dict,
+) -> Any:
+  import flax_shardmeta as fsm
+
+  kwargs = factory.options(
+    {
+      'batch': (f'--batch {args.batch}', args.batch),
+      'seq': (f'--seq {args.seq}', args.seq),
+      'remat': (f'--remat {args.remat}', args.remat),
+    }
+  )
+  if args.extrapolate:
+    factory.require('num_layers', '--extrapolate')
+  # fit reads a plain or jax.jit step's mesh and rules from the context.
+  with under(mesh, rules), factory.running():
+    if args.extrapolate:
+      layers = factory.default('num_layers')
+      if not isinstance(layers, int):
+        raise common.UsageError(
+          f'--extrapolate: give num_layers of {factory} a default (the depth '
+          'to report on)'
+        )
+      return fsm.fit(
+        lambda n: factory.step_and_args(factory(mesh, rules, num_layers=n, **kwargs)),
+        layers=layers,
+        **options,
+      )
+    return fsm.fit(*factory.step_and_args(factory(mesh, rules, **kwargs)), **options)

@@ -1,0 +1,157 @@
+"""``flax-shardmeta plan``: a model's layout on a mesh of any size, without devices.
+
+``plan`` lays a model out on a mesh of any size without devices: the mesh is a
+``jax.sharding.AbstractMesh`` and the model is only traced by
+``jax.eval_shape``, so planning a 405B model for 4096 devices runs on a laptop.
+
+``--module pkg.mod:factory`` plans your own model. The factory returns either
+
+* ``(linen_module, *example_inputs)``: parameters come from
+  ``linen_module.init(key, *example_inputs)['params']``, evaluated abstractly
+  (inputs may be arrays or ``jax.ShapeDtypeStruct``); or
+* a zero-argument function building the variables: with ``--api linen`` it
+  returns a variables tree (its ``'params'`` entry is used when present); with
+  ``--api nnx`` it returns an ``nnx.Module`` whose ``nnx.Param`` state is used.
+
+The parameters are then planned with the optimizer state of ``--optimizer``
+and the rules of ``--rules`` (T5X's by default for your own models).
+
+Exit codes: 0 success, 1 the plan has problems (0 with ``--allow-problems``),
+2 bad arguments or a failing factory (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from typing import Any
+
+from flax_shardmeta.cli import common
+from flax_shardmeta.cli.factory import CONTRACT, Factory
+from flax_shardmeta.examples import state as example_state
+
+HELP = "show every array's layout, memory per device and problems"
+DESCRIPTION = 'Lay a model out on a mesh without devices.'
+EPILOG = (__doc__ or '').split('\n\n', 2)[2] + '\n\n' + CONTRACT
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  """The ``plan`` subcommand's options."""
+  common.add_model_or_module(p, 'your own model (see below)')
+  common.add_mesh(p, 'data=32,model=8')
+  p.add_argument(
+    '--axis-types',
+    choices=('auto', 'explicit'),
+    default='auto',
+    help="the mesh axes' type (jax.sharding.AxisType); unreduced and reduced "
+    'axes need explicit',
+  )
+  common.add_rules(p)
+  p.add_argument(
+    '--optimizer',
+    choices=example_state.OPTIMIZERS,
+    default='adam',
+    help='optimizer state planned with the parameters',
+  )
+  common.add_front_end(p, api='the Flax front end', dtype='float32')
+  p.add_argument(
+    '--allow-problems',
+    action='store_true',
+    help='exit 0 even when the plan has problems',
+  )
+  p.add_argument(
+    '--replicate-indivisible',
+    '--fit',  # its former name, kept for one release
+    dest='replicate_indivisible',
+    action='store_true',
+    help='replicate dimensions the mesh cannot divide, and list them',
+  )
+  p.add_argument(
+    '--strict',
+    action='store_true',
+    help='a logical name no rule maps is a problem instead of being replicated',
+  )
+  common.add_output(p, table='a table grouped by module, or JSON', cache=False)
+
+
+def run(args: argparse.Namespace) -> int:
+  """The ``plan`` subcommand; returns the exit code."""
+  common.check_model_name(args.model)
+  axis_names, axis_sizes = common.parse_mesh(args.mesh)
+  rules = common.mesh_rules(args, axis_names)
+  factory = Factory.load(args.module) if args.module is not None else None
+
+  # Heavy imports only once the arguments are known to be good.
+  import jax
+  from jax.sharding import AxisType
+
+  from flax_shardmeta._errors import IndivisibleDimensionWarning
+  from flax_shardmeta._planning.plan import plan
+
+  # Stated, not left to jax: its default changed from Auto to Explicit.
+  kind = AxisType.Explicit if args.axis_types == 'explicit' else AxisType.Auto
+  mesh = jax.sharding.AbstractMesh(
+    axis_sizes, axis_names, axis_types=(kind,) * len(axis_names)
+  )
+  if factory is None:
+    dtype = common.param_dtype(args)
+    state = example_state.abstract_state(args.model, args.api, args.optimizer, dtype)
+  else:
+    state = _user_state(factory, mesh, rules, args.api, args.optimizer)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    result = plan(
+      state,
+      mesh,
+      rules,
+      replicate_indivisible=args.replicate_indivisible,
+      strict=args.strict,
+    )
+  for w in caught:
+    # Replicated dimensions are part of the output below; no need to say them
+    # twice.
+    if not issubclass(w.category, IndivisibleDimensionWarning):
+      print(f'flax-shardmeta: warning: {w.message}', file=sys.stderr)
+  if args.format == 'json':
+    print(json.dumps(result.to_dict(), indent=1))
+  else:
+    print(result)
+  if result.problems and not args.allow_problems:
+    print(
+      f'flax-shardmeta plan: {len(result.problems)} problem(s); fix them, '
+      'pass --replicate-indivisible to replicate what the mesh cannot divide, '
+      'or --allow-problems',
+      file=sys.stderr,
+    )
+    return 1
+  return 0
+
+
+def _user_state(
+  factory: Factory, mesh: Any, rules: Any, api: str, optimizer_name: str
+) -> Any:
+  """The abstract state of ``--module pkg.mod:factory`` (see the module doc)."""
+  made = factory(mesh, rules)
+  import jax
+  from flax import linen as nn
+
+  with factory.running():
+    if isinstance(made, tuple) and made and isinstance(made[0], nn.Module):
+      params = example_state.abstract_linen_params(made[0], *made[1:])
+    elif callable(made) and api == 'nnx':
+      from flax import nnx
+
+      params = nnx.state(nnx.eval_shape(made), nnx.Param)
+    elif callable(made):
+      variables = jax.eval_shape(made)
+      is_dict = isinstance(variables, dict) and 'params' in variables
+      params = variables['params'] if is_dict else variables
+    else:
+      raise common.UsageError(
+        f'--module {factory.target}: the factory returned {type(made).__name__}; '
+        'expected (linen_module, *example_inputs) or a function with no '
+        'arguments building the variables'
+      )
+  return example_state.abstract_train_state(params, optimizer_name)

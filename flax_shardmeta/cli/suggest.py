@@ -1,0 +1,210 @@
+"""``flax-shardmeta suggest``: the best mesh, rules and remat for a model on a pod.
+
+Splits the topology's chips over each rule preset's mesh axes, tries each remat
+policy, rejects what cannot work from the plan alone (shapes that do not
+divide, a state that cannot fit), compiles the most promising candidates with
+libtpu and ranks them: those that fit first, then by estimated step time, then
+by headroom.
+
+* ``--model NAME`` uses a built-in model (Auto mesh axes).
+* ``--module PKG.MOD:FACTORY`` uses your own step: the factory returns ``(step,
+  *abstract_args)`` as for ``fit`` and is called for each candidate, under its
+  mesh and preset rules (first on an abstract mesh, for the plan). It gets the
+  candidate's ``remat`` when it has that parameter (without one, only the
+  factory's own layout is tried, shown as remat none). A step not from
+  ``fsm.jit`` is bound to the candidate's mesh and rules with ``fsm.jit``.
+  Throughput counts ``--seq`` tokens per example (1 without ``--seq``).
+
+Presets: fsdp, fsdp+tp, tp, t5x-1d, t5x-2d, ep, or a TOML / JSON file of your
+own (``[presets.NAME] axes = [...]; rules = [[name, target], ...]``).
+
+Exit codes: 0 something fits, 1 nothing fits (the closest candidate and its
+shortfall are printed), 2 bad arguments or a failing factory (one line on
+stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tomllib
+from typing import Any
+
+from flax_shardmeta.cli import common
+from flax_shardmeta.cli.factory import CONTRACT, Factory
+
+HELP = 'search meshes, rule presets and remat for the best layout on a pod'
+DESCRIPTION = 'Rank the layouts of a model on a TPU pod by what fits and how fast.'
+EPILOG = (__doc__ or '').split('\n\n', 1)[1] + '\n\n' + CONTRACT
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  """The ``suggest`` subcommand's options."""
+  common.add_model_or_module(p, 'your own step (see below)')
+  common.add_pod(p, required=True)
+  common.add_step(
+    p,
+    remat='comma-separated remat policies (default: none,full; for --module, '
+    'none,full when the factory takes remat)',
+    batch_required=True,
+  )
+  p.add_argument(
+    '--presets',
+    default='fsdp,fsdp+tp,tp',
+    help='comma-separated preset names or a presets file',
+  )
+  p.add_argument(
+    '--max-candidates', type=int, default=8, help='compile at most this many'
+  )
+  p.add_argument('--top', type=int, default=5, help='rows to show')
+  common.add_front_end(p, api="a built-in model's Flax front end", dtype='bfloat16')
+  common.add_output(
+    p, table='the ranked table and why the best wins, or JSON', cache=True
+  )
+
+
+def run(args: argparse.Namespace) -> int:
+  """The ``suggest`` subcommand; returns the exit code."""
+  common.check_model_name(args.model)
+  common.require_positive(args, ('batch', 'seq', 'num_slices', 'max_candidates', 'top'))
+  remat = [r.strip() for r in (args.remat or 'none,full').split(',') if r.strip()]
+  common.check_remat(args.remat, remat, builtin=args.model is not None)
+  common.check_hbm(args.hbm)
+  if args.module is not None:
+    factory = Factory.load(args.module)
+    build = _user_build(factory, args)
+    if args.remat is None and not factory.accepts('remat'):
+      remat = ['none']  # the factory's own: nothing to choose from
+    running: Any = factory.running()
+  else:
+    build = _builtin_build(args)
+    running = contextlib.nullcontext()
+  presets = _presets(args.presets)
+
+  import flax_shardmeta as fsm
+
+  seq = args.seq or (2048 if args.module is None else 1)
+  with running:
+    found = fsm.suggest(
+      build,
+      batch=args.batch,
+      tokens_per_example=1 if args.model == 'mlp' else seq,
+      topology=args.topology,
+      num_slices=args.num_slices,
+      hbm=args.hbm,
+      presets=presets,
+      remat=remat,
+      max_candidates=args.max_candidates,
+      cache=not args.no_cache,
+    )
+  if args.format == 'json':
+    print(json.dumps(found.to_dict(), indent=1))
+  else:
+    print(found.format(top=args.top))
+    if found.fitting:
+      print()
+      print(found[0].compare())
+  if not found.fitting:
+    closest = found.closest
+    if closest is not None and found.hbm_bytes is not None:
+      from flax_shardmeta._planning.format import format_bytes
+
+      short = (closest.total_bytes or 0) - found.hbm_bytes
+      print(
+        f'flax-shardmeta suggest: nothing fits; closest is {closest.label}, '
+        f'{format_bytes(short)} over the HBM',
+        file=sys.stderr,
+      )
+    return 1
+  return 0
+
+
+def _builtin_build(args: argparse.Namespace) -> Any:
+  from flax_shardmeta.examples import train
+
+  return train.builder(
+    args.model,
+    batch=args.batch,
+    seq=args.seq or 2048,
+    api=args.api,
+    optimizer_name=args.optimizer,
+    dtype=common.param_dtype(args),
+  )
+
+
+def _user_build(factory: Factory, args: argparse.Namespace) -> Any:
+  """``build(mesh, rules, remat)`` for ``fsm.suggest`` from your factory."""
+  kwargs = factory.options(
+    {
+      'batch': (f'--batch {args.batch}', args.batch),
+      'seq': (f'--seq {args.seq}', args.seq),
+    }
+  )
+  if args.remat is not None:
+    factory.require('remat', f'--remat {args.remat}')
+  takes_remat = factory.accepts('remat')
+
+  def build(mesh: Any, rules: Any, remat: str) -> tuple[Any, ...]:
+    import flax_shardmeta as fsm
+
+    extra = {'remat': remat} if takes_remat else {}
+    step, *rest = factory.step_and_args(factory(mesh, rules, **kwargs, **extra))
+    if getattr(step, 'mesh', None) is None:
+      # suggest fits each candidate outside its mesh and rules: bind them, as
+      # fit does for a step it runs under the mesh.
+      step = fsm.jit(step, mesh=mesh, rules=rules)
+    return (step, *rest)
+
+  return build
+
+
+def _presets(text: str) -> list[Any]:
+  """``--presets``: built-in names and presets files, in order."""
+  import flax_shardmeta as fsm
+  from flax_shardmeta._capacity import presets as presets_lib
+
+  presets: list[Any] = []
+  for item in (x.strip() for x in text.split(',') if x.strip()):
+    if item in fsm.RULE_PRESETS:
+      presets.append(item)
+      continue
+    try:
+      with open(item) as f:
+        content = f.read()
+    except OSError as e:
+      raise common.UsageError(
+        f'--presets: {item!r} is neither a preset ({", ".join(fsm.RULE_PRESETS)}) '
+        f'nor a readable file ({e.strerror})'
+      ) from None
+    _check_preset_axes(content, item)
+    try:
+      presets += presets_lib.load(content, item)
+    except fsm.InvalidRulesError as e:
+      raise common.UsageError(f'--presets: {e}') from None
+  return presets
+
+
+def _check_preset_axes(content: str, source: str) -> None:
+  """A preset whose rules shard over an axis it lacks, spelled like one of its
+  axes that no rule uses, is a typo: say which (the file's own errors are
+  ``presets.load``'s to report)."""
+  try:
+    data = json.loads(content) if content.lstrip().startswith('{') else None
+    data = tomllib.loads(content) if data is None else data
+  except ValueError:
+    return
+  table = data.get('presets', data) if isinstance(data, dict) else None
+  for name, body in table.items() if isinstance(table, dict) else ():
+    if not isinstance(body, dict):
+      continue
+    axes, rules = body.get('axes'), body.get('rules')
+    typo = None
+    if isinstance(axes, list) and isinstance(rules, list):
+      typo = common.misspelt_axis(axes, rules)
+    if typo is not None:
+      raise common.UsageError(
+        f'--presets {source!r}: preset {name!r} shards over mesh axis {typo[0]!r}, '
+        f'which is not among its axes {tuple(axes or ())}: did you mean {typo[1]!r}?'
+      )
