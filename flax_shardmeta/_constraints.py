@@ -197,17 +197,32 @@ def _shard_one(
   names = _checked_names(x, names, where)
   if rules is None:
     return call.place(x, names, where, names)
+  entries, unmapped = _resolved(x, names, where, rules, check_context)
+  if unmapped is not None:
+    call.unmapped.append(unmapped)
+    if call.strict:
+      return x  # reported with every other leaf's by finish
+  return call.place(x, entries, where, names)
+
+
+def _resolved(
+  x: Any,
+  names: tuple[Any, ...],
+  where: str,
+  rules: tuple[tuple[str, Any], ...],
+  check_context: bool,
+) -> tuple[tuple[Any, ...], Unmapped | None]:
+  """``names`` resolved by ``rules`` to spec entries, and the names no rule
+  maps (None when every one is mapped)."""
   if check_context:
     check_jit_key(isinstance(x, jax.core.Tracer))
   resolved = resolve(names, rules)
   entries = unassigned_to_none(resolved)
   missing = unmapped_names(names, resolved, UNASSIGNED)
-  if missing:
-    spec = PartitionSpec(*entries)
-    call.unmapped.append(Unmapped(where, _shape(x), names, spec, missing, rules))
-    if call.strict:
-      return x  # reported with every other leaf's by finish
-  return call.place(x, entries, where, names)
+  if not missing:
+    return entries, None
+  spec = PartitionSpec(*entries)
+  return entries, Unmapped(where, _shape(x), names, spec, missing, rules)
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -335,15 +350,10 @@ def _constrain_one(
   if names is None:
     return x
   names = _checked_names(x, names, where)
-  if check_context:
-    check_jit_key(isinstance(x, jax.core.Tracer))
-  resolved = resolve(names, rules)
-  entries = unassigned_to_none(resolved)
-  missing = unmapped_names(names, resolved, UNASSIGNED)
-  if missing:
-    spec = PartitionSpec(*entries)
+  entries, unmapped = _resolved(x, names, where, rules, check_context)
+  if unmapped is not None:
     if call.strict:
-      call.unmapped.append(Unmapped(where, _shape(x), names, spec, missing, rules))
+      call.unmapped.append(unmapped)
       return x  # reported with every other leaf's by finish
     if fallback is RulesFallback.NO_CONSTRAINT:
       return x
@@ -355,12 +365,12 @@ def _constrain_one(
             _shape(x),
             names,
             None,
-            f'no rule maps logical name(s) {list(missing)}',
+            f'no rule maps logical name(s) {list(unmapped.unmapped)}',
             'add a rule for them, or use fallback=RulesFallback.AXIS_IS_UNSHARDED',
           )
         ]
       )
-    call.unmapped.append(Unmapped(where, _shape(x), names, spec, missing, rules))
+    call.unmapped.append(unmapped)
   return call.place(x, entries, where, names)
 
 

@@ -86,39 +86,32 @@ def load(k: str, on_disk: bool) -> dict[str, Any] | None:
 
 
 def store(k: str, value: dict[str, Any], on_disk: bool) -> None:
-  """Keeps ``value`` in memory and, with ``on_disk``, in the cache directory.
-
-  Written to a temporary file and renamed, so concurrent runs never read a
-  half-written entry.
-  """
+  """Keeps ``value`` in memory and, with ``on_disk``, in the cache directory."""
   _MEMORY[k] = value
-  if not on_disk:
-    return
-  folder = directory()
-  try:
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix='.tmp')
-    with os.fdopen(fd, 'w') as f:
-      json.dump(value, f)
-    os.replace(tmp, folder / f'{k}.json')
-  except OSError:
-    pass  # a read-only home is no reason to fail the analysis
+  if on_disk:
+    _write(f'{k}.json', json.dumps(value).encode())
 
 
 def store_text(k: str, text: str, on_disk: bool) -> None:
   """Keeps a compiled program's HLO text under ``k`` (gzipped on disk)."""
   _TEXT[k] = text
-  if not on_disk:
-    return
+  if on_disk:
+    _write(f'{k}.hlo.gz', gzip.compress(text.encode(), compresslevel=6))
+
+
+def _write(name: str, data: bytes) -> None:
+  """Writes ``data`` to the cache directory's ``name`` through a temporary
+  file renamed into place, so concurrent runs never read a half-written
+  entry."""
   folder = directory()
   try:
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix='.tmp')
     with os.fdopen(fd, 'wb') as f:
-      f.write(gzip.compress(text.encode(), compresslevel=6))
-    os.replace(tmp, folder / f'{k}.hlo.gz')
+      f.write(data)
+    os.replace(tmp, folder / name)
   except OSError:
-    pass
+    pass  # a read-only home is no reason to fail the analysis
 
 
 def load_text(k: str, on_disk: bool) -> str | None:
