@@ -70,6 +70,14 @@ def nnx_reading(request):
 
 def pytest_runtest_setup(item):
   # TPU topologies come from libtpu: the `tpu` extra, which CI installs.
+  if item.get_closest_marker('cuda'):
+    from flax_shardmeta._capacity import gpu
+
+    if not gpu.cuda_plugin_available():
+      pytest.skip(
+        "jax's CUDA plugin is not installed "
+        "(pip install 'flax_shardmeta[gpu]'; CI has it)"
+      )
   if item.get_closest_marker('libtpu'):
     from flax_shardmeta._capacity import topology
 

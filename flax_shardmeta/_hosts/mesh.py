@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from flax_shardmeta._capacity.gpu import gpu_devices, is_gpu_topology
 from flax_shardmeta._capacity.topology import device_mesh, topology_devices
 from flax_shardmeta._errors import MeshShapeError
 
@@ -29,9 +30,10 @@ def make_mesh(
   dcn_axis_sizes: Sequence[int] | None = None,
   topology: str | None = None,
   num_slices: int = 1,
+  target_config: str | None = None,
 ) -> Mesh:
   """A ``Mesh`` of ``axis_sizes`` over all devices of all processes, or over the
-  devices of a TPU pod described by ``topology``.
+  devices of a TPU pod or GPU cluster described by ``topology``.
 
   Args:
     axis_sizes: one size per axis; at most one may be ``-1``, meaning "all
@@ -39,26 +41,26 @@ def make_mesh(
       4}`` gives names and sizes at once (then leave ``axis_names`` out).
     axis_names: one name per axis.
     axis_types: one ``jax.sharding.AxisType`` per axis; None gives every
-      axis ``Auto`` (``jax.make_mesh`` now defaults to ``Explicit``).
-      flax_shardmeta's annotations place the parameters and
-      ``with_logical_constraint`` the chosen activations, and Auto axes let
-      the compiler propagate the layout in between, which is what flax's
-      layers are written for: on Explicit axes every matmul contracting a
-      sharded dimension needs an ``out_sharding`` (Linen's ``nn.Dense`` takes
-      none; see :func:`flax_shardmeta.logical_out_sharding`). Pass
-      ``(AxisType.Explicit,) * n`` for sharding in types.
+      axis ``Auto`` (``jax.make_mesh`` defaults to ``Explicit``): annotations
+      place the parameters, constraints the chosen activations, and the
+      compiler propagates the rest, as flax's layers are written for (on
+      Explicit axes every matmul contracting a sharded dimension needs an
+      ``out_sharding``: :func:`flax_shardmeta.logical_out_sharding`).
     devices: the devices to use (default: ``jax.devices()``, every process's).
     dcn_axis_sizes: how many hosts (processes; slices where devices report
       several ``slice_index`` values) each axis spans. Their product is the
       number of hosts; each axis size must be a multiple of its entry. The
       remaining factor of each axis stays inside one host.
-    topology: a TPU pod to lay the mesh over instead of this machine's
-      devices, e.g. ``'v5p:8x8x16'`` (needs libtpu: ``pip install
-      'flax_shardmeta[tpu]'``). The mesh lowers and compiles (``fsm.fit``)
-      but cannot run here.
-    num_slices: with ``topology``, that many slices joined over the
-      data-centre network. Unless ``dcn_axis_sizes`` says otherwise, the
-      first axis spans the slices (data parallelism across slices).
+    topology: devices you do not have, to lower and compile for (``fsm.fit``):
+      a TPU pod, ``'v5p:8x8x16'`` (the ``tpu`` extra), or a GPU cluster,
+      ``'h100:4x8'`` (nodes x GPUs per node; a100, h100, h200, b200, or
+      ``'custom:2x8'`` with ``target_config``; the ``gpu`` extra), whose
+      trailing axes stay inside a node.
+    num_slices: with a TPU ``topology``, that many slices joined over the
+      data-centre network; the first axis spans them unless ``dcn_axis_sizes``
+      says otherwise.
+    target_config: with ``'custom:NxG'``, an XLA ``GpuTargetConfigProto``
+      (text, or a file's path).
 
   Returns:
     The mesh, with devices ordered so that each host's devices form
@@ -68,7 +70,7 @@ def make_mesh(
   Raises:
     MeshShapeError: the sizes do not fit the devices or the hosts; the
       message names both counts and a factorisation that would fit.
-    TopologyError: libtpu is missing or the topology name is unknown.
+    TopologyError: libtpu / the CUDA plugin is missing; an unknown topology.
 
   Example:
     >>> import jax, flax_shardmeta as fsm
@@ -82,7 +84,7 @@ def make_mesh(
   """
   axis_sizes, names = _sizes_and_names(axis_sizes, axis_names)
   devices, dcn_axis_sizes = _devices_and_dcn(
-    devices, topology, num_slices, dcn_axis_sizes, len(names)
+    devices, topology, num_slices, dcn_axis_sizes, len(names), target_config
   )
   if len(names) != len(axis_sizes):
     raise MeshShapeError(
@@ -107,9 +109,23 @@ def _devices_and_dcn(
   num_slices: int,
   dcn_axis_sizes: Sequence[int] | None,
   n_axes: int,
+  target_config: str | None = None,
 ) -> tuple[list[Any], Sequence[int] | None]:
-  """The devices to lay the mesh over (this machine's, or a pod's), and the
-  hosts each axis spans (with slices, the first axis spans them by default)."""
+  """The devices to lay the mesh over (this machine's, a pod's or a GPU
+  cluster's), and the hosts each axis spans (with slices, the first axis
+  spans them by default)."""
+  if target_config is not None and not is_gpu_topology(topology):
+    raise MeshShapeError(
+      f"target_config= describes a GPU: give topology='custom:NxG' with it, "
+      f'not {topology!r}.'
+    )
+  if is_gpu_topology(topology):
+    if devices is not None:
+      raise MeshShapeError('give devices= or topology=, not both.')
+    if num_slices != 1:
+      raise MeshShapeError('num_slices= is for TPU topologies; GPUs count nodes.')
+    assert topology is not None
+    return list(gpu_devices(topology, target_config=target_config)), dcn_axis_sizes
   if topology is not None:
     if devices is not None:
       raise MeshShapeError('give devices= or topology=, not both.')
