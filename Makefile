@@ -4,31 +4,32 @@
 #   .venv-latest  the newest Python on the machine (.ci/newest-python) with the
 #                 newest jax / flax the index serves for it (`make test-latest`).
 # An extra for one stack is one word in its *_EXTRAS line. Both carry the tpu
-# extra (libtpu, for TPU topologies); dev/quiet_libtpu.pth keeps libtpu quiet in
-# the venv's scripts off a TPU VM (see dev/README.md).
+# extra (libtpu, for TPU topologies) and the gpu extra (jax's CUDA plugin, for
+# GPU clusters); dev/quiet_libtpu.pth and dev/quiet_cuda.pth keep them quiet in
+# the venv's scripts off a TPU VM / GPU machine (see dev/README.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-FLOOR_EXTRAS := test,notebooks,tpu
+FLOOR_EXTRAS := test,notebooks,tpu,gpu
 PYTEST := $(BIN)/python -m pytest -n 2
 
 LATEST_PYTHON ?= $(shell bash .ci/newest-python)
 LATEST_VENV := .venv-latest
 LATEST_BIN := $(LATEST_VENV)/bin
 LATEST_STAMP := $(LATEST_VENV)/.installed
-LATEST_EXTRAS := test,notebooks,tpu
+LATEST_EXTRAS := test,notebooks,tpu,gpu
 
 .PHONY: demo test test-slow test-latest lint bench versions clean
 
-$(STAMP): pyproject.toml .ci/floor.txt dev/quiet_libtpu.pth
+$(STAMP): pyproject.toml .ci/floor.txt dev/quiet_libtpu.pth dev/quiet_cuda.pth dev/quiet_cuda.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c .ci/floor.txt -e '.[$(FLOOR_EXTRAS)]'
 	$(BIN)/python dev/install_pth.py
 	touch $(STAMP)
 
-$(LATEST_STAMP): pyproject.toml dev/quiet_libtpu.pth
+$(LATEST_STAMP): pyproject.toml dev/quiet_libtpu.pth dev/quiet_cuda.pth dev/quiet_cuda.py
 	$(LATEST_PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_BIN)/pip install --quiet --upgrade pip
 	$(LATEST_BIN)/pip install --quiet --upgrade --upgrade-strategy eager -e '.[$(LATEST_EXTRAS)]'

@@ -82,14 +82,16 @@ def _timed_run(argv: list[str], cache: str) -> tuple[float, int, str]:
   return seconds, result.returncode, verdict
 
 
-def timing_rows() -> tuple[list[str], bool]:
+def timing_rows(
+  timed: list[tuple[str, list[str], float]] = TIMED,
+) -> tuple[list[str], bool]:
   rows = [
     '| step | cold (compiles) | warm (cached) | target (cold) | verdict |',
     '| --- | --- | --- | --- | --- |',
   ]
   ok = True
   with tempfile.TemporaryDirectory() as cache:
-    for label, argv, target in TIMED:
+    for label, argv, target in timed:
       cold, code, verdict = _timed_run([*argv, '--no-cache'], cache)
       _timed_run(argv, cache)  # fills the cache
       warm, _, _ = _timed_run(argv, cache)
@@ -101,7 +103,8 @@ def timing_rows() -> tuple[list[str], bool]:
   return rows, ok
 
 
-def error_rows() -> list[str]:
+def error_rows(topology: str = 'v5p:2x2x2') -> list[str]:
+  """The estimate against the compiled figures on ``topology`` (8 devices)."""
   import jax
   import jax.numpy as jnp
 
@@ -110,7 +113,7 @@ def error_rows() -> list[str]:
 
   auto = (jax.sharding.AxisType.Auto,) * 2
   rows = [
-    '| model | mesh (v5p:2x2x2) | remat | compiled total | estimate total | error |'
+    f'| model | mesh ({topology}) | remat | compiled total | estimate total | error |'
     ' compiled temporaries | estimated activations + gradients |',
     '| --- | --- | --- | --- | --- | --- | --- | --- |',
   ]
@@ -122,14 +125,13 @@ def error_rows() -> list[str]:
   for label, kwargs in models:
     name = label.split(',')[0]
     for shape in ((2, 4), (8, 1)):
-      pod = fsm.make_mesh(
-        shape, ('data', 'model'), topology='v5p:2x2x2', axis_types=auto
-      )
+      pod = fsm.make_mesh(shape, ('data', 'model'), topology=topology, axis_types=auto)
       abstract = jax.sharding.AbstractMesh(shape, ('data', 'model'), axis_types=auto)
       for remat in ('none', 'full'):
         compiled = fsm.fit(*train.train_step(name, pod, remat=remat, **kwargs))
         guess = fsm.fit(
-          *train.train_step(name, abstract, remat=remat, **kwargs), chip='v5p'
+          *train.train_step(name, abstract, remat=remat, **kwargs),
+          chip=topology.partition(':')[0],
         )
         error = guess.total_bytes / compiled.total_bytes - 1
         errors.append(abs(error))

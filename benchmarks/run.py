@@ -20,6 +20,7 @@ SCRIPTS = (
   'plan_405b.py',
   'fit.py',
   'suggest.py',
+  'fit_gpu.py',
 )
 
 

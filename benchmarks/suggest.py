@@ -36,15 +36,18 @@ COMMAND = [
 BUDGET_S = 15 * 60
 
 
-def main(write: bool = True, cache_dir: str | None = None) -> int:
-  info = machine()
+def cold_run(
+  command: list[str], cache_dir: str | None = None
+) -> tuple[float, subprocess.CompletedProcess[str], list[str]]:
+  """Seconds, result and progress lines (one per compiled candidate) of
+  ``flax_shardmeta *command`` in a fresh process with an empty cache."""
   with tempfile.TemporaryDirectory() as scratch:
     cache = cache_dir or scratch
     if os.path.isdir(cache) and os.listdir(cache):
       sys.exit(f'--cache-dir {cache} is not empty: the run would not be cold')
     start = time.perf_counter()
     result = subprocess.run(
-      [sys.executable, '-m', 'flax_shardmeta', *COMMAND],
+      [sys.executable, '-m', 'flax_shardmeta', *command],
       capture_output=True,
       text=True,
       cwd=ROOT,
@@ -52,6 +55,12 @@ def main(write: bool = True, cache_dir: str | None = None) -> int:
     )
     seconds = time.perf_counter() - start
   compiled = [line for line in result.stderr.splitlines() if line.startswith('[')]
+  return seconds, result, compiled
+
+
+def main(write: bool = True, cache_dir: str | None = None) -> int:
+  info = machine()
+  seconds, result, compiled = cold_run(COMMAND, cache_dir)
   ok = seconds < BUDGET_S and result.returncode in (0, 1) and len(compiled) >= 8
   lines = [
     f'Command: `python -m flax_shardmeta {" ".join(COMMAND)}` '

@@ -1,8 +1,12 @@
-"""Copies quiet_libtpu.pth into this interpreter's site-packages (see README.md)."""
+"""Copies the quiet_*.pth files (and the module quiet_cuda.pth imports) into
+this interpreter's site-packages (see README.md)."""
 
 import pathlib
 import shutil
 import sysconfig
 
-source = pathlib.Path(__file__).with_name('quiet_libtpu.pth')
-shutil.copy(source, sysconfig.get_paths()['purelib'])
+here = pathlib.Path(__file__).parent
+site = pathlib.Path(sysconfig.get_paths()['purelib'])
+shutil.copy(here / 'quiet_libtpu.pth', site)
+shutil.copy(here / 'quiet_cuda.pth', site)
+shutil.copy(here / 'quiet_cuda.py', site / '_fsm_quiet_cuda.py')

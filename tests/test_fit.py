@@ -290,6 +290,17 @@ def test_figures_equal_xlas_on_tpu_topologies(name, shape):
   assert in_text > 0
   # Loops of the scanned layers run their collectives every trip.
   assert sum(c.count for c in report.collectives) >= in_text
+  # One slice: every collective is on the chips' own interconnect.
+  assert {c.link for c in report.collectives} == {'ici'}
+  assert {r['link'] for r in report.to_dict()['collectives']} == {'ici'}
+
+
+@pytest.mark.libtpu
+def test_collectives_across_slices_are_on_the_data_centre_network():
+  mesh = fsm.make_mesh((2, 4), ('data', 'model'), topology='v5p:2x2x1', num_slices=2)
+  step, state, batch = train.train_step('mlp', mesh, batch=64)
+  links = {c.axes: c.link for c in fsm.fit(step, state, batch).collectives}
+  assert links[('data',)] == 'dcn' and links[('model',)] == 'ici'
 
 
 @pytest.mark.libtpu
@@ -342,7 +353,7 @@ def test_topology_meshes_and_their_errors(monkeypatch):
     fsm.TopologyError, match=r"unknown TPU topology 'v9:2x2'.*v5p:4x4x8"
   ):
     fsm.make_mesh((4,), ('data',), topology='v9:2x2')
-  with pytest.raises(fsm.TopologyError, match="unknown TPU topology 'v5p-8'"):
+  with pytest.raises(fsm.TopologyError, match="unknown topology 'v5p-8'.*h100:4x8"):
     fsm.make_mesh((4,), ('data',), topology='v5p-8')
   with pytest.raises(fsm.MeshShapeError, match='does not fit 4 devices'):
     fsm.make_mesh((8,), ('data',), topology='v5p:2x2x1')

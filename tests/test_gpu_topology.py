@@ -101,4 +101,12 @@ def test_a_missing_plugin_names_the_extra(monkeypatch):
 @pytest.mark.cuda
 def test_a_description_the_plugin_refuses_is_a_topology_error():
   with pytest.raises(fsm.TopologyError, match='refused the description'):
-    gpu.gpu_devices('custom:1x8', target_config='gpu_device_info { no_such_field: 1 }')
+    gpu.gpu_devices(
+      'custom:1x8',
+      target_config='gpu_device_info { device_memory_size: 1 no_such_field: 1 }\n'
+      'device_description_str: "X"',
+    )
+  with pytest.raises(fsm.TopologyError, match='no device_description_str'):
+    gpu.gpu_devices('custom:1x8', target_config='gpu_device_info { core_count: 1 }')
+  with pytest.raises(fsm.TopologyError, match='device_memory_size'):
+    gpu.gpu_devices('custom:1x8', target_config='device_description_str: "X" a { }')

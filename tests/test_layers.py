@@ -46,7 +46,7 @@ LAYERS = [
   ['_planning.explain', '_planning.format', '_planning.entry'],
   ['_planning.plan', '_planning.verify'],
   # _capacity: what a whole step costs.
-  ['_capacity.chips', '_capacity.topology', '_capacity.gpu', '_capacity.cache'],
+  ['_capacity.chips', '_capacity.gpu', '_capacity.topology', '_capacity.cache'],
   # The compiled program's text: read, then its loops, collectives and work.
   [
     '_capacity.hlo_text',

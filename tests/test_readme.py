@@ -232,15 +232,17 @@ def test_shell_plan_commands_of_builtin_models_succeed():
     assert done.returncode == 0, f'{line}\n{done.stderr[-2000:]}'
 
 
-def test_a_plain_script_in_the_readme_venv_prints_nothing_of_libtpu(tmp_path):
-  # The venvs of `make demo` / `make test` carry libtpu (the tpu extra); a
-  # user's own script there, with no jax settings of its own, stays quiet.
+def test_a_plain_script_in_the_readme_venv_prints_nothing_of_libtpu_or_cuda(tmp_path):
+  # The venvs of `make demo` / `make test` carry libtpu (the tpu extra) and
+  # jax's CUDA plugin (the gpu extra); a user's own script there, with no jax
+  # settings of its own, stays quiet.
   script = tmp_path / 'my_script.py'
   script.write_text('import jax, jax.numpy as jnp\nprint(jnp.ones(3).sum())\n')
   env = {
     k: v
     for k, v in os.environ.items()
-    if k not in ('JAX_PLATFORMS', 'XLA_FLAGS') and not k.startswith('TPU_')
+    if k not in ('JAX_PLATFORMS', 'XLA_FLAGS', 'JAX_SKIP_CUDA_CONSTRAINTS_CHECK')
+    and not k.startswith('TPU_')
   }
   done = subprocess.run(
     [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120

@@ -91,6 +91,8 @@ class Candidate:
     where = f", topology='{self._topology}'" if self._topology else ''
     if self._num_slices > 1:
       where += f', num_slices={self._num_slices}'
+    if self._topology and self._topology.startswith('custom:'):
+      where += ', target_config=YOUR_CONFIG'
     return (
       f'fsm.make_mesh({sizes}, {names}{where},\n'
       f'              axis_types=(jax.sharding.AxisType.Auto,) * {len(names)})'

@@ -4,7 +4,8 @@
 for and turns XLA's cost figures into a step-time estimate. Both need a few
 numbers per device: the usable HBM, peak bf16 throughput, HBM bandwidth and
 interconnect bandwidth. They come from the vendors' published specifications
-(Google Cloud TPU system-architecture pages; NVIDIA data sheets), divided by
+(Google Cloud TPU system-architecture pages; NVIDIA data sheets, each GPU's
+row saying which), divided by
 the devices JAX makes of one chip (2 for TPU7x, whose TensorCores are separate
 devices). HBM of TPUs is what the compiler itself reports as available when
 it refuses a program ("exceeds available HBM (95.74G)" on v5p), so the verdict
@@ -37,6 +38,11 @@ class Chip:
       and over the devices per chip.
     dcn_bandwidth: data-centre network bytes/s per device (between slices).
     devices_per_chip: JAX devices one chip is split into.
+    source: where the figures come from.
+
+  On GPUs the interconnect is NVLink inside a node (``ici_bandwidth``, per
+  direction) and the cluster network across nodes (``dcn_bandwidth``, per
+  GPU and direction); ``hbm_bytes`` is the memory CUDA reports.
 
   Example:
     >>> from flax_shardmeta._capacity.chips import chip_named
@@ -53,10 +59,80 @@ class Chip:
   ici_bandwidth: float
   dcn_bandwidth: float
   devices_per_chip: int = 1
+  source: str = ''
 
   def to_dict(self) -> dict[str, float | int | str]:
     """JSON-ready form."""
     return dataclasses.asdict(self)
+
+
+# GPUs, per GPU: (name, device_kind as the target config's device_description_str,
+# memory bytes as CUDA reports it (totalGlobalMem, the verdict's figure; it is
+# the config's device_memory_size), dense bf16 FLOP/s, HBM B/s, NVLink B/s per
+# direction, network B/s per direction, source).
+_GPU_TABLE = (
+  (
+    'a100',
+    'NVIDIA A100-SXM4-80GB',
+    85100068864,
+    312e12,
+    2.039e12,
+    300e9,
+    25e9,
+    'NVIDIA A100 datasheet (80GB SXM: 312 TFLOPS bf16 dense, 2,039 GB/s, '
+    'NVLink 600 GB/s); DGX A100: one 200 Gb/s HDR port per GPU; memory: '
+    "CUDA's totalGlobalMem as in XLA's a100_sxm_80 spec",
+  ),
+  (
+    'h100',
+    'NVIDIA H100 80GB HBM3',
+    84942979072,
+    989e12,
+    3.35e12,
+    450e9,
+    50e9,
+    'NVIDIA H100 datasheet (SXM: 989 TFLOPS bf16 dense, half the 1,979 '
+    'sparse; 3.35 TB/s; NVLink 900 GB/s); DGX H100: one 400 Gb/s NDR port '
+    "per GPU; memory: XLA's h100_sxm spec",
+  ),
+  (
+    'h200',
+    'NVIDIA H200',
+    150754820096,
+    989e12,
+    4.8e12,
+    450e9,
+    50e9,
+    'NVIDIA H200 datasheet (SXM: 989 TFLOPS bf16 dense, 4.8 TB/s, NVLink '
+    '900 GB/s); HGX H200: 400 Gb/s per GPU; memory: nvidia-smi memory.total '
+    '(143,771 MiB; the datasheet says 141 GB)',
+  ),
+  (
+    'b200',
+    'NVIDIA B200',
+    191514411008,
+    2250e12,
+    8.0e12,
+    900e9,
+    50e9,
+    'NVIDIA DGX B200 / HGX B200 datasheet (2.25 PFLOPS bf16 dense per GPU, '
+    '8 TB/s, NVLink 5 1.8 TB/s); DGX B200: 400 Gb/s per GPU; memory: '
+    "XLA's b200 spec",
+  ),
+)
+
+
+def _gpu(
+  name: str,
+  kind: str,
+  memory: int,
+  flops: float,
+  hbm: float,
+  nvlink: float,
+  network: float,
+  source: str,
+) -> Chip:
+  return Chip(name, kind, memory, flops, hbm, nvlink, network, 1, source)
 
 
 def _tpu(
@@ -81,6 +157,7 @@ def _tpu(
     ici_gbps * 1e9 / torus_dims / devices,
     dcn_gbps * 1e9 / devices,
     devices,
+    'Google Cloud TPU system architecture pages; HBM as the compiler reports it',
   )
 
 
@@ -92,16 +169,12 @@ CHIPS: tuple[Chip, ...] = (
   _tpu('v5p', 'TPU v5', 95.74, 459, 2765, 1200, 3, 6.25),
   _tpu('v6e', 'TPU v6 lite', 31.25, 918, 1638, 800, 2, 6.25),
   _tpu('tpu7x', 'TPU7x', 2 * 94.75, 2307, 7380, 1200, 3, 12.5, devices=2),
-  # GPUs, for estimates on abstract meshes (nothing compiles for them here):
-  # one NVLink domain counts as one "torus dimension"; DCN is 400 Gb/s a GPU.
-  Chip(
-    'a100', 'NVIDIA A100-SXM4-80GB', int(79.15 * GIB), 312e12, 2.039e12, 300e9, 50e9
-  ),
-  Chip('h100', 'NVIDIA H100 80GB HBM3', int(79.11 * GIB), 989e12, 3.35e12, 450e9, 50e9),
-  Chip('b200', 'NVIDIA B200', int(178.4 * GIB), 2250e12, 8.0e12, 900e9, 50e9),
+  # GPUs: one device per GPU, compiled for through jax's CUDA plugin (gpu.py).
+  *(_gpu(*row) for row in _GPU_TABLE),
 )
 """The generations ``fit`` knows, per device. TPUs: v4, v5e, v5p, v6e and
-TPU7x (what libtpu compiles for); GPUs for estimates only."""
+TPU7x (what libtpu compiles for); GPUs: A100, H100, H200 and B200 (what the
+project's GPU descriptions compile for)."""
 
 # TPU7x's HBM above is per chip; per device it is half, as the compiler says.
 CHIPS = tuple(

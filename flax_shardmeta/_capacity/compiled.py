@@ -29,7 +29,7 @@ _REFUSAL = re.compile(
   re.S,
 )
 # Bumped when the cached figures change form: older entries are not read.
-_FIGURES_FORMAT = 'figures-2'
+_FIGURES_FORMAT = 'figures-3'
 _UNIT = {'': 1, 'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30, 'T': 1 << 40}
 
 
@@ -84,10 +84,40 @@ def _cost(compiled: Any) -> dict[str, float]:
   try:
     cost = compiled.cost_analysis()
   except Exception:  # some backends have none; the report says so
-    return {}
+    cost = None
   if isinstance(cost, (list, tuple)):  # older jax: one dict per program
     cost = cost[0] if cost else {}
+  if not cost:
+    cost = cost_model(compiled)
   return {str(k): float(v) for k, v in (cost or {}).items()}
+
+
+def cost_model(compiled: Any) -> dict[str, float]:
+  """XLA's cost model over the optimised program, run by the CPU client.
+
+  A program compiled for GPUs this machine does not have gives no
+  ``cost_analysis()`` (None): its executable cannot run here. The same
+  analysis XLA's clients run (HloCostAnalysis: flops, bytes accessed,
+  transcendentals) takes the optimised module from any client, here the CPU
+  one. Private jax API, so guarded: without it the report has no flops and
+  says so.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    >>> c = jax.jit(lambda a: a @ a).lower(x).compile()
+    >>> cost_model(c)['flops']
+    524288.0
+  """
+  try:
+    from jax._src import lib as jax_lib, xla_bridge
+
+    _jax = getattr(jax_lib, '_jax')  # noqa: B009 (private: not in its exports)
+    module = compiled.runtime_executable().hlo_modules()[0]
+    cost = _jax.hlo_module_cost_analysis(xla_bridge.get_backend('cpu'), module)
+  except Exception:  # jax moved it: no flops rather than no report
+    return {}
+  return {str(k): float(v) for k, v in dict(cost).items()}
 
 
 def input_bytes(compiled: Any) -> list[tuple[str, int, bool]]:

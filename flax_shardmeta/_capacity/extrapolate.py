@@ -78,9 +78,11 @@ def _collectives(
   pairs: dict[Any, list[Any]] = {}
   for which, r in ((0, small), (1, large)):
     for c in r.collectives:
-      pairs.setdefault((c.kind, c.axes, c.crosses_slices), [None, None])[which] = c
+      pairs.setdefault((c.kind, c.axes, c.crosses_slices, c.link), [None, None])[
+        which
+      ] = c
   out = []
-  for (kind, axes, crosses), (x, y) in pairs.items():
+  for (kind, axes, crosses, link), (x, y) in pairs.items():
     zero = dataclasses.replace(x or y, count=0, bytes=0.0, seconds=0.0)
     x, y = x or zero, y or zero
     out.append(
@@ -89,6 +91,7 @@ def _collectives(
         kind=kind,
         axes=axes,
         crosses_slices=crosses,
+        link=link,
         count=round(line(x.count, y.count) or 0),
         bytes=line(x.bytes, y.bytes) or 0.0,
         seconds=line(x.seconds, y.seconds),

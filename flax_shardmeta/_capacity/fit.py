@@ -19,7 +19,7 @@ from typing import Any
 
 from jax.sharding import AbstractMesh
 
-from flax_shardmeta._capacity import hlo, report as rep
+from flax_shardmeta._capacity import gpu, hlo, report as rep
 from flax_shardmeta._capacity.chips import CHIPS, Chip, chip_named, chip_of, parse_bytes
 from flax_shardmeta._capacity.compiled import figures
 from flax_shardmeta._capacity.estimate import estimate
@@ -149,6 +149,8 @@ def _compiled_report(
   mesh = target.mesh
   chip = chip_spec or chip_of(mesh.devices)
   hbm = capacity if capacity is not None else (chip.hbm_bytes if chip else None)
+  if hbm is None:  # a custom GPU: its own description's memory
+    hbm = gpu.described_memory(mesh.devices)
   common = {
     'mesh': dict(zip(mesh.axis_names, mesh.axis_sizes)),
     'devices': describe(mesh.devices),
@@ -169,8 +171,10 @@ def _compiled_report(
   traffic = cost.get('bytes accessed')
   traffic = traffic + summary.extra_bytes if traffic is not None else None
   collectives = group(summary.collectives, chip)
-  notes = _notes(mesh, chip, summary, capacity)
+  notes = _notes(mesh, chip, summary, hbm)
   notes += _argument_notes(memory, by_category, told_by_path, found['reader'])
+  if _platform(mesh) == 'gpu':
+    notes += _gpu_notes(sum(r.bytes for r in rows), hbm, cost)
   return rep.FitReport(
     source='compiled',
     method='compiled for the mesh; figures from XLA (memory_analysis, '
@@ -311,6 +315,30 @@ def _refused_report(
   )
 
 
+def _platform(mesh: Any) -> str:
+  return getattr(next(iter(mesh.devices.flat)), 'platform', '')
+
+
+def _gpu_notes(total: int, hbm: int | None, cost: dict[str, float]) -> tuple[str, ...]:
+  """What a GPU compile does not say by itself."""
+  notes = [
+    "XLA's GPU compiler does not check a program against the GPU's memory (it "
+    'compiles oversized ones): the verdict is this comparison of its figures '
+    "with the GPU's; compiled without a GPU, so without autotuning (matmuls in "
+    "XLA's default fusions)"
+  ]
+  if hbm and 0.75 * hbm < total <= hbm:
+    need = min(0.95, (total / hbm) + 0.02)
+    notes.append(
+      f"the step needs {total / hbm:.0%} of the GPU's memory, more than the 75% "
+      'jax preallocates by default: run it with XLA_PYTHON_CLIENT_MEM_FRACTION='
+      f'{need:.2f}'
+    )
+  if not cost:
+    notes.append('no cost model for this program: flops and HBM bytes unknown')
+  return tuple(notes)
+
+
 def _notes(
   mesh: Any, chip: Chip | None, summary: hlo.ProgramSummary, capacity: int | None
 ) -> tuple[str, ...]:
@@ -321,7 +349,7 @@ def _notes(
       f'{len(unknown)} loop(s) with a trip count the HLO does not tell were '
       'counted once: collectives and flops inside them are a lower bound'
     )
-  platform = getattr(next(iter(mesh.devices.flat)), 'platform', '')
+  platform = _platform(mesh)
   if chip is None and platform == 'cpu':
     notes.append(
       "compiled for CPU devices: XLA's CPU figures; pass hbm= for a verdict "
@@ -329,6 +357,8 @@ def _notes(
     )
   if chip is None and capacity is None and platform != 'cpu':
     notes.append('unknown device kind: pass hbm= for a verdict')
+  elif chip is None and platform != 'cpu':
+    notes.append("unknown device kind: pass chip= (e.g. 'h100') for a roofline")
   return tuple(notes)
 
 

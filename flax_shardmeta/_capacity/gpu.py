@@ -20,7 +20,7 @@ import os
 import re
 from typing import Any
 
-from flax_shardmeta._errors import TopologyError
+from flax_shardmeta._errors import MeshShapeError, TopologyError
 
 GPUS = {
   'a100': 'A100 SXM4 80 GB',
@@ -37,6 +37,11 @@ ACCEPTED_FORMS = (
 """The GPU topology names accepted, as given in errors."""
 
 _NAME = re.compile(r'^([a-z0-9]+):(\d+)x(\d+)$')
+_MEMORY = re.compile(r'\bdevice_memory_size\s*:\s*(\d+)')
+_KIND = re.compile(r'\bdevice_description_str\s*:\s*"([^"]*)"')
+# device_kind -> memory bytes of every description devices were made from, so
+# a custom GPU's verdict is judged against its own memory.
+_MEMORY_OF_KIND: dict[str, int] = {}
 _PLUGINS = ('jax_plugins.xla_cuda12', 'jax_plugins.xla_cuda13')
 
 
@@ -130,6 +135,40 @@ def gpu_devices(name: str, *, target_config: str | None = None) -> tuple[Any, ..
   return _devices(text, nodes, per_node, name)
 
 
+def node_local_check(sizes: Any, names: Any, devices: Any) -> None:
+  """Raises unless each node's GPUs make whole runs of the mesh's trailing axes.
+
+  Devices go node by node, so the trailing axes are inside a node as long as
+  every product of them either divides the GPUs of a node (the axes stay
+  inside it) or is a multiple of it (they span whole nodes). Otherwise a
+  group of one axis would straddle two nodes and half of its members would
+  talk over the network.
+
+  Example:
+    >>> import types
+    >>> gpus = [types.SimpleNamespace(process_index=i // 6) for i in range(24)]
+    >>> node_local_check((4, 6), ('data', 'model'), gpus)
+    >>> node_local_check((6, 4), ('data', 'model'), gpus)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.MeshShapeError: ... 'model' groups of 4 would straddle ...
+  """
+  nodes = len({getattr(d, 'process_index', 0) for d in devices})
+  per_node = len(devices) // max(nodes, 1)
+  product = 1
+  for size, name in zip(reversed(tuple(sizes)), reversed(tuple(names))):
+    product *= size
+    if per_node % product and product % per_node:
+      shape = dict(zip(names, sizes))
+      fits = [g for g in range(per_node, 0, -1) if per_node % g == 0][:3]
+      other = ', '.join(map(str, fits))
+      raise MeshShapeError(
+        f'mesh {shape} over {nodes} nodes of {per_node} GPUs: {name!r} groups of '
+        f'{product} would straddle two nodes; give the trailing axes a product '
+        f'that divides {per_node} or is a multiple of it ({other}, ...).'
+      )
+
+
 def _parse(name: Any) -> tuple[str, int, int]:
   match = _NAME.match(name.strip().lower()) if isinstance(name, str) else None
   if match is None or not is_gpu_topology(name):
@@ -153,11 +192,43 @@ def _read(config: str) -> str:
   return config
 
 
+def described_memory(devices: Any) -> int | None:
+  """The memory per GPU of the description ``devices`` (a list or mesh) were
+  made from, or None for devices not made here.
+
+  Example:
+    >>> described_memory([]) is None
+    True
+  """
+  flat = getattr(getattr(devices, 'devices', devices), 'flat', devices)
+  first = next(iter(flat), None)
+  return _MEMORY_OF_KIND.get(getattr(first, 'device_kind', None) or '')
+
+
+def _checked(text: str, name: str) -> str:
+  """The description, with what the plugin only logs said here instead."""
+  kind = _KIND.search(text)
+  if kind is None or not kind.group(1):
+    raise TopologyError(
+      f'GPU topology {name!r}: the target config has no device_description_str '
+      '(the device kind jax reports, e.g. "NVIDIA H100 80GB HBM3"); add one as '
+      'a top-level field.'
+    )
+  if _MEMORY.search(text) is None:
+    raise TopologyError(
+      f'GPU topology {name!r}: the target config has no '
+      'gpu_device_info { device_memory_size: BYTES }; XLA plans memory with it '
+      'and fit judges against it.'
+    )
+  return text
+
+
 @functools.lru_cache(maxsize=16)
 def _devices(text: str, nodes: int, per_node: int, name: str) -> tuple[Any, ...]:
   import jax
   from jax.experimental import topologies
 
+  text = _checked(text, name)
   try:
     desc = topologies.get_topology_desc(
       platform='cuda', target_config=text, topology=f'{nodes}x1x{per_node}'
@@ -165,15 +236,24 @@ def _devices(text: str, nodes: int, per_node: int, name: str) -> tuple[Any, ...]
   except NotImplementedError:
     raise TopologyError(
       f'GPU topology {name!r}: jax started its backends before the CUDA plugin '
-      'could be registered compile-only. Set JAX_PLATFORMS=cpu (or '
-      "jax.config.update('jax_platforms', 'cpu')) before jax makes its first "
-      f'backend, i.e. before any array is created; jax {jax.__version__}.'
+      'could be registered compile-only (without a GPU its start-up check '
+      'fails). In a new process, set JAX_PLATFORMS=cpu or '
+      'JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 before importing jax, or call '
+      "jax.config.update('jax_platforms', 'cpu') before jax's first operation; "
+      f'the flax-shardmeta command does this itself (jax {jax.__version__}).'
     ) from None
   except Exception as e:  # the plugin's XlaRuntimeError: INVALID_ARGUMENT ...
     reason = str(e).split('\n')[0]
     raise TopologyError(
       f'GPU topology {name!r}: the CUDA plugin refused the description: '
       f'"{reason}". Check the target config against XLA\'s '
-      'GpuTargetConfigProto (xla/stream_executor/device_description.proto).'
+      'GpuTargetConfigProto (xla/stream_executor/device_description.proto); '
+      "the fields jax's plugin accepts differ by jax version (this is jax "
+      f'{jax.__version__}): the files in flax_shardmeta/_capacity/gpu_targets '
+      'use only those every supported version accepts.'
     ) from None
-  return tuple(desc.devices)
+  devices = tuple(desc.devices)
+  memory = _MEMORY.search(text)
+  if devices and memory is not None:
+    _MEMORY_OF_KIND[devices[0].device_kind] = int(memory.group(1))
+  return devices

@@ -1,8 +1,21 @@
-"""The collectives of a compiled program: kinds, bytes, runs and mesh axes."""
+"""The collectives of a compiled program: kinds, bytes, runs, mesh axes and the
+link each one uses.
+
+The link is told from the devices a collective's groups join: on TPUs,
+``'ici'`` inside a slice and ``'dcn'`` (the data-centre network) across
+slices; on GPUs, ``'nvlink'`` inside a node (every member has the same
+``process_index``, one host being one NVLink domain) and ``'network'`` across
+nodes (InfiniBand / RoCE); a group with members in several nodes runs at the
+network's speed even when some of them share one. CPU devices have none.
+Between TPU slices XLA hands a collective to the Megascale runtime, as a
+host-transfer send / recv pair naming it: counted once, over the axes along
+which the slices differ, on ``'dcn'``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +48,22 @@ _OPCODE_KIND = {
   'collective-permute-start': 'collective-permute',
 }
 
+# Across TPU slices XLA leaves the collective to the Megascale runtime: a
+# host-transfer send / recv pair whose attributes name the collective.
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
+_MEGASCALE_KIND = {
+  'ALL_REDUCE': 'all-reduce',
+  'ALL_GATHER': 'all-gather',
+  'REDUCE_SCATTER': 'reduce-scatter',
+  'ALL_TO_ALL': 'all-to-all',
+}
+
+LINKS = ('ici', 'dcn', 'nvlink', 'network')
+"""The links a collective can use; the slow ones (across slices or nodes) are
+``'dcn'`` and ``'network'``."""
+
+_GPU_PLATFORMS = ('gpu', 'cuda', 'rocm')
+
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveOp:
@@ -47,7 +76,9 @@ class CollectiveOp:
     runs: how many times a step runs it (loop trips included).
     group_size: devices in each of its groups.
     axes: the mesh axes its groups span (empty when they cannot be told).
-    crosses_slices: whether a group spans slices (the data-centre network).
+    crosses_slices: whether a group spans slices or nodes (the slow network).
+    link: ``'ici'``, ``'dcn'``, ``'nvlink'`` or ``'network'`` (see the module
+      docstring); None on CPU devices or when the groups cannot be told.
   """
 
   kind: str
@@ -57,6 +88,7 @@ class CollectiveOp:
   group_size: int
   axes: tuple[str, ...]
   crosses_slices: bool = False
+  link: str | None = None
 
   @property
   def bytes_per_step(self) -> int:
@@ -80,29 +112,76 @@ def collectives(
       continue
     for inst in comp.instructions:
       kind = _OPCODE_KIND.get(inst.opcode)
+      if kind is None and inst.opcode == 'send':
+        out += _across_slices(inst, runs, grid, axis_names)
       if kind is None:
         continue
       operand_bytes = sum(shape_bytes(comp.shapes.get(o, '')) for o in inst.operands)
       size = int(max(operand_bytes, largest_array_bytes(inst.shape)))
       group = inst.first_group(n_devices)
-      axes, crosses = _axes_of(group, grid, axis_names)
+      axes = _axes_of(group, grid, axis_names)
+      link = link_of(group, grid)
+      slow = link in ('dcn', 'network')
       n = len(group) if group else (n_devices or 0)
-      out.append(CollectiveOp(kind, inst.name, size, runs, n, axes, crosses))
+      out.append(CollectiveOp(kind, inst.name, size, runs, n, axes, slow, link))
   return out
+
+
+def _across_slices(
+  inst: Any, runs: int, grid: np.ndarray | None, axis_names: Sequence[str]
+) -> list[CollectiveOp]:
+  """A collective between TPU slices (its send; the recv is its other half)."""
+  found = _MEGASCALE.search(inst.attributes)
+  if found is None:
+    return []
+  kind = _MEGASCALE_KIND.get(found.group(1), 'collective-permute')
+  slices = 1 if grid is None else np.vectorize(lambda d: _slice(d))(grid)
+  axes: tuple[str, ...] = ()
+  if grid is not None and len(axis_names) == grid.ndim:
+    axes = tuple(
+      name for i, name in enumerate(axis_names) if (np.diff(slices, axis=i) != 0).any()
+    )
+  n = len(np.unique(slices)) if grid is not None else 0
+  size = int(largest_array_bytes(inst.shape))
+  return [CollectiveOp(kind, inst.name, size, runs, n, axes, True, 'dcn')]
+
+
+def _slice(device: Any) -> int:
+  return getattr(device, 'slice_index', 0) or 0
 
 
 def _axes_of(
   group: list[int] | None, grid: np.ndarray | None, axis_names: Sequence[str]
-) -> tuple[tuple[str, ...], bool]:
-  """The mesh axes along which a group's devices differ, and whether it spans
-  slices."""
+) -> tuple[str, ...]:
+  """The mesh axes along which a group's devices differ."""
   if (
     not group or grid is None or max(group) >= grid.size or len(axis_names) != grid.ndim
   ):
-    return (), False
+    return ()
   coords = np.array(np.unravel_index(group, grid.shape))  # (ndim, len(group))
-  varying = tuple(
+  return tuple(
     name for name, row in zip(axis_names, coords) if len(set(row.tolist())) > 1
   )
-  slices = {getattr(grid.flat[i], 'slice_index', 0) or 0 for i in group}
-  return varying, len(slices) > 1
+
+
+def link_of(group: list[int] | None, grid: np.ndarray | None) -> str | None:
+  """The link a group of devices (positions in the mesh) uses.
+
+  Example:
+    >>> import types, numpy as np
+    >>> gpus = np.array([types.SimpleNamespace(platform='gpu', process_index=i // 4)
+    ...                  for i in range(8)])
+    >>> link_of([0, 1, 2, 3], gpus), link_of([0, 4], gpus)
+    ('nvlink', 'network')
+  """
+  if not group or grid is None or max(group) >= grid.size:
+    return None
+  members = [grid.flat[i] for i in group]
+  platform = getattr(members[0], 'platform', None)
+  if platform == 'tpu':
+    slices = {getattr(d, 'slice_index', 0) or 0 for d in members}
+    return 'dcn' if len(slices) > 1 else 'ici'
+  if platform in _GPU_PLATFORMS:
+    nodes = {getattr(d, 'process_index', 0) for d in members}
+    return 'network' if len(nodes) > 1 else 'nvlink'
+  return None

@@ -274,19 +274,19 @@ def format_report(report: FitReport) -> str:
   lines.append(f'verdict: {verdict(report)}')
   if report.collectives:
     lines.append('')
-    crows = [('collectives per step', 'count', 'bytes/chip', 'over', 'time')]
+    crows = [('collectives per step', 'count', 'bytes/chip', 'over', 'link', 'time')]
     for c in report.collectives:
-      over = c.over + (' (DCN)' if c.crosses_slices else '')
       crows.append(
         (
           f'  {c.kind}',
           f'{c.count:,}',
           signed_bytes(c.bytes),
-          over,
+          c.over,
+          c.link or '-',
           format_seconds(c.seconds),
         )
       )
-    lines += table(crows, {1, 2, 4})
+    lines += table(crows, {1, 2, 5})
   elif report.source == 'compiled' and report.refusal is None:
     lines += ['', 'collectives per step: none']
   if report.flops is not None:

@@ -7,8 +7,9 @@ the largest of the three (``step_s``); with none, their sum (``serial_s``).
 Real steps land in between. Collective time per run, for a group of ``n``
 devices and ``B`` bytes (the full buffer per device): all-gather,
 reduce-scatter and all-to-all move ``B (n-1)/n``; all-reduce ``2 B (n-1)/n``;
-collective-permute ``B``; over the data-centre network when the group spans
-slices, else over the chip's per-axis ICI bandwidth (see ``chips.Chip``).
+collective-permute ``B``; over the slow network (``dcn`` across TPU slices,
+``network`` across GPU nodes) at the chip's network bandwidth, else over its
+per-axis ICI or NVLink bandwidth (see ``chips.Chip``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ class CollectiveRow:
     bytes: bytes per device per step (the full buffer of each run).
     seconds: the time they take at the interconnect's bandwidth (None
       without a known chip).
-    crosses_slices: the groups span slices (the data-centre network).
+    crosses_slices: the groups span slices or nodes (the slow network).
+    link: the link they use: ``'ici'`` / ``'dcn'`` on TPUs, ``'nvlink'`` /
+      ``'network'`` on GPUs, None on CPUs or when it cannot be told.
 
   Example:
     >>> row = CollectiveRow('all-gather', ('data',), 64, 2**30, 0.01)
@@ -47,6 +50,7 @@ class CollectiveRow:
   bytes: float
   seconds: float | None = None
   crosses_slices: bool = False
+  link: str | None = None
 
   @property
   def over(self) -> str:
@@ -58,6 +62,7 @@ class CollectiveRow:
     return {
       'kind': self.kind,
       'axes': list(self.axes),
+      'link': self.link,
       'count': self.count,
       'bytes': int(self.bytes),
       'seconds': self.seconds,
@@ -79,16 +84,16 @@ def op_seconds(op: CollectiveOp, chip: Chip) -> float:
 
 def group(ops: Iterable[CollectiveOp], chip: Chip | None) -> tuple[CollectiveRow, ...]:
   """Rows per (kind, axes), in :data:`COLLECTIVE_KINDS` order, largest first."""
-  rows: dict[tuple[str, tuple[str, ...], bool], list[float]] = {}
+  rows: dict[tuple[str, tuple[str, ...], bool, str | None], list[float]] = {}
   for op in ops:
-    key = (op.kind, op.axes, op.crosses_slices)
+    key = (op.kind, op.axes, op.crosses_slices, op.link)
     acc = rows.setdefault(key, [0, 0.0, 0.0])
     acc[0] += op.runs
     acc[1] += op.bytes_per_step
     acc[2] += op_seconds(op, chip) if chip is not None else 0.0
   out = [
-    CollectiveRow(kind, axes, int(n), b, s if chip is not None else None, crosses)
-    for (kind, axes, crosses), (n, b, s) in rows.items()
+    CollectiveRow(kind, axes, int(n), b, s if chip is not None else None, crosses, link)
+    for (kind, axes, crosses, link), (n, b, s) in rows.items()
   ]
   order = {k: i for i, k in enumerate(COLLECTIVE_KINDS)}
   return tuple(sorted(out, key=lambda r: (order.get(r.kind, 99), -r.bytes)))

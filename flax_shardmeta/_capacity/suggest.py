@@ -27,6 +27,7 @@ from flax_shardmeta._capacity import presets as presets_lib
 from flax_shardmeta._capacity.candidate import Candidate, Suggestions, summary
 from flax_shardmeta._capacity.chips import Chip, chip_named, chip_of, parse_bytes
 from flax_shardmeta._capacity.fit import fit
+from flax_shardmeta._capacity.gpu import described_memory
 from flax_shardmeta._capacity.presets import RulePreset
 from flax_shardmeta._capacity.report import OPTIMIZER, PARAMETERS, FitReport
 from flax_shardmeta._capacity.step import Step, prepare
@@ -77,6 +78,7 @@ def suggest(
   tokens_per_example: int = 1,
   topology: str | None = None,
   num_slices: int = 1,
+  target_config: str | None = None,
   devices: Sequence[Any] | None = None,
   hbm: int | str | None = None,
   chip: str | None = None,
@@ -95,8 +97,11 @@ def suggest(
     batch: the global batch size: every candidate's batch axes must divide it.
     tokens_per_example: tokens per example (the sequence length), for
       tokens/s/chip.
-    topology: a TPU pod to compile for, e.g. ``'v5p:4x4x8'`` (needs libtpu).
-    num_slices: slices of the topology; the first mesh axis spans them.
+    topology: a TPU pod to compile for, e.g. ``'v5p:4x4x8'`` (needs libtpu),
+      or a GPU cluster, ``'h100:4x8'`` (nodes x GPUs per node; the CUDA
+      plugin): tensor-parallel axes then stay inside a node (NVLink).
+    num_slices: slices of the TPU topology; the first mesh axis spans them.
+    target_config: with ``topology='custom:NxG'``, the GPU's description.
     devices: other devices to lay meshes over (default: this machine's).
     hbm: memory per chip to judge against (default: the chip's).
     chip: chip figures when the devices do not say (e.g. CPU devices).
@@ -131,8 +136,10 @@ def suggest(
   start = time.perf_counter()
   _check_arguments(batch, max_candidates)
   say = _progress(progress)
-  pool = _pool(topology, num_slices, devices)
+  pool = _pool(topology, num_slices, devices, target_config)
   capacity = _capacity(hbm, chip_named(chip) if chip else chip_of(pool))
+  if capacity is None:  # a custom GPU: its own description's memory
+    capacity = described_memory(pool)
   where = _Where(pool, topology, num_slices)
   candidates = _candidates(presets, remat, where, batch * tokens_per_example)
   say(f'{len(candidates)} candidates over {len(pool)} devices; checking plans')
@@ -188,10 +195,15 @@ class _Where:
 
 
 def _pool(
-  topology: str | None, num_slices: int, devices: Sequence[Any] | None
+  topology: str | None,
+  num_slices: int,
+  devices: Sequence[Any] | None,
+  target_config: str | None,
 ) -> list[Any]:
   if topology is not None:
-    return list(topology_devices(topology, num_slices=num_slices))
+    return list(
+      topology_devices(topology, num_slices=num_slices, target_config=target_config)
+    )
   return list(devices if devices is not None else jax.devices())
 
 

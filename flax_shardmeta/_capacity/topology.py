@@ -1,5 +1,6 @@
-"""Devices of a TPU pod this machine does not have, from libtpu, and meshes
-laid out over devices (``device_mesh``).
+"""Devices of a TPU pod this machine does not have, from libtpu (or of a GPU
+cluster, from jax's CUDA plugin: ``gpu``), and meshes laid out over devices
+(``device_mesh``).
 
 ``libtpu`` (``pip install 'flax_shardmeta[tpu]'``, which brings the
 ``jax[tpu]`` matching the installed jax) describes any TPU topology and gives
@@ -19,6 +20,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from flax_shardmeta._capacity import gpu
 from flax_shardmeta._errors import MeshShapeError, TopologyError
 
 if TYPE_CHECKING:  # jax is imported when a mesh is made: the CLI starts light
@@ -64,8 +66,11 @@ def _on_a_tpu_vm() -> bool:
   return bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))
 
 
-def topology_devices(name: str, *, num_slices: int = 1) -> tuple[Any, ...]:
-  """The compile-only devices of a TPU topology, e.g. ``'v5p:8x8x16'``.
+def topology_devices(
+  name: str, *, num_slices: int = 1, target_config: str | None = None
+) -> tuple[Any, ...]:
+  """The compile-only devices of a TPU topology, e.g. ``'v5p:8x8x16'``, or of
+  a GPU cluster, e.g. ``'h100:4x8'`` (see ``gpu.gpu_devices``).
 
   Devices are what JAX makes of a chip: one per chip for v4 (megacore), v5e,
   v5p and v6e, two per chip for TPU7x. Results are cached per name.
@@ -90,8 +95,23 @@ def topology_devices(name: str, *, num_slices: int = 1) -> tuple[Any, ...]:
     ...   print(8, 'TPU v5')
     8 TPU v5
   """
+  if gpu.is_gpu_topology(name):
+    if num_slices != 1:
+      raise TopologyError(
+        f'num_slices={num_slices} is for TPU topologies; a GPU cluster counts '
+        f'its nodes in the name ({name!r}: <gpu>:<nodes>x<GPUs per node>).'
+      )
+    return gpu.gpu_devices(name, target_config=target_config)
+  if target_config is not None:
+    raise TopologyError(
+      f"target_config= describes a GPU: give topology='custom:NxG' with it, not "
+      f'{name!r}.'
+    )
   if not isinstance(name, str) or not _NAME.match(name.strip()):
-    raise TopologyError(f'unknown TPU topology {name!r}: use {ACCEPTED_FORMS}.')
+    raise TopologyError(
+      f'unknown topology {name!r}: use a TPU pod, {ACCEPTED_FORMS}; or a GPU '
+      f'cluster, {gpu.ACCEPTED_FORMS}.'
+    )
   if not isinstance(num_slices, int) or num_slices < 1:
     raise TopologyError(f'num_slices={num_slices!r}: give a positive number.')
   if not libtpu_available():
@@ -122,7 +142,8 @@ def _devices(name: str, num_slices: int) -> tuple[Any, ...]:
   except Exception as e:  # libtpu's JaxRuntimeError: INVALID_ARGUMENT ...
     reason = str(e).split('\n')[0].removeprefix('INVALID_ARGUMENT: ')
     raise TopologyError(
-      f'unknown TPU topology {name!r}: libtpu says "{reason}". Use {ACCEPTED_FORMS}.'
+      f'unknown TPU topology {name!r}: libtpu says "{reason}". Use '
+      f'{ACCEPTED_FORMS}; or a GPU cluster, {gpu.ACCEPTED_FORMS}.'
     ) from None
   return tuple(desc.devices)
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from flax_shardmeta._capacity.gpu import gpu_devices, is_gpu_topology
+from flax_shardmeta._capacity.gpu import is_gpu_topology, node_local_check
 from flax_shardmeta._capacity.topology import device_mesh, topology_devices
 from flax_shardmeta._errors import MeshShapeError
 
@@ -100,6 +100,8 @@ def make_mesh(
   if dcn_axis_sizes is not None:
     dcn = _as_ints(dcn_axis_sizes, names, what='dcn_axis_sizes')
     _check_dcn(sizes, dcn, names, len(devices), n_hosts)
+  elif is_gpu_topology(topology):
+    node_local_check(sizes, names, devices)
   return device_mesh(sizes, names, devices, types, dcn)
 
 
@@ -119,17 +121,12 @@ def _devices_and_dcn(
       f"target_config= describes a GPU: give topology='custom:NxG' with it, "
       f'not {topology!r}.'
     )
-  if is_gpu_topology(topology):
-    if devices is not None:
-      raise MeshShapeError('give devices= or topology=, not both.')
-    if num_slices != 1:
-      raise MeshShapeError('num_slices= is for TPU topologies; GPUs count nodes.')
-    assert topology is not None
-    return list(gpu_devices(topology, target_config=target_config)), dcn_axis_sizes
   if topology is not None:
     if devices is not None:
       raise MeshShapeError('give devices= or topology=, not both.')
-    devices = topology_devices(topology, num_slices=num_slices)
+    devices = topology_devices(
+      topology, num_slices=num_slices, target_config=target_config
+    )
     if num_slices > 1 and dcn_axis_sizes is None:
       dcn_axis_sizes = (num_slices,) + (1,) * (n_axes - 1)
   elif num_slices != 1:

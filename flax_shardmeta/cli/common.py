@@ -7,13 +7,16 @@ errors answer before either is loaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import glob
+import importlib.util
 import json
 import os
+import sys
 import textwrap
 import tomllib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from flax_shardmeta.examples import state as example_state
@@ -144,16 +147,26 @@ def add_rules(p: argparse.ArgumentParser) -> None:
 
 
 def add_pod(p: argparse.ArgumentParser, *, required: bool) -> None:
-  """``--topology GEN:SHAPE`` and ``--num-slices``."""
+  """``--topology GEN:SHAPE``, ``--num-slices`` and ``--target-config``."""
   without = '' if required else '; without it the figures are an estimate (default)'
   p.add_argument(
     '--topology',
     required=required,
     metavar='GEN:SHAPE',
-    help='a TPU pod to compile for, e.g. v5p:4x4x8 (needs libtpu: pip install '
-    f"'flax_shardmeta[tpu]'){without}" + (' (required)' if required else ''),
+    help='devices to compile for: a TPU pod, e.g. v5p:4x4x8 (pip install '
+    "'flax_shardmeta[tpu]'), or a GPU cluster, <gpu>:<nodes>x<GPUs per node>, "
+    'e.g. h100:4x8 (a100, h100, h200, b200, or custom:2x8 with --target-config; '
+    f"pip install 'flax_shardmeta[gpu]'){without}"
+    + (' (required)' if required else ''),
   )
-  p.add_argument('--num-slices', type=int, default=1, help='slices of the topology')
+  p.add_argument('--num-slices', type=int, default=1, help='slices of a TPU topology')
+  p.add_argument(
+    '--target-config',
+    metavar='FILE',
+    help='with --topology custom:NxG: the GPU, as an XLA GpuTargetConfigProto '
+    'text file (default: none; a100, h100, h200 and b200 are described by '
+    'flax_shardmeta)',
+  )
 
 
 def add_step(p: argparse.ArgumentParser, *, remat: str, batch_required: bool) -> None:
@@ -420,3 +433,61 @@ def local_jax_on_cpu() -> None:
   if glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'):
     return
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+
+def start_jax_quietly() -> None:
+  """Imports jax with standard error closed where jax's CUDA plugin would only
+  say that this machine has no GPU.
+
+  With the gpu extra (the plugin, to compile for GPU clusters) on a machine
+  without an NVIDIA GPU, importing jax and starting its first backend print
+  "Could not find cuda drivers" from the plugin's C++ libraries, which no
+  setting silences. The commands compile for described GPUs only, so those
+  lines say nothing. No backend is started here (the demo and jax.distributed
+  come first); the plugin's own start is closed off the same way. Anywhere
+  else this does nothing.
+  """
+  if glob.glob('/dev/nvidia[0-9]*') or 'jax' in sys.modules:
+    return
+  plugins = [name for name in _CUDA_PLUGINS if _found(name)]
+  if not plugins:
+    return
+  with _stderr_closed():
+    import jax  # noqa: F401
+
+    for name in plugins:
+      module = importlib.import_module(name)
+      setattr(module, 'initialize', _closed(module.initialize))  # noqa: B010
+
+
+_CUDA_PLUGINS = ('jax_plugins.xla_cuda12', 'jax_plugins.xla_cuda13')
+
+
+def _found(name: str) -> bool:
+  try:
+    return importlib.util.find_spec(name) is not None
+  except ModuleNotFoundError:  # no jax_plugins namespace at all
+    return False
+
+
+def _closed(start: Any) -> Any:
+  def initialize() -> Any:
+    with _stderr_closed():
+      return start()
+
+  return initialize
+
+
+@contextlib.contextmanager
+def _stderr_closed() -> Iterator[None]:
+  """File descriptor 2 to /dev/null: the messages come from C++."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  null = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(null, 2)
+  os.close(null)
+  try:
+    yield
+  finally:
+    os.dup2(saved, 2)
+    os.close(saved)

@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
   """The ``demo`` subcommand: in this process, or across ``--processes``."""
+  common.start_jax_quietly()
   from flax_shardmeta._hosts import launch
 
   n = args.processes

@@ -2,9 +2,11 @@
 
 Builds a model's training step abstractly (forward, backward and the
 optimizer update, the state donated) and compiles it for a TPU topology with
-libtpu, or estimates it on an abstract mesh, then prints the per-chip report:
-memory by category, the verdict against HBM, collectives per step and a
-roofline step time.
+libtpu or a GPU cluster with jax's CUDA plugin (``--topology h100:4x8``: 4
+nodes of 8 H100s; the trailing mesh axis stays inside a node), or estimates it
+on an abstract mesh, then prints the per-chip report: memory by category, the
+verdict against HBM, collectives per step with the link each uses (ici / dcn
+on TPUs, nvlink / network on GPUs) and a roofline step time.
 
 * ``--model NAME`` uses a built-in model and its rules (Auto mesh axes, as the
   built-in models are written for).
@@ -34,8 +36,8 @@ from flax_shardmeta.cli.factory import CONTRACT, Factory, under
 
 HELP = 'memory per chip, collectives and step time of a training step on a pod'
 DESCRIPTION = (
-  'Will a training step fit each chip? Compiled for a TPU topology (libtpu), or '
-  'estimated on an abstract mesh.'
+  'Will a training step fit each chip? Compiled for a TPU topology (libtpu) or '
+  'a GPU cluster (CUDA plugin), or estimated on an abstract mesh.'
 )
 EPILOG = (__doc__ or '').split('\n\n', 1)[1] + '\n\n' + CONTRACT
 
@@ -77,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
   common.require_positive(args, ('batch', 'seq', 'num_slices'))
   common.check_hbm(args.hbm)
   rules = common.mesh_rules(args, names)
+  common.start_jax_quietly()
   factory = Factory.load(args.module) if args.module is not None else None
 
   import jax
@@ -90,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
       names,
       topology=args.topology,
       num_slices=args.num_slices,
+      target_config=args.target_config,
       axis_types=auto,
     )
   else:

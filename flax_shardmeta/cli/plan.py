@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
   common.check_model_name(args.model)
   axis_names, axis_sizes = common.parse_mesh(args.mesh)
   rules = common.mesh_rules(args, axis_names)
+  common.start_jax_quietly()
   factory = Factory.load(args.module) if args.module is not None else None
 
   # Heavy imports only once the arguments are known to be good.

@@ -3,8 +3,9 @@
 Splits the topology's chips over each rule preset's mesh axes, tries each remat
 policy, rejects what cannot work from the plan alone (shapes that do not
 divide, a state that cannot fit), compiles the most promising candidates with
-libtpu and ranks them: those that fit first, then by estimated step time, then
-by headroom.
+libtpu (TPU pods) or jax's CUDA plugin (GPU clusters, ``--topology h100:8x8``:
+tensor-parallel axes stay inside a node) and ranks them: those that fit first,
+then by estimated step time, then by headroom.
 
 * ``--model NAME`` uses a built-in model (Auto mesh axes).
 * ``--module PKG.MOD:FACTORY`` uses your own step: the factory returns ``(step,
@@ -36,7 +37,9 @@ from flax_shardmeta.cli import common
 from flax_shardmeta.cli.factory import CONTRACT, Factory
 
 HELP = 'search meshes, rule presets and remat for the best layout on a pod'
-DESCRIPTION = 'Rank the layouts of a model on a TPU pod by what fits and how fast.'
+DESCRIPTION = (
+  'Rank the layouts of a model on a TPU pod or GPU cluster by what fits and how fast.'
+)
 EPILOG = (__doc__ or '').split('\n\n', 1)[1] + '\n\n' + CONTRACT
 
 
@@ -72,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
   remat = [r.strip() for r in (args.remat or 'none,full').split(',') if r.strip()]
   common.check_remat(args.remat, remat, builtin=args.model is not None)
   common.check_hbm(args.hbm)
+  common.start_jax_quietly()
   if args.module is not None:
     factory = Factory.load(args.module)
     build = _user_build(factory, args)
@@ -93,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
       tokens_per_example=1 if args.model == 'mlp' else seq,
       topology=args.topology,
       num_slices=args.num_slices,
+      target_config=args.target_config,
       hbm=args.hbm,
       presets=presets,
       remat=remat,
