@@ -226,3 +226,20 @@ def test_cli_exit_codes_for_gpu_topologies(tmp_path):
   straddling = _cli(*common[:3], '--mesh', 'data=4,model=2', '--topology', 'h100:4x2')
   assert straddling.returncode == 0, straddling.stderr  # model=2 is a whole node
   assert fits.stderr == ''  # the plugin's start-up lines stay out of the output
+
+
+def test_fsdp_gradients_reduce_scatter_across_nodes():
+  # Parameters over 'data' (FSDP): XLA reduce-scatters their gradients, as
+  # async reduce-scatter-start / -done pairs on GPUs, across the two nodes.
+  mesh = fsm.make_mesh((2, 4), ('data', 'model'), topology='h100:2x4')
+  ns = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+  w = jax.ShapeDtypeStruct((4096, 4096), jnp.float32, sharding=ns('data', 'model'))
+  x = jax.ShapeDtypeStruct((256, 4096), jnp.float32, sharding=ns('data', None))
+
+  def step(w, x):
+    return w - 1e-3 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+
+  report = _fit(mesh, jax.jit(step, donate_argnums=0), w, x, cache=False)
+  kinds = {(r.kind, r.axes, r.link) for r in report.collectives}
+  assert ('reduce-scatter', ('data',), 'network') in kinds
+  assert not any('reader disagrees' in n for n in report.notes)

@@ -101,6 +101,7 @@ def test_notebooks_are_committed_without_outputs():
     '02_nnx.ipynb',
     '03_plan_a_pod.ipynb',
     '04_will_it_fit.ipynb',
+    '05_gpu_clusters.ipynb',
   ]
   for name in names:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
@@ -191,3 +192,81 @@ def test_will_it_fit():
   assert ranked and ranked[0][0] == '1'
   assert 'mesh and rules for the training script:' in out
   assert out.count('<image/png>') == 2  # the stacked bars and the candidates
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+def test_gpu_clusters():
+  # Four compiles of the 8B step for H100 clusters, seconds each on 2 cores.
+  cells = _run('05_gpu_clusters.ipynb', timeout=600)
+  out = '\n'.join(cells)
+  sweep = re.findall(
+    r'^(\d) node\(s\), +(\d+) GPUs on (\d) host\(s\): +([0-9.]+) GiB per GPU of '
+    r'([0-9.]+), (fits|DOES NOT FIT) \(([-+][0-9.]+) GiB\)$',
+    out,
+    re.M,
+  )
+  assert [row[:3] for row in sweep] == [
+    ('1', '8', '1'),
+    ('2', '16', '2'),
+    ('4', '32', '4'),
+  ]
+  sizes = [float(row[3]) for row in sweep]
+  hbm = float(sweep[0][4])
+  assert hbm == pytest.approx(79.1, abs=0.1)  # XLA's figure for the 80 GB H100
+  # The same global batch over twice the GPUs: half the memory per GPU.
+  assert sizes[1] == pytest.approx(sizes[0] / 2, rel=0.05)
+  assert sizes[2] == pytest.approx(sizes[1] / 2, rel=0.05)
+  for _, _, _, size, _, verdict, headroom in sweep:
+    assert (verdict == 'fits') == (float(size) <= hbm)
+    assert float(headroom) == pytest.approx(hbm - float(size), abs=0.11)
+  # As the prose says: one node and two do not fit, four do.
+  assert [row[5] for row in sweep] == ['DOES NOT FIT', 'DOES NOT FIT', 'fits']
+  assert 'NVIDIA H100 80GB HBM3' in cells[2]
+
+  # The full report of the four nodes, with the link of each collective.
+  head = 'Will it fit: compiled for NVIDIA H100 80GB HBM3, 32 devices in 4 hosts; '
+  assert head + 'mesh data=4, model=8' in out
+  assert re.search(r'^verdict: FITS, headroom', out, re.M)
+  assert re.search(r'^  all-reduce +[0-9,]+ +[0-9.]+ GiB +model +nvlink ', out, re.M)
+  assert re.search(r'^  all-gather +[0-9,]+ +[0-9.]+ GiB +data +network ', out, re.M)
+  assert re.search(r'^roofline estimate \(h100\): step [0-9.]+ ms', out, re.M)
+
+  steps = re.findall(
+    r'^ +([124]) +([0-9.]+) ms +([0-9.]+) ms +([0-9.]+) ms +([0-9.]+) ms +'
+    r'(compute|memory|collective) +([0-9.]+) +([0-9.]+)$',
+    out,
+    re.M,
+  )
+  assert [row[0] for row in steps] == ['1', '2', '4']
+  for _, compute, hbm_s, coll, step, _, _, _ in steps:
+    # The roofline's step: the slowest of the three, perfect overlap.
+    assert float(step) == pytest.approx(
+      max(map(float, (compute, hbm_s, coll))), abs=0.1
+    )
+  nvlink = [float(row[6]) for row in steps]
+  network = [float(row[7]) for row in steps]
+  # Tensor parallelism inside a node: its bytes halve with each doubling.
+  assert nvlink[1] == pytest.approx(nvlink[0] / 2, rel=0.05)
+  assert nvlink[2] == pytest.approx(nvlink[1] / 2, rel=0.05)
+  # Data parallelism across nodes: none on one node, about the same from two on.
+  assert network[0] == 0 and network[1] > 1
+  assert network[2] == pytest.approx(network[1], rel=0.2)
+  assert re.search(r'^  1 node\(s\)  all-reduce +over model  nvlink ', out, re.M)
+  assert re.search(r'^  4 node\(s\)  all-gather +over data   network ', out, re.M)
+  one_node = re.findall(r'^  1 node\(s\) .*$', out, re.M)
+  assert one_node and not any('network' in line for line in one_node)
+  assert out.count('<image/png>') == 2  # the memory bars; the roofline and links
+
+  remat = re.findall(
+    r'^1 node, (no remat|remat full) *: +([0-9.]+) GiB per GPU, fits=(\w+), '
+    r'compute +([0-9.]+) ms',
+    out,
+    re.M,
+  )
+  assert [row[0] for row in remat] == ['no remat', 'remat full']
+  assert remat[1][2] == 'True' and float(remat[1][1]) < hbm
+  # "about a fifth more compute"
+  assert float(remat[1][3]) / float(remat[0][3]) == pytest.approx(1.2, abs=0.05)
+  prose = _markdown('05_gpu_clusters.ipynb')
+  assert '**Auto**' in prose and 'NVLink' in prose and 'network' in prose

@@ -40,6 +40,8 @@ _OPCODE_KIND = {
   'all-gather': 'all-gather',
   'all-gather-start': 'all-gather',
   'reduce-scatter': 'reduce-scatter',
+  'reduce-scatter-start': 'reduce-scatter',
+  'all-to-all-start': 'all-to-all',
   'all-reduce': 'all-reduce',
   'all-reduce-start': 'all-reduce',
   'all-to-all': 'all-to-all',

@@ -4,6 +4,7 @@ the report reads (its table and its treescope view)."""
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from typing import Any
 
 from flax_shardmeta._capacity.chips import Chip
@@ -312,7 +313,9 @@ def format_report(report: FitReport) -> str:
       f'collectives {format_seconds(r.collective_s)}'
     )
   for note in report.notes:
-    lines.append(f'note: {note}')
+    lines += textwrap.wrap(
+      f'note: {note}', 100, subsequent_indent='      ', break_on_hyphens=False
+    )
   return '\n'.join(lines)
 
 
