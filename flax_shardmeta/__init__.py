@@ -18,7 +18,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # The public names: the one table, read at run time too.
-  from flax_shardmeta import nnx as nnx
+  from flax_shardmeta import nnx as nnx, testing as testing
   from flax_shardmeta._abstract import as_abstract as as_abstract
   from flax_shardmeta._annotation import (
     Annotation as Annotation,
@@ -40,6 +40,10 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     RulePreset as RulePreset,
   )
   from flax_shardmeta._capacity.report import FitReport as FitReport
+  from flax_shardmeta._capacity.snapshot import (
+    snapshot as snapshot,
+    snapshot_diff as snapshot_diff,
+  )
   from flax_shardmeta._capacity.suggest import (
     Candidate as Candidate,
     Suggestions as Suggestions,

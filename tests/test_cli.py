@@ -186,6 +186,8 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
     ['--help'],
     ['fit', '--help'],
     ['suggest', '--help'],
+    ['snapshot', '--help'],
+    ['diff', '--help'],
     ['plan', '--model', 'gpt5', '--mesh', 'data=2'],
     ['plan', '--model', 'mlp', '--mesh', 'data=0'],
     ['plan', '--model', 'mlp', '--mesh', 'data=2', '--rules', 'missing.json'],
@@ -495,7 +497,7 @@ def test_each_command_is_a_module_adding_its_own_arguments():
 
   from flax_shardmeta.cli.main import COMMANDS, build_parser
 
-  assert list(COMMANDS) == ['demo', 'plan', 'fit', 'suggest']
+  assert list(COMMANDS) == ['demo', 'plan', 'fit', 'suggest', 'snapshot', 'diff']
   for name, command in COMMANDS.items():
     assert command is importlib.import_module(f'flax_shardmeta.cli.{name}')
     assert callable(command.add_arguments) and callable(command.run)
@@ -561,7 +563,9 @@ def _actions(parser):
       yield parser.prog, action
 
 
-@pytest.mark.parametrize('command', [[], ['plan'], ['fit'], ['suggest'], ['demo']])
+@pytest.mark.parametrize(
+  'command', [[], ['plan'], ['fit'], ['suggest'], ['snapshot'], ['diff'], ['demo']]
+)
 def test_help_shows_every_default_and_no_markup(capsys, command):
   code, out, _ = run(capsys, *command, '--help')
   assert code == 0

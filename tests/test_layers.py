@@ -50,17 +50,24 @@ LAYERS = [
   # The compiled program's text: read, then its loops, collectives and work.
   [
     '_capacity.hlo_text',
+    '_capacity.hlo_attribution',
     '_capacity.hlo_loops',
     '_capacity.hlo_collectives',
     '_capacity.hlo_work',
     '_capacity.hlo',
   ],
-  ['_capacity.roofline', '_capacity.fit_format', '_capacity.report'],
+  [
+    '_capacity.roofline',
+    '_capacity.fit_format',
+    '_capacity.why',
+    '_capacity.unplaced',
+    '_capacity.report',
+  ],
   ['_capacity.presets'],
   # The step, the estimate without a compiler, the compiled figures, fit.
   ['_capacity.step', '_capacity.propagate', '_capacity.liveness', '_capacity.estimate'],
   ['_capacity.compiled', '_capacity.extrapolate', '_capacity.fit'],
-  ['_capacity.candidate', '_capacity.suggest'],
+  ['_capacity.candidate', '_capacity.suggest', '_capacity.snapshot'],
   # _hosts: devices, processes, data and transfers.
   ['_hosts.launch', '_hosts.mesh', '_hosts.data'],
   ['_hosts.transfer'],
@@ -68,6 +75,8 @@ LAYERS = [
   ['_nnx.metadata', '_nnx.writing'],
   ['_nnx.reading', '_nnx.construct'],
   ['nnx'],
+  # Test helpers: golden files of a step's layout.
+  ['testing'],
   [
     'examples._names',
     'examples._common',
@@ -84,6 +93,8 @@ LAYERS = [
     'cli.plan',
     'cli.fit',
     'cli.suggest',
+    'cli.snapshot',
+    'cli.diff',
     'cli.main',
     'cli',
     '__main__',

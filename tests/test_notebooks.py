@@ -231,6 +231,12 @@ def test_gpu_clusters():
   assert re.search(r'^  all-reduce +[0-9,]+ +[0-9.]+ GiB +model +nvlink ', out, re.M)
   assert re.search(r'^  all-gather +[0-9,]+ +[0-9.]+ GiB +data +network ', out, re.M)
   assert re.search(r'^roofline estimate \(h100\): step [0-9.]+ ms', out, re.M)
+  # Why: the collectives by reason, with parameters and the model's lines.
+  assert 'Why each collective is there' in out and 'What looks unexpected:' in out
+  assert re.search(r'^parameter: [0-9.]+ [GMK]iB per chip per step', out, re.M)
+  assert re.search(
+    r'state/params/layers/\w+ +flax_shardmeta/examples/linen\.py:\d+', out
+  )
 
   steps = re.findall(
     r'^ +([124]) +([0-9.]+) ms +([0-9.]+) ms +([0-9.]+) ms +([0-9.]+) ms +'

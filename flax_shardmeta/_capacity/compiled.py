@@ -13,14 +13,22 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from flax_shardmeta._arrays import is_key, shard_bytes
-from flax_shardmeta._capacity import cache as cache_lib, hlo, hlo_text, report as rep
-from flax_shardmeta._capacity.step import Arguments, Step
-from flax_shardmeta._errors import FitError
+from flax_shardmeta._capacity import (
+  cache as cache_lib,
+  hlo,
+  hlo_attribution,
+  hlo_text,
+  report as rep,
+)
+from flax_shardmeta._capacity.step import Arguments, Step, path_category
+from flax_shardmeta._errors import FitError, IndivisibleDimensionWarning
 from flax_shardmeta._init.program_memory import memory_fields
 
 _REFUSAL = re.compile(
@@ -29,7 +37,7 @@ _REFUSAL = re.compile(
   re.S,
 )
 # Bumped when the cached figures change form: older entries are not read.
-_FIGURES_FORMAT = 'figures-3'
+_FIGURES_FORMAT = 'figures-4'
 _UNIT = {'': 1, 'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30, 'T': 1 << 40}
 
 
@@ -121,7 +129,8 @@ def cost_model(compiled: Any) -> dict[str, float]:
 
 
 def input_bytes(compiled: Any) -> list[tuple[str, int, bool]]:
-  """``(path, bytes per device, is a key array)`` of each input leaf, as the
+  """``(path, bytes per device, is a key array, global shape)`` of each input
+  leaf, as the
   compiled program holds it, in ``jax.tree.leaves`` order over the positional
   arguments.
 
@@ -135,7 +144,8 @@ def input_bytes(compiled: Any) -> list[tuple[str, int, bool]]:
   out = []
   for (path, aval), sharding in zip(avals, shardings):
     size = 0 if sharding is None else shard_bytes(aval.shape, aval.dtype, sharding)
-    out.append((jax.tree_util.keystr(path), size, is_key(aval.dtype)))
+    shape = [int(d) for d in getattr(aval, 'shape', ())]
+    out.append((jax.tree_util.keystr(path), size, is_key(aval.dtype), shape))
   return out
 
 
@@ -147,10 +157,17 @@ def figures(target: Step, arguments: Arguments, use_cache: bool) -> dict[str, An
   are never those of an older one. Without ``use_cache`` nothing is read
   from or kept in the cache, in memory or on disk.
   """
-  lowered = target.lower(*arguments.lowered)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always', IndivisibleDimensionWarning)
+    lowered = target.lower(*arguments.lowered)
+  for w in caught:  # the rest are the caller's, as if not caught here
+    if not issubclass(w.category, IndivisibleDimensionWarning):
+      warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
   mesh = target.mesh
   key = (
-    cache_lib.key(lowered.as_text(), mesh.devices, extra=_FIGURES_FORMAT)
+    # With the source locations: the same program from two files is two
+    # entries, each with its own lines for the collectives' attribution.
+    cache_lib.key(lowered.as_text(debug_info=True), mesh.devices, extra=_FIGURES_FORMAT)
     if use_cache
     else None
   )
@@ -173,11 +190,53 @@ def figures(target: Step, arguments: Arguments, use_cache: bool) -> dict[str, An
   if text is not None:
     if computations is None:
       computations = hlo_text.parse(text)
-    summary = hlo.summarize_computations(computations, mesh.devices, mesh.axis_names)
+    why = attributor(
+      text, computations, arguments, out.get('input_bytes', []), target.names
+    )
+    summary = hlo.summarize_computations(
+      computations, mesh.devices, mesh.axis_names, why
+    )
     out['summary'] = summary.to_dict()
   out['cached'] = cached
+  out['replicated'] = [
+    str(w.message)
+    for w in caught
+    if issubclass(w.category, IndivisibleDimensionWarning)
+  ]
   out['compile_seconds'] = 0.0 if cached else out['seconds']
   return out
+
+
+def attributor(
+  text: str,
+  computations: dict[str, Any],
+  arguments: Arguments,
+  inputs: list[list[Any]],
+  names: Sequence[str] = (),
+) -> hlo_attribution.Attributor:
+  """What tells each collective's reason: the program's parameters as plan
+  paths and report categories, its source lines and its donated outputs."""
+  if len(inputs) == len(arguments.categories):
+    categories = list(arguments.categories)
+  else:
+    categories = [path_category(leaf[0], leaf[2]) for leaf in inputs]
+  # jax drops arguments the step never reads: they hold nothing and are no
+  # parameter of the program.
+  kept = [
+    (hlo_attribution.plan_path(leaf[0], names), category)
+    for leaf, category in zip(inputs, categories)
+    if leaf[1] > 0
+  ]
+  shapes = [tuple(leaf[3]) for leaf in inputs if leaf[1] > 0]
+  main = hlo_text.entry(computations)
+  n_params = sum(1 for i in main.instructions if i.opcode == 'parameter') if main else 0
+  return hlo_attribution.Attributor(
+    computations,
+    kept if len(kept) == n_params else [],
+    hlo_text.stack_frames(text),
+    hlo_text.output_aliases(text),
+    shapes if len(shapes) == n_params else [],
+  )
 
 
 def _compiled_figures(

@@ -12,13 +12,16 @@ is no compiler to ask, so ``fit`` estimates:
 
 Each value's bytes per chip follow its layout (``_capacity.propagate``): exact
 under Explicit mesh axes, propagated under Auto axes; a value nothing tells
-about is counted replicated, and the report says how much that was. XLA also
-reorders and rematerialises on its own, so the estimate can land on either
-side of the compiled figure; ``BENCHMARKS.md`` gives its measured error.
+about is counted replicated, and the report lists each such value with the
+line that makes it (``_capacity.unplaced``) and how much of the peak rests on
+them. XLA also reorders and rematerialises on its own, so the estimate can
+land on either side of the compiled figure; ``BENCHMARKS.md`` gives its
+measured error.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -32,6 +35,7 @@ from flax_shardmeta._capacity.chips import Chip
 from flax_shardmeta._capacity.liveness import Walk, walk
 from flax_shardmeta._capacity.propagate import Spec, aval_spec, sub_jaxprs
 from flax_shardmeta._capacity.step import Step, input_shardings, prepare
+from flax_shardmeta._capacity.unplaced import Key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +46,7 @@ class _Totals:
   peak: int  # arguments kept all step, plus the peak of live values
   outputs: int
   donated: int
+  unplaced: collections.Counter[Key]  # values without a layout live at the peak
 
 
 def estimate(
@@ -59,8 +64,9 @@ def estimate(
   flops = _flops(traced.jaxpr.jaxpr) / max(math.prod(mesh.axis_sizes), 1)
   return rep.FitReport(
     source='estimate',
-    method='no compiler for this mesh: arguments and gradients by the plan, '
-    'activations by a liveness walk over the traced step',
+    # Short enough for one printed line of 100 columns.
+    method='no compiler for this mesh: arguments by the plan, activations by '
+    'walking the traced step',
     mesh=dict(sizes),
     devices=f'an abstract mesh of {math.prod(mesh.axis_sizes)} devices'
     + (f' ({chip.name})' if chip else ''),
@@ -75,7 +81,8 @@ def estimate(
     bytes_accessed=None,
     cost_analysis=None,
     roofline=None,
-    notes=_notes(mesh, w),
+    notes=_notes(mesh),
+    unplaced=w.found.listing(totals.unplaced),
   )
 
 
@@ -98,7 +105,9 @@ def _walk_step(target: Step, arguments: Any, traced: Any, w: Walk) -> _Totals:
   kept_bytes = sum(b for b, gone in zip(leaf_bytes, flags) if not gone)
   counted = frozenset(v for v, gone in zip(jaxpr.invars, flags) if gone)
   hints = _output_specs(target, len(jaxpr.outvars))
-  out_specs, peak, _ = walk(jaxpr, in_specs, w, counted, top=True, out_hints=hints)
+  out_specs, peak, _, unplaced = walk(
+    jaxpr, in_specs, w, counted, top=True, out_hints=hints
+  )
   if len(leaf_bytes) != len(arguments.categories):
     leaf_bytes = list(arguments.layout_bytes)  # the same leaves, as laid out
   by_category = {rep.PARAMETERS: 0, rep.OPTIMIZER: 0, rep.RNG: 0, rep.INPUTS: 0}
@@ -109,7 +118,7 @@ def _walk_step(target: Step, arguments: Any, traced: Any, w: Walk) -> _Totals:
     for v, spec in zip(jaxpr.outvars, out_specs)
   )
   donated_bytes = sum(b for b, d in zip(leaf_bytes, flags) if d)
-  return _Totals(by_category, kept_bytes + peak, outputs, donated_bytes)
+  return _Totals(by_category, kept_bytes + peak, outputs, donated_bytes, unplaced)
 
 
 def _rows(t: _Totals) -> tuple[rep.Row, ...]:
@@ -134,24 +143,20 @@ def _rows(t: _Totals) -> tuple[rep.Row, ...]:
   )
 
 
-def _notes(mesh: Any, w: Walk) -> tuple[str, ...]:
+def _notes(mesh: Any) -> tuple[str, ...]:
   axis_types = {str(t).split('.')[-1] for t in getattr(mesh, 'axis_types', ())}
   how = (
     'Explicit axes: every value carries its sharding'
     if axis_types == {'Explicit'}
     else 'Auto axes: shardings propagated from the arguments and constraints'
   )
-  notes = [
+  # The values counted replicated for want of a layout are report.unplaced,
+  # listed under the verdict: no note repeats them.
+  return (
     f'estimate ({how}): XLA fuses, reorders and rematerialises on its own, so '
     'the compiled program may need more or less (see BENCHMARKS.md for the '
-    'measured error)'
-  ]
-  if w.unknown_bytes:
-    notes.append(
-      'some intermediate values have no layout the step tells (largest '
-      f'{w.unknown_bytes / 2**20:.1f} MiB); they were counted replicated'
-    )
-  return tuple(notes)
+    'measured error)',
+  )
 
 
 def _dot_flops(eqn: Any) -> float:

@@ -78,11 +78,9 @@ def _collectives(
   pairs: dict[Any, list[Any]] = {}
   for which, r in ((0, small), (1, large)):
     for c in r.collectives:
-      pairs.setdefault((c.kind, c.axes, c.crosses_slices, c.link), [None, None])[
-        which
-      ] = c
+      pairs.setdefault(_key(c), [None, None])[which] = c
   out = []
-  for (kind, axes, crosses, link), (x, y) in pairs.items():
+  for (kind, axes, crosses, link, *_), (x, y) in pairs.items():
     zero = dataclasses.replace(x or y, count=0, bytes=0.0, seconds=0.0)
     x, y = x or zero, y or zero
     out.append(
@@ -98,3 +96,8 @@ def _collectives(
       )
     )
   return out
+
+
+def _key(c: CollectiveRow) -> tuple[Any, ...]:
+  """What makes a row the same row at two depths."""
+  return (c.kind, c.axes, c.crosses_slices, c.link, c.reason, c.parameters, c.sources)

@@ -193,6 +193,7 @@ def _compiled_report(
     else None,
     loops=summary.loops,
     notes=notes,
+    replicated=tuple(found.get('replicated', ())),
     **common,
   )
 
@@ -210,10 +211,10 @@ def _compiled_categories(
   """Bytes by category of the compiled program's inputs, and whether the
   categories had to be told from the inputs' paths (when its leaves are not
   the arguments' one for one)."""
-  sizes = [int(size) for _, size, _ in inputs]
+  sizes = [int(leaf[1]) for leaf in inputs]
   if len(inputs) == len(arguments.categories):
     return _sum_by_category(arguments.categories, sizes), False
-  categories = [path_category(path, key) for path, _, key in inputs]
+  categories = [path_category(leaf[0], leaf[2]) for leaf in inputs]
   return _sum_by_category(categories, sizes), True
 
 

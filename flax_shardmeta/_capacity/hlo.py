@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from flax_shardmeta._capacity.hlo_attribution import Attributor
 from flax_shardmeta._capacity.hlo_collectives import CollectiveOp, collectives
 from flax_shardmeta._capacity.hlo_loops import multiplicities
 from flax_shardmeta._capacity.hlo_text import Computation, parse
@@ -54,7 +55,16 @@ class ProgramSummary:
   def from_dict(cls, d: dict[str, Any]) -> ProgramSummary:
     """Inverse of :meth:`to_dict`."""
     return cls(
-      tuple(CollectiveOp(**{**c, 'axes': tuple(c['axes'])}) for c in d['collectives']),
+      tuple(
+        CollectiveOp(
+          **{
+            **c,
+            'axes': tuple(c['axes']),
+            'parameters': tuple(c.get('parameters', ())),
+          }
+        )
+        for c in d['collectives']
+      ),
       tuple((name, n) for name, n in d['loops']),
       d['extra_flops'],
       d['extra_bytes'],
@@ -106,10 +116,12 @@ def summarize_computations(
   computations: dict[str, Computation],
   mesh_devices: Any = None,
   axis_names: Sequence[str] = (),
+  attributor: Attributor | None = None,
 ) -> ProgramSummary:
-  """:func:`summarize` of a program already parsed by ``hlo_text.parse``."""
+  """:func:`summarize` of a program already parsed by ``hlo_text.parse``; with
+  an ``attributor``, each collective says why it is there."""
   times, loops = multiplicities(computations)
-  ops = collectives(computations, times, mesh_devices, axis_names)
+  ops = collectives(computations, times, mesh_devices, axis_names, attributor)
   # Kernels' own computations: their traffic is their caller's operands and
   # result, counted where they are called.
   fused = {

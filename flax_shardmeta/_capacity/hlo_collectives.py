@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from flax_shardmeta._capacity.hlo_attribution import Attribution, Attributor
 from flax_shardmeta._capacity.hlo_text import (
   Computation,
   largest_array_bytes,
@@ -81,6 +82,8 @@ class CollectiveOp:
     crosses_slices: whether a group spans slices or nodes (the slow network).
     link: ``'ici'``, ``'dcn'``, ``'nvlink'`` or ``'network'`` (see the module
       docstring); None on CPU devices or when the groups cannot be told.
+    reason, parameters, source, scope, change, asked_by: why it is there
+      (``hlo_attribution.Attribution``).
   """
 
   kind: str
@@ -91,6 +94,12 @@ class CollectiveOp:
   axes: tuple[str, ...]
   crosses_slices: bool = False
   link: str | None = None
+  reason: str = ''
+  parameters: tuple[str, ...] = ()
+  source: str = ''
+  scope: str = ''
+  change: str = ''
+  asked_by: str = ''
 
   @property
   def bytes_per_step(self) -> int:
@@ -103,8 +112,10 @@ def collectives(
   times: dict[str, int],
   mesh_devices: Any = None,
   axis_names: Sequence[str] = (),
+  attributor: Attributor | None = None,
 ) -> list[CollectiveOp]:
-  """Every collective of the program, weighed by how often a step runs it."""
+  """Every collective of the program, weighed by how often a step runs it,
+  each with why it is there when an ``attributor`` is given."""
   grid = None if mesh_devices is None else np.asarray(mesh_devices)
   n_devices = None if grid is None else int(grid.size)
   out = []
@@ -115,7 +126,9 @@ def collectives(
     for inst in comp.instructions:
       kind = _OPCODE_KIND.get(inst.opcode)
       if kind is None and inst.opcode == 'send':
-        out += _across_slices(inst, runs, grid, axis_names)
+        for op in _across_slices(inst, runs, grid, axis_names):
+          why = attributor.attribute(inst, comp, op.kind) if attributor else None
+          out.append(dataclasses.replace(op, **_fields(why)) if why else op)
       if kind is None:
         continue
       operand_bytes = sum(shape_bytes(comp.shapes.get(o, '')) for o in inst.operands)
@@ -125,8 +138,14 @@ def collectives(
       link = link_of(group, grid)
       slow = link in ('dcn', 'network')
       n = len(group) if group else (n_devices or 0)
-      out.append(CollectiveOp(kind, inst.name, size, runs, n, axes, slow, link))
+      why = attributor.attribute(inst, comp, kind) if attributor else None
+      op = CollectiveOp(kind, inst.name, size, runs, n, axes, slow, link)
+      out.append(dataclasses.replace(op, **_fields(why)) if why else op)
   return out
+
+
+def _fields(why: Attribution) -> dict[str, Any]:
+  return dataclasses.asdict(why)
 
 
 def _across_slices(

@@ -62,6 +62,11 @@ _CALL_ROLES = (
   'true_computation',
   'false_computation',
 )
+_OP_NAME = re.compile(r'metadata=\{[^}]*?\bop_name="([^"]*)"')
+_FRAME_ID = re.compile(r'metadata=\{[^}]*?\bstack_frame_id=(\d+)')
+_SOURCE = re.compile(
+  r'metadata=\{[^}]*?\bsource_file="([^"]*)"[^}]*?\bsource_line=(\d+)'
+)
 _CALLED = re.compile(rf'(?:^|, )({"|".join(_CALL_ROLES)})=%?([\w.\-]+)')
 
 
@@ -146,6 +151,21 @@ class Instruction:
     if text is None or not text.startswith('{'):
       return None
     return [int(d) for d in text[1:-1].split(',') if d.strip()]
+
+  def op_name(self) -> str:
+    """The jax name stack XLA kept in the metadata (``'jit(step)/jvp(Model)/
+    layers/dot_general'``), or ``''``."""
+    m = _OP_NAME.search(self.attributes)
+    return m.group(1) if m else ''
+
+  def frame(self) -> int | str | None:
+    """Where the user's code made it: a stack frame id (newer XLA) or
+    ``'file:line'`` (older), or None."""
+    m = _FRAME_ID.search(self.attributes)
+    if m:
+      return int(m.group(1))
+    m = _SOURCE.search(self.attributes)
+    return f'{m.group(1)}:{m.group(2)}' if m else None
 
   def known_trip_count(self) -> int | None:
     """The trip count XLA recorded for a ``while`` in its backend config."""
@@ -277,6 +297,69 @@ def parse(text: str) -> dict[str, Computation]:
   return computations
 
 
+def stack_frames(text: str) -> dict[int, list[tuple[str, int]]]:
+  r"""Each stack frame id of a module's text -> its ``(file, line)`` chain,
+  innermost first (the tables XLA prints after the module header).
+
+  Example:
+    >>> text = '\n'.join([
+    ...   'FileNames', '1 "model.py"', '', 'FileLocations',
+    ...   '1 {file_name_id=1 function_name_id=1 line=7 end_line=7}',
+    ...   '2 {file_name_id=1 function_name_id=1 line=9 end_line=9}', '',
+    ...   'StackFrames', '1 {file_location_id=1 parent_frame_id=1}',
+    ...   '2 {file_location_id=2 parent_frame_id=1}'])
+    >>> stack_frames(text)[2]
+    [('model.py', 9), ('model.py', 7)]
+  """
+  files: dict[int, str] = {}
+  places: dict[int, tuple[int, int]] = {}
+  parents: dict[int, tuple[int, int]] = {}
+  section = ''
+  for line in text.splitlines():
+    if line in ('FileNames', 'FunctionNames', 'FileLocations', 'StackFrames'):
+      section = line
+      continue
+    if section == 'FileNames' and (m := _FILE_NAME.match(line)):
+      files[int(m.group(1))] = m.group(2)
+    elif section == 'FileLocations' and (m := _FILE_LOCATION.match(line)):
+      places[int(m.group(1))] = (int(m.group(2)), int(m.group(3)))
+    elif section == 'StackFrames' and (m := _STACK_FRAME.match(line)):
+      parents[int(m.group(1))] = (int(m.group(2)), int(m.group(3)))
+    elif line.startswith(('%', 'ENTRY')):
+      section = ''
+  out: dict[int, list[tuple[str, int]]] = {}
+  for frame in parents:
+    chain, seen, at = [], set(), frame
+    while at in parents and at not in seen:  # a root frame is its own parent
+      seen.add(at)
+      location, parent = parents[at]
+      file_id, line_no = places.get(location, (0, 0))
+      chain.append((files.get(file_id, '?'), line_no))
+      at = parent
+    out[frame] = chain
+  return out
+
+
+def output_aliases(text: str) -> dict[int, int]:
+  """Output position -> the entry parameter it aliases (donated arguments),
+  from the module header's ``input_output_alias``.
+
+  Example:
+    >>> output_aliases('HloModule m, input_output_alias={ {0}: (2, {}, may-alias) }')
+    {0: 2}
+  """
+  header = text[: text.find('\n')] if '\n' in text else text
+  return {int(o): int(p) for o, p in _ALIAS.findall(header)}
+
+
+_ALIAS = re.compile(r'\{(\d+)\}: \((\d+), \{\}')
+_FILE_NAME = re.compile(r'(\d+) "(.*)"$')
+_FILE_LOCATION = re.compile(
+  r'(\d+) \{file_name_id=(\d+) function_name_id=\d+ line=(\d+)'
+)
+_STACK_FRAME = re.compile(r'(\d+) \{file_location_id=(\d+) parent_frame_id=(\d+)')
+
+
 def entry(computations: dict[str, Computation]) -> Computation | None:
   """The module's entry computation."""
   return next((c for c in computations.values() if c.is_entry), None)
@@ -299,9 +382,14 @@ def _first_group(attributes: str, n_devices: int | None) -> list[int] | None:
   group = _mesh_group(attributes, n_devices)
   if group is not None:
     return group
-  m = re.search(r'source_target_pairs=\{\{(\d+),(\d+)\}', attributes)
-  if m:
-    return [int(m.group(1)), int(m.group(2))]
+  pairs = re.search(r'source_target_pairs=\{(\{[0-9,{}\s]*\})\}', attributes)
+  if pairs:
+    moved = [
+      [int(a), int(b)]
+      for a, b in re.findall(r'\{(\d+),(\d+)\}', pairs.group(1))
+      if a != b
+    ]
+    return moved[0] if moved else None
   if re.search(r'replica_groups=\{\}', attributes) and n_devices:
     return list(range(n_devices))
   return None

@@ -9,10 +9,11 @@ The peak of the live bytes is what the chip must hold besides the arguments.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from jax.extend import core as jex_core
 
@@ -27,6 +28,7 @@ from flax_shardmeta._capacity.propagate import (
   scan_split,
   sub_jaxprs,
 )
+from flax_shardmeta._capacity.unplaced import Found, Key
 from flax_shardmeta._specs import mesh_axes_of
 
 
@@ -36,12 +38,12 @@ class Walk:
 
   Attributes:
     sizes: mesh axis -> size.
-    unknown_bytes: the largest value counted replicated for want of a layout.
+    found: the values counted replicated for want of a layout.
     at_peak: ``(bytes, what)`` of the largest values live at the peak.
   """
 
   sizes: dict[str, int]
-  unknown_bytes: float = 0.0
+  found: Found = dataclasses.field(default_factory=Found)
   at_peak: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
   def nbytes(self, aval: Any, spec: Spec) -> int:
@@ -77,6 +79,15 @@ def _fused_uses(jaxpr: Any) -> set[Any]:
   return {v for v, n in uses.items() if n == 1 and fusing[v] and v not in outputs}
 
 
+class Walked(NamedTuple):
+  """What one walk over a program found."""
+
+  specs: list[Spec]  # the outputs' layouts
+  peak: int  # the peak bytes of values live inside it
+  virtual: list[bool]  # which outputs are fused broadcasts, never materialised
+  unplaced: collections.Counter[Key]  # values without a layout live at the peak
+
+
 def walk(
   jaxpr: Any,
   in_specs: list[Spec],
@@ -85,9 +96,10 @@ def walk(
   in_virtual: Sequence[bool] = (),
   top: bool = False,
   out_hints: Sequence[Spec] = (),
-) -> tuple[list[Spec], int, list[bool]]:
-  """Output specs, the peak bytes of values live inside ``jaxpr``, and which
-  outputs are virtual (fused broadcasts XLA never materialises).
+) -> Walked:
+  """Output specs, the peak bytes of values live inside ``jaxpr``, which
+  outputs are virtual (fused broadcasts XLA never materialises), and which
+  values without a layout are live at the peak.
 
   Layouts go forward from the inputs, then backward from ``out_hints`` (the
   step's out_shardings) through elementwise ops, as XLA's own propagation
@@ -101,13 +113,23 @@ def walk(
     spec_of[v] = aval_spec(v.aval) or s
   for v in jaxpr.constvars:
     spec_of[v] = aval_spec(v.aval)
-  inner_peaks: list[int] = []
+  inner: list[tuple[int, collections.Counter[Key]]] = []
   for eqn in jaxpr.eqns:  # forward: layouts and what is virtual
-    peak_here, fused = _forward(eqn, spec_of, virtual, w)
-    inner_peaks.append(peak_here)
+    peak_here, unplaced_here, fused = _forward(eqn, spec_of, virtual, w)
+    inner.append((peak_here, unplaced_here))
     virtual.update(v for v, f in zip(eqn.outvars, fused) if f)
   backward(jaxpr, spec_of, out_hints, w.sizes)
-  fused_away = _fused_uses(jaxpr)
+  # Layouts are final only now: liveness, and what has none, come after.
+  peak, unplaced = _liveness(jaxpr, spec_of, virtual, inner, counted, w, top)
+  out_specs = [
+    spec_of.get(v) if isinstance(v, jex_core.Var) else None for v in jaxpr.outvars
+  ]
+  out_virtual = [isinstance(v, jex_core.Var) and v in virtual for v in jaxpr.outvars]
+  return Walked(out_specs, peak, out_virtual, unplaced)
+
+
+def _last_uses(jaxpr: Any) -> dict[Any, int]:
+  """The index of the equation that uses each value last (outputs: the end)."""
   last: dict[Any, int] = {}
   for i, eqn in enumerate(jaxpr.eqns):
     for v in eqn.invars:
@@ -116,14 +138,32 @@ def walk(
   for v in jaxpr.outvars:
     if isinstance(v, jex_core.Var):
       last[v] = len(jaxpr.eqns)
+  return last
+
+
+def _liveness(
+  jaxpr: Any,
+  spec_of: dict[Any, Spec],
+  virtual: set[Any],
+  inner: list[tuple[int, collections.Counter[Key]]],
+  counted: frozenset[Any],
+  w: Walk,
+  top: bool,
+) -> tuple[int, collections.Counter[Key]]:
+  """The peak of live bytes in program order, and the values without a
+  layout live at it (``inner``: each equation's own peak inside it)."""
+  fused_away = _fused_uses(jaxpr)
+  last = _last_uses(jaxpr)
   size: dict[Any, int] = {}
+  keys: dict[Any, Key] = {}  # the live values without a layout
+  live_unplaced: collections.Counter[Key] = collections.Counter()
   live = 0
   for v in jaxpr.invars:
     if v in counted:
       size[v] = w.nbytes(v.aval, spec_of.get(v))
       live += size[v]
-  peak = live
-  for i, eqn in enumerate(jaxpr.eqns):  # liveness
+  peak, at_peak = live, collections.Counter[Key]()
+  for i, eqn in enumerate(jaxpr.eqns):
     out_bytes = 0
     for v in eqn.outvars:
       s = spec_of.get(v)
@@ -131,41 +171,47 @@ def walk(
         v in fused_away and eqn.primitive.name in ELEMENTWISE  # its consumer's buffer
       )
       size[v] = 0 if free else w.nbytes(v.aval, s)
-      if s is None and getattr(v.aval, 'shape', ()) and not free:
-        w.unknown_bytes = max(w.unknown_bytes, size[v])
+      if s is None and getattr(v.aval, 'shape', ()) and size[v]:
+        keys[v] = w.found.add(eqn, v.aval)
+        live_unplaced[keys[v]] += 1
       out_bytes += size[v]
-    during = live + inner_peaks[i] + out_bytes
-    if top and during > peak:
-      largest = sorted(size.items(), key=lambda kv: -kv[1])[:6]
-      w.at_peak = [(b, f'{v.aval.str_short()} ({_where(eqn)})') for v, b in largest]
-    peak = max(peak, during)
+    during = live + inner[i][0] + out_bytes
+    if during > peak:
+      at_peak = live_unplaced + inner[i][1]
+      if top:
+        largest = sorted(size.items(), key=lambda kv: -kv[1])[:6]
+        w.at_peak = [(b, f'{v.aval.str_short()} ({_where(eqn)})') for v, b in largest]
+      peak = during
     live += out_bytes
     for v in list(eqn.invars) + list(eqn.outvars):
       if isinstance(v, jex_core.Var) and last.get(v, -1) <= i and v in size:
         live -= size.pop(v)
-  out_specs = [
-    spec_of.get(v) if isinstance(v, jex_core.Var) else None for v in jaxpr.outvars
-  ]
-  out_virtual = [isinstance(v, jex_core.Var) and v in virtual for v in jaxpr.outvars]
-  return out_specs, peak, out_virtual
+        if v in keys:
+          live_unplaced[keys.pop(v)] -= 1
+  return peak, at_peak
 
 
 def _forward(
   eqn: Any, spec_of: dict[Any, Spec], virtual: set[Any], w: Walk
-) -> tuple[int, list[bool]]:
+) -> tuple[int, collections.Counter[Key], list[bool]]:
   """Sets the layouts of ``eqn``'s outputs; returns the peak inside it (its
-  sub-programs') and which outputs are virtual."""
+  sub-programs'), the values without a layout live there, and which outputs
+  are virtual."""
   ins = [spec_of.get(v) if isinstance(v, jex_core.Var) else None for v in eqn.invars]
   outs = [aval_spec(v.aval) for v in eqn.outvars]
-  inner_peak = 0
+  inner_peak, inner_unplaced = 0, collections.Counter[Key]()
   subs = sub_jaxprs(eqn)
   in_flags = [isinstance(v, jex_core.Var) and v in virtual for v in eqn.invars]
   out_virtual = [False] * len(eqn.outvars)
   for inner, how in subs:
     specs = inner_specs(eqn, how, ins, inner)
     flags = in_flags if how == 'call' else []
-    inner_outs, inner_live, inner_virtual = walk(inner, specs, w, in_virtual=flags)
-    inner_peak = max(inner_peak, inner_live)
+    with w.found.inside(eqn):
+      inner_outs, inner_live, inner_virtual, unplaced = walk(
+        inner, specs, w, in_virtual=flags
+      )
+    if inner_live > inner_peak:
+      inner_peak, inner_unplaced = inner_live, unplaced
     if how == 'call' and len(inner_virtual) == len(out_virtual):
       out_virtual = inner_virtual
     if how in ('call', 'while') and len(inner_outs) == len(outs):
@@ -184,7 +230,7 @@ def _forward(
       out_virtual = [True] * len(eqn.outvars)
   for v, s in zip(eqn.outvars, outs):
     spec_of[v] = s
-  return inner_peak, out_virtual
+  return inner_peak, inner_unplaced, out_virtual
 
 
 def _where(eqn: Any) -> str:

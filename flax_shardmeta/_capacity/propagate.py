@@ -65,6 +65,10 @@ def propagate(eqn: Any, ins: list[Spec], sizes: dict[str, int]) -> list[Spec]:
   if name == 'dot_general' and len(ins) == 2:
     (lc, rc), (lb, rb) = eqn.params['dimension_numbers']
     lhs, rhs = ins
+    if lhs is None and rhs is None:
+      # Nothing tells either operand's layout, so nothing tells the product's:
+      # it stays unknown (counted replicated all the same, and reported).
+      return [None]
     lrank, rrank = len(eqn.invars[0].aval.shape), len(eqn.invars[1].aval.shape)
     lhs = lhs or (None,) * lrank
     rhs = rhs or (None,) * rrank

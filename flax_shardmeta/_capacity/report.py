@@ -9,7 +9,9 @@ from typing import Any
 
 from flax_shardmeta._capacity.chips import Chip
 from flax_shardmeta._capacity.fit_format import format_seconds, signed_bytes, table
-from flax_shardmeta._capacity.roofline import CollectiveRow, Roofline
+from flax_shardmeta._capacity.roofline import CollectiveRow, Roofline, by_link
+from flax_shardmeta._capacity.unplaced import UnplacedValue, report_lines
+from flax_shardmeta._capacity.why import format_why
 
 PARAMETERS = 'parameters'
 OPTIMIZER = 'optimizer state'
@@ -106,6 +108,11 @@ class FitReport:
     compile_seconds: how long compiling took (0 for cached figures).
     cached: the figures came from the cache.
     notes: anything else worth knowing, one sentence each.
+    replicated: dimensions the step's constraints replicated because their
+      mesh axes do not divide them (``replicate_indivisible``), one line each.
+    unplaced: estimates only: the values inside the step nothing lays out,
+      counted replicated, largest first, each with the line that makes it
+      (``unplaced_bytes`` of the total rests on them); empty when compiled.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -138,6 +145,8 @@ class FitReport:
   compile_seconds: float = 0.0
   cached: bool = False
   notes: tuple[str, ...] = ()
+  unplaced: tuple[UnplacedValue, ...] = ()
+  replicated: tuple[str, ...] = ()
 
   @property
   def fits(self) -> bool | None:
@@ -171,6 +180,12 @@ class FitReport:
     """Bytes of the row called ``name`` (0 when there is none)."""
     return sum(r.bytes for r in self.rows if r.name == name)
 
+  def why(self, top: int = 8) -> str:
+    """Why each collective is there, grouped by reason, largest bytes first,
+    ending with what looks unexpected (see ``FitReport.collectives``' rows:
+    reason, parameters, sources)."""
+    return format_why(self.collectives, self.replicated, top)
+
   @property
   def argument_bytes(self) -> int:
     """The argument rows together (XLA's ``argument_size_in_bytes``)."""
@@ -180,6 +195,11 @@ class FitReport:
   def largest_row(self) -> Row:
     """The biggest category."""
     return max(self.rows, key=lambda r: r.bytes)
+
+  @property
+  def unplaced_bytes(self) -> int:
+    """Bytes of the total that rest on values nothing lays out (estimates)."""
+    return min(sum(v.peak_bytes for v in self.unplaced), self.total_bytes)
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-ready form (see the CLI's ``fit --format json``)."""
@@ -206,6 +226,7 @@ class FitReport:
       'compile_seconds': self.compile_seconds,
       'cached': self.cached,
       'notes': list(self.notes),
+      'unplaced': [v.to_dict() for v in self.unplaced],
     }
 
   def __str__(self) -> str:
@@ -273,10 +294,11 @@ def format_report(report: FitReport) -> str:
     rows.append(('  HBM', signed_bytes(report.hbm_bytes), '', where))
   lines += table(rows, {1, 2})
   lines.append(f'verdict: {verdict(report)}')
+  lines += report_lines(report.unplaced, report.total_bytes)
   if report.collectives:
     lines.append('')
     crows = [('collectives per step', 'count', 'bytes/chip', 'over', 'link', 'time')]
-    for c in report.collectives:
+    for c in by_link(report.collectives):
       crows.append(
         (
           f'  {c.kind}',
@@ -288,6 +310,8 @@ def format_report(report: FitReport) -> str:
         )
       )
     lines += table(crows, {1, 2, 5})
+    if any(c.reason for c in report.collectives):
+      lines.append('  (report.why() / --why: which parameter or line each comes from)')
   elif report.source == 'compiled' and report.refusal is None:
     lines += ['', 'collectives per step: none']
   if report.flops is not None:

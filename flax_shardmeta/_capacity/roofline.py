@@ -37,6 +37,17 @@ class CollectiveRow:
     crosses_slices: the groups span slices or nodes (the slow network).
     link: the link they use: ``'ici'`` / ``'dcn'`` on TPUs, ``'nvlink'`` /
       ``'network'`` on GPUs, None on CPUs or when it cannot be told.
+    reason: why they run: ``'parameter'`` (gathering a parameter for use),
+      ``'gradient'`` (reducing a parameter's gradient), ``'activation'``
+      (resharding a value computed in the step) or ``'other'`` (scalars:
+      loss, metrics, norms); ``''`` when not attributed.
+    parameters: the plan paths involved (``'parameter'``, ``'gradient'``).
+    sources: the user's lines (``'file:line'``).
+    scope: the module scope from the jax name stack.
+    change: for ``'activation'``, how the layout changes.
+    asked_by: ``'constraint'``, or the operation that needed the reshard.
+    instructions: how many collective instructions of the program the row
+      groups (a parameter gathered by two is gathered twice per use).
 
   Example:
     >>> row = CollectiveRow('all-gather', ('data',), 64, 2**30, 0.01)
@@ -51,6 +62,13 @@ class CollectiveRow:
   seconds: float | None = None
   crosses_slices: bool = False
   link: str | None = None
+  reason: str = ''
+  parameters: tuple[str, ...] = ()
+  sources: tuple[str, ...] = ()
+  scope: str = ''
+  change: str = ''
+  asked_by: str = ''
+  instructions: int = 1
 
   @property
   def over(self) -> str:
@@ -67,6 +85,13 @@ class CollectiveRow:
       'bytes': int(self.bytes),
       'seconds': self.seconds,
       'crosses_slices': self.crosses_slices,
+      'reason': self.reason,
+      'parameters': list(self.parameters),
+      'sources': list(self.sources),
+      'scope': self.scope,
+      'change': self.change,
+      'asked_by': self.asked_by,
+      'instructions': self.instructions,
     }
 
 
@@ -83,20 +108,68 @@ def op_seconds(op: CollectiveOp, chip: Chip) -> float:
 
 
 def group(ops: Iterable[CollectiveOp], chip: Chip | None) -> tuple[CollectiveRow, ...]:
-  """Rows per (kind, axes), in :data:`COLLECTIVE_KINDS` order, largest first."""
-  rows: dict[tuple[str, tuple[str, ...], bool, str | None], list[float]] = {}
+  """Rows per kind, axes, link and attribution (reason, parameters, source),
+  in :data:`COLLECTIVE_KINDS` order, largest first."""
+  rows: dict[tuple[Any, ...], list[Any]] = {}
   for op in ops:
-    key = (op.kind, op.axes, op.crosses_slices, op.link)
-    acc = rows.setdefault(key, [0, 0.0, 0.0])
+    key = (
+      op.kind,
+      op.axes,
+      op.crosses_slices,
+      op.link,
+      op.reason,
+      op.parameters,
+      (op.source,) if op.source else (),
+    )
+    acc = rows.setdefault(key, [0, 0.0, 0.0, op, 0])
+    acc[4] += 1
     acc[0] += op.runs
     acc[1] += op.bytes_per_step
     acc[2] += op_seconds(op, chip) if chip is not None else 0.0
   out = [
-    CollectiveRow(kind, axes, int(n), b, s if chip is not None else None, crosses, link)
-    for (kind, axes, crosses, link), (n, b, s) in rows.items()
+    CollectiveRow(
+      kind,
+      axes,
+      int(n),
+      b,
+      s if chip is not None else None,
+      crosses,
+      link,
+      reason,
+      parameters,
+      sources,
+      first.scope,
+      first.change,
+      first.asked_by,
+      k,
+    )
+    for (kind, axes, crosses, link, reason, parameters, sources), (
+      n,
+      b,
+      s,
+      first,
+      k,
+    ) in (rows.items())
   ]
   order = {k: i for i, k in enumerate(COLLECTIVE_KINDS)}
   return tuple(sorted(out, key=lambda r: (order.get(r.kind, 99), -r.bytes)))
+
+
+def by_link(rows: Iterable[CollectiveRow]) -> list[CollectiveRow]:
+  """Rows summed per kind, axes and link (attribution set aside), as the
+  report's table shows them."""
+  out: dict[tuple[Any, ...], CollectiveRow] = {}
+  for r in rows:
+    key = (r.kind, r.axes, r.crosses_slices, r.link)
+    if key not in out:
+      out[key] = CollectiveRow(r.kind, r.axes, 0, 0.0, None, r.crosses_slices, r.link)
+    had = out[key]
+    seconds = None if r.seconds is None else (had.seconds or 0.0) + r.seconds
+    out[key] = dataclasses.replace(
+      had, count=had.count + r.count, bytes=had.bytes + r.bytes, seconds=seconds
+    )
+  order = {k: i for i, k in enumerate(COLLECTIVE_KINDS)}
+  return sorted(out.values(), key=lambda r: (order.get(r.kind, 99), -r.bytes))
 
 
 @dataclasses.dataclass(frozen=True)

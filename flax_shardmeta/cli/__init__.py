@@ -1,10 +1,11 @@
-"""Command-line interface: ``flax-shardmeta plan``, ``fit``, ``suggest``, ``demo``.
+"""Command-line interface: ``flax-shardmeta plan``, ``fit``, ``suggest``, ``demo``,
+``snapshot`` and ``diff``.
 
-One module per command (``plan``, ``fit``, ``suggest``, ``demo``), each adding
-its options to the parser ``main`` builds; ``common`` holds the options,
-checks and errors they share, ``factory`` the ``--module PKG.MOD:FACTORY``
-contract they all follow. Nothing here imports jax or flax at module level:
-``--help`` and argument errors answer before either is loaded.
+One module per command (``plan``, ``fit``, ``suggest``, ``demo``, ``snapshot``,
+``diff``), each adding its options to the parser ``main`` builds; ``common``
+holds the options, checks and errors they share, ``factory`` the ``--module
+PKG.MOD:FACTORY`` contract they all follow. Nothing here imports jax or flax at
+module level: ``--help`` and argument errors answer before either is loaded.
 
 This package may import any other part of flax_shardmeta; nothing imports it.
 """

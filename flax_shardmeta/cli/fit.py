@@ -67,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     help='compile at 2 and 4 layers and extrapolate (faster only when compile '
     'time grows with depth, i.e. layers not scanned)',
   )
+  p.add_argument(
+    '--why',
+    action='store_true',
+    help='after the report, why each collective is there: the parameter, '
+    'gradient or line of code behind it, and what looks unexpected',
+  )
   common.add_output(p, table='a table of the per-chip report, or JSON', cache=True)
 
 
@@ -111,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(report.to_dict(), indent=1))
   else:
     print(report)
+    if args.why:
+      print()
+      print(report.why())
   return 1 if report.fits is False else 0
 
 

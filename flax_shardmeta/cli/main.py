@@ -1,8 +1,8 @@
 """The ``flax-shardmeta`` parser, built from each command's module, and ``main``.
 
-Each command (``demo``, ``plan``, ``fit``, ``suggest``) is a module of this
-package with the shape of :class:`Command`; adding one is adding a module and
-a line to :data:`COMMANDS`.
+Each command (``demo``, ``plan``, ``fit``, ``suggest``, ``snapshot``, ``diff``)
+is a module of this package with the shape of :class:`Command`; adding one is
+adding a module and a line to :data:`COMMANDS`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from flax_shardmeta._errors import FlaxShardmetaError
-from flax_shardmeta.cli import common, demo, fit, plan, suggest
+from flax_shardmeta.cli import common, demo, diff, fit, plan, snapshot, suggest
 
 
 class Command(Protocol):
@@ -50,6 +50,8 @@ COMMANDS: dict[str, Command] = {
   'plan': plan,
   'fit': fit,
   'suggest': suggest,
+  'snapshot': snapshot,
+  'diff': diff,
 }
 """Each subcommand's module, in the order ``flax-shardmeta --help`` lists them."""
 
@@ -67,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     dest='command',
     required=True,
     parser_class=common.Parser,
-    metavar='{plan,fit,suggest,demo}',
+    metavar='{plan,fit,suggest,snapshot,diff,demo}',
   )
   for name, command in COMMANDS.items():
     p = common.add_command(

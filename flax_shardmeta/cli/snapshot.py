@@ -1,0 +1,122 @@
+"""``flax-shardmeta snapshot``: a training step's layout as JSON, for golden files.
+
+Builds the step as ``fit`` does (the same ``--model`` / ``--module``, ``--mesh``,
+``--topology`` and step options) and writes its snapshot: every parameter's,
+optimizer state's and input's spec by path, the layout each sharding
+constraint of the step asks for (with your line and the module scope), and
+the collectives ``fit`` finds in the compiled step, with what each is for.
+``flax-shardmeta diff OLD.json NEW.json`` says what changed between two.
+
+* ``--model NAME`` uses a built-in model and its rules (Auto mesh axes).
+* ``--module PKG.MOD:FACTORY`` uses your own step: the factory returns ``(step,
+  *abstract_args)``, as for ``fit``.
+
+Without ``--topology`` the mesh is an ``AbstractMesh`` (Auto axes): specs and
+constraints are the same, and there are no collectives (nothing compiles).
+
+Exit codes: 0 written, 2 bad arguments, a layout that cannot be, or a failing
+factory (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from flax_shardmeta.cli import common
+from flax_shardmeta.cli.factory import CONTRACT, Factory, under
+
+HELP = "write a training step's layout as JSON, to pin it in a golden file"
+DESCRIPTION = (
+  "A training step's layout as JSON: specs by path, sharding constraints and "
+  'attributed collectives; compare two with flax-shardmeta diff.'
+)
+EPILOG = (__doc__ or '').split('\n\n', 1)[1] + '\n\n' + CONTRACT
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  """The ``snapshot`` subcommand's options: ``fit``'s step and mesh, ``--out``."""
+  common.add_model_or_module(p, 'your own step (see below)')
+  common.add_mesh(p, 'data=2,model=4')
+  common.add_pod(p, required=False)
+  common.add_step(
+    p,
+    remat=f'rematerialise each layer: {", ".join(common.REMAT)} (default: none)',
+    batch_required=False,
+  )
+  common.add_front_end(p, api="a built-in model's Flax front end", dtype='bfloat16')
+  common.add_rules(p)
+  p.add_argument(
+    '--out', metavar='FILE', help='where to write the JSON (default: stdout)'
+  )
+  p.add_argument(
+    '--no-cache', action='store_true', help='compile even if the figures are cached'
+  )
+  p.add_argument(
+    '--traceback', action='store_true', help='print the whole traceback of your factory'
+  )
+
+
+def run(args: argparse.Namespace) -> int:
+  """The ``snapshot`` subcommand; returns the exit code."""
+  common.check_model_name(args.model)
+  names, sizes = common.parse_mesh(args.mesh)
+  if args.remat is not None:
+    common.check_remat(args.remat, [args.remat], builtin=args.model is not None)
+  common.require_positive(args, ('batch', 'seq', 'num_slices'))
+  rules = common.mesh_rules(args, names)
+  common.start_jax_quietly()
+  factory = Factory.load(args.module) if args.module is not None else None
+  mesh = _mesh(args, names, sizes)
+  text = json.dumps(_snapshot(args, factory, mesh, rules), indent=1, sort_keys=True)
+  if args.out is None:
+    print(text)
+    return 0
+  try:
+    with open(args.out, 'w') as f:
+      f.write(text + '\n')
+  except OSError as e:
+    raise common.UsageError(f'--out {args.out!r}: {e.strerror}') from None
+  return 0
+
+
+def _mesh(
+  args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[int, ...]
+) -> Any:
+  """As for ``fit``: over the topology's devices, else abstract; Auto axes, as
+  the built-in models are written for."""
+  import jax
+
+  import flax_shardmeta as fsm
+
+  auto = (jax.sharding.AxisType.Auto,) * len(names)
+  if not args.topology:
+    return jax.sharding.AbstractMesh(sizes, names, axis_types=auto)
+  pod = {'num_slices': args.num_slices, 'target_config': args.target_config}
+  return fsm.make_mesh(sizes, names, topology=args.topology, axis_types=auto, **pod)
+
+
+def _snapshot(
+  args: argparse.Namespace, factory: Factory | None, mesh: Any, rules: Any
+) -> dict[str, Any]:
+  import flax_shardmeta as fsm
+  from flax_shardmeta.examples import train
+
+  cache = not args.no_cache
+  if factory is None:
+    build = train.builder(
+      args.model,
+      batch=args.batch or 8,
+      seq=args.seq or 2048,
+      api=args.api,
+      optimizer_name=args.optimizer,
+      dtype=common.param_dtype(args),
+    )
+    return fsm.snapshot(*build(mesh, rules, args.remat or 'none'), cache=cache)
+  given = {'batch': args.batch, 'seq': args.seq, 'remat': args.remat}
+  kwargs = factory.options({k: (f'--{k} {v}', v) for k, v in given.items()})
+  # A plain or jax.jit step reads its mesh and rules from the context, as in fit.
+  with under(mesh, rules), factory.running():
+    made = factory.step_and_args(factory(mesh, rules, **kwargs))
+    return fsm.snapshot(*made, cache=cache)

@@ -1,0 +1,96 @@
+"""Helpers for tests: a step's layout pinned in a golden file.
+
+``fsm.testing.assert_snapshot(fsm.snapshot(step, *args), path)`` records the
+layout in ``path`` the first time and compares with it afterwards, failing
+with the differences (``fsm.snapshot_diff``) when they differ. Run the tests
+with ``FLAX_SHARDMETA_UPDATE_SNAPSHOTS=1`` to record the new layouts when a
+change is meant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any
+
+from flax_shardmeta._capacity.snapshot import snapshot_diff
+from flax_shardmeta._errors import FitError
+
+UPDATE_VARIABLE = 'FLAX_SHARDMETA_UPDATE_SNAPSHOTS'
+"""The environment variable that, set to ``1``, rewrites every golden file."""
+
+__all__ = ['UPDATE_VARIABLE', 'SnapshotMismatch', 'assert_snapshot']
+
+
+class SnapshotMismatch(AssertionError):
+  """A layout differs from its golden file: a test failure, as ``assert`` raises.
+
+  Attributes:
+    lines: the differences, as ``fsm.snapshot_diff`` gives them.
+
+  Example:
+    >>> error = SnapshotMismatch('layout.json', ['params/w: P() -> P(None)'])
+    >>> isinstance(error, AssertionError), error.lines
+    (True, ['params/w: P() -> P(None)'])
+  """
+
+  def __init__(self, path: str | os.PathLike[str], lines: list[str]) -> None:
+    self.lines = list(lines)
+    shown = '\n'.join(f'  {line}' for line in self.lines)
+    super().__init__(
+      f'the layout differs from {os.fspath(path)}:\n{shown}\n'
+      f'If the change is meant, record the new layout: run the tests again with '
+      f'{UPDATE_VARIABLE}=1.'
+    )
+
+
+def assert_snapshot(snapshot: dict[str, Any], path: str | os.PathLike[str]) -> None:
+  """Compares ``snapshot`` with the golden file ``path``, or writes it.
+
+  The file is written (JSON, one-space indent, sorted keys, a trailing
+  newline; its folders made) when it does not exist or when the environment
+  variable ``FLAX_SHARDMETA_UPDATE_SNAPSHOTS`` is ``1``. Otherwise it is read
+  and compared with :func:`flax_shardmeta.snapshot_diff`.
+
+  Args:
+    snapshot: from :func:`flax_shardmeta.snapshot`.
+    path: the golden file, e.g. ``tests/layouts/train_step.json``.
+
+  Raises:
+    SnapshotMismatch: (an ``AssertionError``) the layouts differ; the message
+      lists the differences and how to record the new layout.
+    FitError: the file holds no snapshot of this format.
+
+  Example:
+    >>> import os, tempfile, flax_shardmeta as fsm
+    >>> snap = {'version': 1, 'parameters': {'params/w': "P(None, 'model')"}}
+    >>> path = os.path.join(tempfile.mkdtemp(), 'layout.json')
+    >>> fsm.testing.assert_snapshot(snap, path)  # written: it was missing
+    >>> fsm.testing.assert_snapshot(snap, path)  # equal: passes
+    >>> moved = {'version': 1, 'parameters': {'params/w': "P('model', None)"}}
+    >>> fsm.testing.assert_snapshot(moved, path)
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta.testing.SnapshotMismatch: the layout differs from ...:
+      params/w: P(None, 'model') -> P('model', None)
+    If the change is meant, record the new layout: run the tests again with FLAX_SHARDMETA_UPDATE_SNAPSHOTS=1.
+  """  # noqa: E501
+  __tracebackhide__ = True  # pytest shows the caller's line, not this one
+  # Through JSON and back: tuples become lists, as in the file.
+  text = json.dumps(snapshot, indent=1, sort_keys=True) + '\n'
+  golden = pathlib.Path(path)
+  if os.environ.get(UPDATE_VARIABLE) == '1' or not golden.exists():
+    golden.parent.mkdir(parents=True, exist_ok=True)
+    golden.write_text(text)
+    return
+  try:
+    recorded = json.loads(golden.read_text())
+  except ValueError as e:
+    raise FitError(
+      f'{os.fspath(path)} holds no JSON ({e}): delete it or record '
+      f'it again with {UPDATE_VARIABLE}=1.'
+    ) from None
+  lines = snapshot_diff(recorded, json.loads(text))
+  if lines:
+    raise SnapshotMismatch(path, lines)
