@@ -89,6 +89,7 @@ LAYERS = [
   [
     'cli.common',
     'cli.factory',
+    'cli.step',
     'cli.demo',
     'cli.plan',
     'cli.fit',

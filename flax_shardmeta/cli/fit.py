@@ -31,7 +31,7 @@ import argparse
 import json
 from typing import Any
 
-from flax_shardmeta.cli import common
+from flax_shardmeta.cli import common, step
 from flax_shardmeta.cli.factory import CONTRACT, Factory, under
 
 HELP = 'memory per chip, collectives and step time of a training step on a pod'
@@ -44,18 +44,9 @@ EPILOG = (__doc__ or '').split('\n\n', 1)[1] + '\n\n' + CONTRACT
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
   """The ``fit`` subcommand's options."""
-  common.add_model_or_module(p, 'your own step (see below)')
-  common.add_mesh(
+  step.add_arguments(
     p, 'data=32,model=4 (their product is the number of devices of the topology)'
   )
-  common.add_pod(p, required=False)
-  common.add_step(
-    p,
-    remat=f'rematerialise each layer: {", ".join(common.REMAT)} (default: none)',
-    batch_required=False,
-  )
-  common.add_front_end(p, api="a built-in model's Flax front end", dtype='bfloat16')
-  common.add_rules(p)
   p.add_argument(
     '--chip',
     help='hardware figures when the mesh does not say, e.g. v5p, h100 '
@@ -78,32 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
   """The ``fit`` subcommand; returns the exit code."""
-  common.check_model_name(args.model)
-  names, sizes = common.parse_mesh(args.mesh)
-  if args.remat is not None:
-    common.check_remat(args.remat, [args.remat], builtin=args.model is not None)
-  common.require_positive(args, ('batch', 'seq', 'num_slices'))
-  common.check_hbm(args.hbm)
-  rules = common.mesh_rules(args, names)
-  common.start_jax_quietly()
-  factory = Factory.load(args.module) if args.module is not None else None
-
-  import jax
-
-  import flax_shardmeta as fsm
-
-  auto = (jax.sharding.AxisType.Auto,) * len(names)
-  if args.topology:
-    mesh: Any = fsm.make_mesh(
-      sizes,
-      names,
-      topology=args.topology,
-      num_slices=args.num_slices,
-      target_config=args.target_config,
-      axis_types=auto,
-    )
-  else:
-    mesh = jax.sharding.AbstractMesh(sizes, names, axis_types=auto)
+  names, sizes, rules, factory = step.checked(args)
+  mesh = step.mesh(args, names, sizes)
   options = {
     'hbm': args.hbm,
     'chip': args.chip,
@@ -127,15 +94,7 @@ def _builtin(args: argparse.Namespace, mesh: Any, rules: Any, options: dict) -> 
   import flax_shardmeta as fsm
   from flax_shardmeta.examples import train
 
-  kwargs = {
-    'rules': rules,
-    'batch': args.batch or 8,
-    'seq': args.seq or 2048,
-    'api': args.api,
-    'remat': args.remat or 'none',
-    'optimizer_name': args.optimizer,
-    'dtype': common.param_dtype(args),
-  }
+  kwargs = step.builtin_options(args, rules)
   if args.extrapolate:
 
     def build(n: int) -> Any:
@@ -154,13 +113,7 @@ def _user(
 ) -> Any:
   import flax_shardmeta as fsm
 
-  kwargs = factory.options(
-    {
-      'batch': (f'--batch {args.batch}', args.batch),
-      'seq': (f'--seq {args.seq}', args.seq),
-      'remat': (f'--remat {args.remat}', args.remat),
-    }
-  )
+  kwargs = step.factory_options(factory, args)
   if args.extrapolate:
     factory.require('num_layers', '--extrapolate')
   # fit reads a plain or jax.jit step's mesh and rules from the context.

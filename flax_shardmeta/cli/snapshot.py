@@ -24,7 +24,7 @@ import argparse
 import json
 from typing import Any
 
-from flax_shardmeta.cli import common
+from flax_shardmeta.cli import common, step
 from flax_shardmeta.cli.factory import CONTRACT, Factory, under
 
 HELP = "write a training step's layout as JSON, to pin it in a golden file"
@@ -37,16 +37,7 @@ EPILOG = (__doc__ or '').split('\n\n', 1)[1] + '\n\n' + CONTRACT
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
   """The ``snapshot`` subcommand's options: ``fit``'s step and mesh, ``--out``."""
-  common.add_model_or_module(p, 'your own step (see below)')
-  common.add_mesh(p, 'data=2,model=4')
-  common.add_pod(p, required=False)
-  common.add_step(
-    p,
-    remat=f'rematerialise each layer: {", ".join(common.REMAT)} (default: none)',
-    batch_required=False,
-  )
-  common.add_front_end(p, api="a built-in model's Flax front end", dtype='bfloat16')
-  common.add_rules(p)
+  step.add_arguments(p, 'data=2,model=4')
   p.add_argument(
     '--out', metavar='FILE', help='where to write the JSON (default: stdout)'
   )
@@ -60,15 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
   """The ``snapshot`` subcommand; returns the exit code."""
-  common.check_model_name(args.model)
-  names, sizes = common.parse_mesh(args.mesh)
-  if args.remat is not None:
-    common.check_remat(args.remat, [args.remat], builtin=args.model is not None)
-  common.require_positive(args, ('batch', 'seq', 'num_slices'))
-  rules = common.mesh_rules(args, names)
-  common.start_jax_quietly()
-  factory = Factory.load(args.module) if args.module is not None else None
-  mesh = _mesh(args, names, sizes)
+  names, sizes, rules, factory = step.checked(args)
+  mesh = step.mesh(args, names, sizes)
   text = json.dumps(_snapshot(args, factory, mesh, rules), indent=1, sort_keys=True)
   if args.out is None:
     print(text)
@@ -81,22 +65,6 @@ def run(args: argparse.Namespace) -> int:
   return 0
 
 
-def _mesh(
-  args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[int, ...]
-) -> Any:
-  """As for ``fit``: over the topology's devices, else abstract; Auto axes, as
-  the built-in models are written for."""
-  import jax
-
-  import flax_shardmeta as fsm
-
-  auto = (jax.sharding.AxisType.Auto,) * len(names)
-  if not args.topology:
-    return jax.sharding.AbstractMesh(sizes, names, axis_types=auto)
-  pod = {'num_slices': args.num_slices, 'target_config': args.target_config}
-  return fsm.make_mesh(sizes, names, topology=args.topology, axis_types=auto, **pod)
-
-
 def _snapshot(
   args: argparse.Namespace, factory: Factory | None, mesh: Any, rules: Any
 ) -> dict[str, Any]:
@@ -105,17 +73,9 @@ def _snapshot(
 
   cache = not args.no_cache
   if factory is None:
-    build = train.builder(
-      args.model,
-      batch=args.batch or 8,
-      seq=args.seq or 2048,
-      api=args.api,
-      optimizer_name=args.optimizer,
-      dtype=common.param_dtype(args),
-    )
-    return fsm.snapshot(*build(mesh, rules, args.remat or 'none'), cache=cache)
-  given = {'batch': args.batch, 'seq': args.seq, 'remat': args.remat}
-  kwargs = factory.options({k: (f'--{k} {v}', v) for k, v in given.items()})
+    made = train.train_step(args.model, mesh, **step.builtin_options(args, rules))
+    return fsm.snapshot(*made, cache=cache)
+  kwargs = step.factory_options(factory, args)
   # A plain or jax.jit step reads its mesh and rules from the context, as in fit.
   with under(mesh, rules), factory.running():
     made = factory.step_and_args(factory(mesh, rules, **kwargs))

@@ -1,0 +1,87 @@
+"""The training step ``fit`` and ``snapshot`` build: one set of options, one
+check of them, one mesh and one way to make the step.
+
+``--model NAME`` (a built-in model, its rules, Auto axes) or ``--module
+PKG.MOD:FACTORY`` (your own), ``--mesh``, ``--topology`` (a TPU pod or GPU
+cluster; without it an ``AbstractMesh``), and the step's own options.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from flax_shardmeta.cli import common
+from flax_shardmeta.cli.factory import Factory
+
+
+def add_arguments(p: argparse.ArgumentParser, mesh_example: str) -> None:
+  """The options that say which step, on which mesh."""
+  common.add_model_or_module(p, 'your own step (see below)')
+  common.add_mesh(p, mesh_example)
+  common.add_pod(p, required=False)
+  common.add_step(
+    p,
+    remat=f'rematerialise each layer: {", ".join(common.REMAT)} (default: none)',
+    batch_required=False,
+  )
+  common.add_front_end(p, api="a built-in model's Flax front end", dtype='bfloat16')
+  common.add_rules(p)
+
+
+def checked(
+  args: argparse.Namespace,
+) -> tuple[tuple[str, ...], tuple[int, ...], Any, Factory | None]:
+  """The mesh's names and sizes, the rules and your factory (None for a
+  built-in model); bad arguments are a ``UsageError`` before jax starts."""
+  common.check_model_name(args.model)
+  names, sizes = common.parse_mesh(args.mesh)
+  if args.remat is not None:
+    common.check_remat(args.remat, [args.remat], builtin=args.model is not None)
+  common.require_positive(args, ('batch', 'seq', 'num_slices'))
+  common.check_hbm(args.hbm)
+  rules = common.mesh_rules(args, names)
+  common.start_jax_quietly()
+  factory = Factory.load(args.module) if args.module is not None else None
+  return names, sizes, rules, factory
+
+
+def mesh(
+  args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[int, ...]
+) -> Any:
+  """Over the topology's devices, else abstract; Auto axes, as the built-in
+  models are written for."""
+  import jax
+
+  import flax_shardmeta as fsm
+
+  auto = (jax.sharding.AxisType.Auto,) * len(names)
+  if not args.topology:
+    return jax.sharding.AbstractMesh(sizes, names, axis_types=auto)
+  return fsm.make_mesh(
+    sizes,
+    names,
+    topology=args.topology,
+    num_slices=args.num_slices,
+    target_config=args.target_config,
+    axis_types=auto,
+  )
+
+
+def builtin_options(args: argparse.Namespace, rules: Any) -> dict[str, Any]:
+  """``examples.train.train_step``'s options from the command line."""
+  return {
+    'rules': rules,
+    'batch': args.batch or 8,
+    'seq': args.seq or 2048,
+    'api': args.api,
+    'remat': args.remat or 'none',
+    'optimizer_name': args.optimizer,
+    'dtype': common.param_dtype(args),
+  }
+
+
+def factory_options(factory: Factory, args: argparse.Namespace) -> dict[str, Any]:
+  """Your factory's options from the command line (those it takes)."""
+  given = {'batch': args.batch, 'seq': args.seq, 'remat': args.remat}
+  return factory.options({k: (f'--{k} {v}', v) for k, v in given.items()})
