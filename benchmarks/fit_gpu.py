@@ -24,7 +24,7 @@ import tempfile
 
 from _common import machine, machine_line, publish
 from fit import error_rows, timing_rows
-from suggest import BUDGET_S, cold_run
+from suggest import cold_rows
 
 TITLE = '## Will it fit on GPU clusters: fsm.fit and fsm.suggest'
 ERROR_TOPOLOGY = 'h100:1x8'
@@ -94,29 +94,12 @@ def best_candidate(stdout: str) -> list[str]:
 
 def suggest_rows() -> tuple[list[str], bool]:
   """A cold ``suggest``: wall time, candidates compiled and the first choice."""
-  seconds, result, compiled = cold_run(SUGGEST)
-  ok = seconds < BUDGET_S and result.returncode in (0, 1) and len(compiled) >= 8
-  label, summary = best_candidate(result.stdout)
-  rows = [
-    f'Command: `python -m flax_shardmeta {" ".join(SUGGEST)}` '
-    '(fresh process, empty cache).',
-    '',
-    '| measure | result | target |',
-    '| --- | --- | --- |',
-    f'| wall time | {seconds / 60:.1f} min | < {BUDGET_S // 60} min |',
-    f'| candidates compiled | {len(compiled)} | >= 8 |',
-    f'| exit code | {result.returncode} | 0 (something fits) |',
-    f'| first choice | {label}: {summary} | - |',
-    '',
-    'Progress (one line per compiled candidate):',
-    '',
-    '```text',
-    *compiled,
-    '```',
-  ]
-  if not ok:
-    print(f'suggest: {seconds:.0f} s, exit {result.returncode}', file=sys.stderr)
-    print(result.stderr[-3000:], file=sys.stderr)
+
+  def first_choice(stdout: str) -> str:
+    label, summary = best_candidate(stdout)
+    return f'| first choice | {label}: {summary} | - |'
+
+  rows, ok, _ = cold_rows(SUGGEST, extra=(first_choice,))
   return rows, ok
 
 

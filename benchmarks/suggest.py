@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 from _common import ROOT, machine, machine_line, publish
 
@@ -58,12 +60,18 @@ def cold_run(
   return seconds, result, compiled
 
 
-def main(write: bool = True, cache_dir: str | None = None) -> int:
-  info = machine()
-  seconds, result, compiled = cold_run(COMMAND, cache_dir)
+def cold_rows(
+  command: list[str],
+  cache_dir: str | None = None,
+  extra: tuple[Callable[[str], str], ...] = (),
+) -> tuple[list[str], bool, Any]:
+  """A cold run of ``command`` as a table (wall time, candidates compiled,
+  exit code, ``extra`` rows) and its progress lines; whether it met the
+  targets; and the finished process."""
+  seconds, result, compiled = cold_run(command, cache_dir)
   ok = seconds < BUDGET_S and result.returncode in (0, 1) and len(compiled) >= 8
-  lines = [
-    f'Command: `python -m flax_shardmeta {" ".join(COMMAND)}` '
+  rows = [
+    f'Command: `python -m flax_shardmeta {" ".join(command)}` '
     '(fresh process, empty cache).',
     '',
     '| measure | result | target |',
@@ -71,12 +79,25 @@ def main(write: bool = True, cache_dir: str | None = None) -> int:
     f'| wall time | {seconds / 60:.1f} min | < {BUDGET_S // 60} min |',
     f'| candidates compiled | {len(compiled)} | >= 8 |',
     f'| exit code | {result.returncode} | 0 (something fits) |',
+    *(row(result.stdout) for row in extra),
     '',
     'Progress (one line per compiled candidate):',
     '',
     '```text',
     *compiled,
     '```',
+  ]
+  if not ok:
+    print(f'target missed: {seconds:.0f} s, exit {result.returncode}', file=sys.stderr)
+    print(result.stderr[-3000:], file=sys.stderr)
+  return rows, ok, result
+
+
+def main(write: bool = True, cache_dir: str | None = None) -> int:
+  info = machine()
+  rows, ok, result = cold_rows(COMMAND, cache_dir)
+  lines = [
+    *rows,
     '',
     'The ranked table and the explanation of the first choice:',
     '',
@@ -87,9 +108,6 @@ def main(write: bool = True, cache_dir: str | None = None) -> int:
     machine_line(info),
   ]
   publish('## Choosing a layout: fsm.suggest', lines, write)
-  if not ok:
-    print(f'target missed: {seconds:.0f} s, exit {result.returncode}', file=sys.stderr)
-    print(result.stderr[-3000:], file=sys.stderr)
   return 0 if ok else 1
 
 
