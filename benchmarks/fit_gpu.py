@@ -10,9 +10,11 @@ processes with the cache off and on, for:
 
 times a cold ``flax-shardmeta suggest`` of llama3-8b on h100:8x8 (8 compiled
 candidates), and compares the estimate on an ``AbstractMesh`` (``chip='h100'``,
-no compiler) with the compiled figures on h100:1x8 for two models x remat
-on/off x two meshes. Needs the gpu extra (``pip install '.[gpu]'``). Usage:
-``python benchmarks/fit_gpu.py [--no-write]``.
+no compiler) with the compiled figures on h100:1x8 for the five models of
+``fit.error_models()`` x remat on/off x two meshes. Needs the gpu extra (``pip
+install '.[gpu]'``). Usage: ``python benchmarks/fit_gpu.py [--no-write]``;
+``--errors-only`` prints the error table alone (no timing runs, nothing
+written).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 import tempfile
 
 from _common import machine, machine_line, publish
-from fit import error_rows, timing_rows
+from fit import MODELS_SENTENCE, error_rows, errors_only, timing_rows
 from suggest import cold_rows
 
 TITLE = '## Will it fit on GPU clusters: fsm.fit and fsm.suggest'
@@ -99,7 +101,17 @@ def suggest_rows() -> tuple[list[str], bool]:
     label, summary = best_candidate(stdout)
     return f'| first choice | {label}: {summary} | - |'
 
-  rows, ok, _ = cold_rows(SUGGEST, extra=(first_choice,))
+  rows, ok, result = cold_rows(SUGGEST, extra=(first_choice,))
+  table = result.stdout.strip()
+  if table:
+    rows += [
+      '',
+      'The ranked table and the explanation of the first choice, as printed:',
+      '',
+      '```text',
+      *table.splitlines(),
+      '```',
+    ]
   return rows, ok
 
 
@@ -148,7 +160,9 @@ def main(write: bool = True) -> int:
     "The estimate (`source='estimate'`, on an `AbstractMesh` with "
     "`chip='h100'`, no compiler) against the compiled figures of the same "
     f'step on {ERROR_TOPOLOGY} (one node of 8 H100s) of the same mesh shape '
-    '(Auto axes, adamw, bfloat16 parameters for Llama):',
+    '(Auto axes, adamw), for the models of `benchmarks/fit.py`, remat none and '
+    f'full. {MODELS_SENTENCE} `python benchmarks/fit_gpu.py --errors-only` '
+    'prints the table alone:',
     '',
     *errors,
     '',
@@ -175,4 +189,7 @@ def main(write: bool = True) -> int:
 
 
 if __name__ == '__main__':
+  if '--errors-only' in sys.argv:
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+    sys.exit(errors_only(fresh_error_rows))
   sys.exit(main(write='--no-write' not in sys.argv))

@@ -298,6 +298,19 @@ FACTORIES = textwrap.dedent("""
 
     def wrong():
       return 42
+
+    def _tiny_step(params, batch):
+      return Tiny().apply({'params': params}, batch).sum()
+
+    def step_and_args():
+      # What fit and suggest take: the step and its abstract arguments.
+      params = jax.eval_shape(
+          lambda: Tiny().init(jax.random.key(0), jnp.ones((2, 8))))['params']
+      return _tiny_step, params, jax.ShapeDtypeStruct((2, 8), jnp.float32)
+
+    def step_without_annotations():
+      x = jax.ShapeDtypeStruct((2, 8), jnp.float32)
+      return (lambda w, x: (x @ w).sum()), x, x
 """)
 
 
@@ -345,6 +358,63 @@ def test_the_mesh_has_the_axis_types_asked_for(
   if not problems:
     kernel = next(e for e in d['entries'] if e['path'] == 'params/kernel')
     assert kernel['reduced'] == ['data']
+
+
+T5X_NOTE = (
+  'flax-shardmeta: rules: T5X defaults (pass --rules t5x-2d, inline JSON or a '
+  'JSON / TOML file to choose)\n'
+)
+
+
+def test_plan_takes_the_step_factory_of_fit_and_suggest(capsys, tmp_path, monkeypatch):
+  # Abstract mesh, Auto axes (plan's default --axis-types).
+  (tmp_path / 'my_models.py').write_text(FACTORIES)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  argv = ['plan', '--mesh', 'data=2,model=4', '--format', 'json']
+  code, out, err = run(capsys, *argv, '--module', 'my_models:step_and_args')
+  assert code == 0, err
+  entries = {e['path']: e['spec'] for e in json.loads(out)['entries']}
+  # The step's arguments by its parameter names, the state as given (no
+  # optimizer state added); the batch has no annotations: named, not planned.
+  assert entries == {
+    'params/Dense_0/kernel': [None, 'model'],
+    'params/Dense_0/bias': [],
+  }
+  assert err == T5X_NOTE + (
+    'flax-shardmeta: plan: arguments of the step without annotations, not '
+    'planned: batch\n'
+  )
+  # The same layout as the model given as (module, *inputs).
+  code, out, _ = run(capsys, *argv, '--module', 'my_models:linen_tuple')
+  assert code == 0
+  kernel = [e for e in json.loads(out)['entries'] if e['path'].endswith('kernel')]
+  assert kernel[0]['spec'] == entries['params/Dense_0/kernel']
+
+
+def test_plan_of_a_step_with_nothing_annotated_exits_2(capsys, tmp_path, monkeypatch):
+  (tmp_path / 'my_models.py').write_text(FACTORIES)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  argv = ['plan', '--module', 'my_models:step_without_annotations']
+  code, out, err = run(capsys, *argv, '--mesh', 'data=2,model=4')
+  assert (code, out) == (2, '')
+  assert err == (
+    'flax-shardmeta: error: --module my_models:step_without_annotations: none of '
+    'the arguments of the step it returned (w, x) carries annotations, so there '
+    'is nothing to plan; annotate them (fsm.with_logical_partitioning, '
+    'fsm.LogicalPartitioned) or see the layout with flax-shardmeta fit\n'
+  )
+
+
+def test_the_default_rules_are_said_only_when_used(capsys, tmp_path, monkeypatch):
+  (tmp_path / 'my_models.py').write_text(FACTORIES)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  argv = ['plan', '--module', 'my_models:linen_tuple', '--mesh', 'data=2,model=4']
+  code, _, err = run(capsys, *argv)
+  assert (code, err) == (0, T5X_NOTE)
+  code, _, err = run(capsys, *argv, '--rules', 't5x')
+  assert (code, err) == (0, '')
+  code, _, err = run(capsys, *MLP)  # a built-in model: its own rules
+  assert (code, err) == (0, '')
 
 
 def test_user_module_with_a_wrong_factory(capsys, tmp_path, monkeypatch):

@@ -47,6 +47,8 @@ LAYERS = [
   ['_planning.plan', '_planning.verify'],
   # _capacity: what a whole step costs.
   ['_capacity.chips', '_capacity.gpu', '_capacity.topology', '_capacity.cache'],
+  # The memory a GPU run gives XLA, and compiling for it.
+  ['_capacity.usable'],
   # The compiled program's text: read, then its loops, collectives and work.
   [
     '_capacity.hlo_text',
@@ -66,8 +68,18 @@ LAYERS = [
   ['_capacity.presets'],
   # The step, the estimate without a compiler, the compiled figures, fit.
   ['_capacity.step', '_capacity.propagate', '_capacity.liveness', '_capacity.estimate'],
-  ['_capacity.compiled', '_capacity.extrapolate', '_capacity.fit'],
-  ['_capacity.candidate', '_capacity.suggest', '_capacity.snapshot'],
+  [
+    '_capacity.compiled',
+    '_capacity.extrapolate',
+    '_capacity.gpu_verdict',
+    '_capacity.fit',
+  ],
+  [
+    '_capacity.candidate',
+    '_capacity.ranking',
+    '_capacity.suggest',
+    '_capacity.snapshot',
+  ],
   # _hosts: devices, processes, data and transfers.
   ['_hosts.launch', '_hosts.mesh', '_hosts.data'],
   ['_hosts.transfer'],
@@ -84,9 +96,11 @@ LAYERS = [
     'examples.nnx',
     'examples.state',
     'examples.demo',
+    'examples.moe',
   ],
   ['examples.train'],
   [
+    'cli.process',
     'cli.common',
     'cli.factory',
     'cli.step',

@@ -2,7 +2,8 @@
 
 On the 8 simulated CPU devices with v5p figures (``chip='v5p'``) and a small
 ``hbm`` to force rejections; the CLI on a TPU topology where libtpu is
-installed. Built-in steps use Auto mesh axes.
+installed. Built-in steps (the MLP, Llama, the mixture-of-experts example) use
+Auto mesh axes. GPU verdicts and ranking: tests/test_suggest_gpu.py.
 """
 
 import json
@@ -10,13 +11,14 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta import cli
+from flax_shardmeta import cli, examples
 from flax_shardmeta._capacity import presets as presets_lib, suggest as _suggest
-from flax_shardmeta.examples import train
+from flax_shardmeta.examples import linen, moe, train
 
 
 def llama_specs(preset):
@@ -70,6 +72,14 @@ def llama_specs(preset):
     ('t5x-1d', {'layers/w1': P(None, None, 'model'), 'batch': P('data', None)}),
     ('t5x-2d', {'layers/w1': P(None, 'data', 'model'), 'batch': P('data', None)}),
     ('ep', {'layers/w1': P(None, None, None), 'batch': P(('data', 'expert'), None)}),
+    (
+      'ep+tp',
+      {
+        'layers/wq': P(None, None, 'model', None),
+        'layers/w1': P(None, None, 'model'),
+        'batch': P(('data', 'expert'), None),
+      },
+    ),
   ],
 )
 def test_presets_give_their_documented_specs(name, expected):
@@ -101,6 +111,9 @@ def test_candidates_keep_model_axes_inside_a_host():
   assert (128, 1) in list(_suggest._factorizations(('data', 'fsdp'), 128, 4, 1))
   sliced = list(_suggest._factorizations(('data', 'model'), 16, 4, 2))
   assert all(data % 2 == 0 for data, _ in sliced)  # 'data' spans both slices
+  # Expert and model axes together inside a host: (1, 4, 4) would straddle two.
+  both = list(_suggest._factorizations(('data', 'expert', 'model'), 16, 4, 1))
+  assert both == [(4, 2, 2)]
 
 
 def grid(**kwargs):
@@ -150,7 +163,7 @@ def test_ranking_agrees_with_fit_on_each_candidate():
 def test_pruning_never_rejects_a_layout_that_compiles_within_the_hbm():
   # A small HBM rejects the replicated layouts before compiling; compile
   # every rejected one anyway: none of them fits.
-  found = grid(hbm='10MiB', presets=['fsdp', 'tp', 't5x-1d'])
+  found = grid(hbm='10MiB', presets=['fsdp', 'tp', 't5x-2d'])
   assert found.rejected, 'the grid should reject something'
   for c in found.rejected:
     mesh = jax.make_mesh(
@@ -195,6 +208,130 @@ def test_bad_arguments_are_named():
     grid(batch=0)
   with pytest.raises(fsm.FitError, match='max_candidates=0'):
     grid(max_candidates=0)
+
+
+def test_an_estimate_too_close_to_call_is_compiled_before_one_over():
+  # Ordering only: estimates on the same preset and remat, the smallest over
+  # the memory by more than the estimate's error, one within it.
+  def candidate(shape, estimate, verdict):
+    c = fsm.Candidate(fsm.RULE_PRESETS['fsdp'], shape, 'none')
+    c.estimate, c.estimate_verdict = estimate, verdict
+    return c
+
+  over = candidate({'data': 1, 'fsdp': 8}, 50, 'does_not_fit')
+  close = candidate({'data': 2, 'fsdp': 4}, 100, 'too_close')
+  fits = candidate({'data': 4, 'fsdp': 2}, 200, 'fits')
+  memory = _suggest._Memory(capacity=90, usable=None)
+  assert _suggest._pick([over, close, fits], 2, memory) == [close, fits]
+
+
+def _names(module_and_input):
+  return presets_lib.model_names([examples.abstract_linen_params(*module_and_input)])
+
+
+def test_every_built_in_preset_shards_names_an_example_model_carries():
+  models = {
+    'mlp': _names(linen.model('mlp')),
+    'llama3-8b': _names(linen.model('llama3-8b', num_layers=2)),
+    'moe-tiny': _names(moe.model('moe-tiny')),
+  }
+  assert 'expert' in models['moe-tiny'] and 'hidden' in models['mlp']
+  meant_for = {
+    'fsdp': ('mlp', 'llama3-8b'),
+    'fsdp+tp': ('mlp', 'llama3-8b'),
+    'tp': ('mlp', 'llama3-8b'),
+    't5x-1d': ('llama3-8b',),
+    't5x-2d': ('llama3-8b',),
+    'ep': ('moe-tiny',),
+    'ep+tp': ('moe-tiny',),
+  }
+  assert set(meant_for) == set(fsm.RULE_PRESETS)
+  for name, preset in fsm.RULE_PRESETS.items():
+    for model in meant_for[name]:
+      assert presets_lib.unused_presets([preset], models[model]) == {}, (name, model)
+  # The 'ep' preset once mapped 'experts', a name the MoE example does not use.
+  stale = fsm.RulePreset(
+    'ep', ('data', 'expert'), [('batch', ('data', 'expert')), ('experts', 'expert')]
+  )
+  with pytest.warns(UserWarning, match=r"'experts' -> did you mean 'expert'\?"):
+    assert 'ep' in presets_lib.unused_presets([stale], models['moe-tiny'])
+
+
+def test_a_preset_the_model_has_no_names_for_is_skipped_with_a_warning():
+  typo = fsm.RulePreset(
+    'typo', ('data', 'model'), [('batch', 'data'), ('hiden', 'model')]
+  )
+  with pytest.warns(
+    UserWarning,
+    match=r"rule preset 'typo' shards logical names \['hiden'\], none of which the "
+    r"model's arguments carry \(their names: \['embed', 'hidden', 'layers'\]\) "
+    r"\('hiden' -> did you mean 'hidden'\?\)",
+  ):
+    found = grid(presets=['fsdp', typo], max_candidates=1)
+  tried = [*found, *found.rejected, *found.skipped]
+  assert tried and {c.preset.name for c in tried} == {'fsdp'}
+  assert list(found.skipped_presets) == ['typo']
+  assert 'presets skipped (1):' in str(found)
+  assert found.to_dict()['skipped_presets']['typo'].startswith("rule preset 'typo'")
+
+
+DATA_PARALLEL = fsm.RulePreset('dp', ('data',), [('batch', 'data')])
+
+
+def moe_build():
+  """The tiny mixture-of-experts example, float32 and SGD: quick to compile."""
+  return train.builder(
+    'moe-tiny', batch=8, seq=8, optimizer_name='sgd', dtype=jnp.float32
+  )
+
+
+def _parameter_bytes(params):
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(fsm.unbox(params)))
+
+
+def test_the_ep_preset_shards_the_moe_examples_experts():
+  found = fsm.suggest(
+    moe_build(),
+    batch=8,
+    chip='v5p',
+    presets=['ep', DATA_PARALLEL],
+    remat=['none'],
+    max_candidates=1,
+    progress=False,
+  )
+  (best,) = found
+  assert best.preset.name == 'ep' and best.fits
+  mesh = _suggest._abstract_mesh(best)
+  _, state, _ = moe_build()(mesh, best.preset.rules, 'none')
+  spec = fsm.plan(state, mesh, best.preset.rules).entry('params/layers/w1').spec
+  assert spec == P(None, 'expert', None, None)
+  # Plain data parallelism holds every parameter on every chip.
+  (dp,) = [c for c in found.skipped if c.preset.name == 'dp']
+  replicated = _parameter_bytes(state.params)
+  assert dp.lower_bound == 2 * replicated  # SGD: no optimizer state
+  assert best.report.row('parameters') < replicated / 2
+
+
+def test_the_ep_tp_preset_produces_candidates():
+  found = fsm.suggest(
+    moe_build(),
+    batch=8,
+    chip='v5p',
+    presets=['ep+tp'],
+    remat=['none'],
+    max_candidates=1,
+    progress=False,
+  )
+  tried = [*found, *found.rejected, *found.skipped]
+  assert {tuple(c.shape) for c in tried} == {('data', 'expert', 'model')}
+  assert found[0].fits and found[0].preset.name == 'ep+tp'
+  mesh = _suggest._abstract_mesh(found[0])
+  rules = found[0].preset.rules
+  _, state, _ = moe_build()(mesh, rules, 'none')
+  spec = fsm.plan(state, mesh, rules).entry('params/layers/w1').spec
+  assert spec == P(None, 'expert', None, 'model')
+  # model=4 does not divide the tiny model's two kv heads.
+  assert any('shapes do not divide' in (c.rejected or '') for c in found.rejected)
 
 
 @pytest.mark.libtpu

@@ -10,11 +10,15 @@ program (``_capacity.cache``) unless ``fit(..., cache=False)``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import re
+import sys
+import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -26,6 +30,7 @@ from flax_shardmeta._capacity import (
   hlo_attribution,
   hlo_text,
   report as rep,
+  usable,
 )
 from flax_shardmeta._capacity.step import Arguments, Step, path_category
 from flax_shardmeta._errors import FitError, IndivisibleDimensionWarning
@@ -37,7 +42,7 @@ _REFUSAL = re.compile(
   re.S,
 )
 # Bumped when the cached figures change form: older entries are not read.
-_FIGURES_FORMAT = 'figures-4'
+_FIGURES_FORMAT = 'figures-5'
 _UNIT = {'': 1, 'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30, 'T': 1 << 40}
 
 
@@ -62,10 +67,20 @@ def parse_refusal(message: str) -> rep.Refusal | None:
   return rep.Refusal(int(need), int(have), first)
 
 
-def _compile(lowered: Any) -> tuple[Any, rep.Refusal | None, float]:
+def _compile(
+  lowered: Any, limit: int | None
+) -> tuple[Any, rep.Refusal | None, float, dict[str, Any]]:
+  """Compiles (for GPUs, for the memory a run hands XLA: ``limit``); the
+  compiled program, or the refusal, the seconds, and what the compiler said
+  of its own rematerialization and budget."""
   start = time.perf_counter()
+  planned: dict[str, Any] = {'budget': limit, 'retargeted': False}
   try:
-    compiled = lowered.compile()
+    with _stderr_lines() as said:
+      if limit is None:
+        compiled = lowered.compile()
+      else:
+        compiled, planned['retargeted'] = usable.compile_for_memory(lowered, limit)
   except Exception as e:  # jax's JaxRuntimeError (XlaRuntimeError before)
     refusal = parse_refusal(str(e))
     if refusal is None:
@@ -73,8 +88,73 @@ def _compile(lowered: Any) -> tuple[Any, rep.Refusal | None, float]:
         f'the compiler failed on the step (not for lack of memory): '
         f'{str(e).strip().splitlines()[0]}'
       ) from e
-    return None, refusal, time.perf_counter() - start
-  return compiled, None, time.perf_counter() - start
+    return None, refusal, time.perf_counter() - start, planned
+  planned.update(remat_said(said))
+  return compiled, None, time.perf_counter() - start, planned
+
+
+_REMAT_LINE = re.compile(
+  r"Can't reduce memory use below .*?\((\d+) bytes\).*?only reduced to .*?"
+  r'\((\d+) bytes\).*?down from .*?\((\d+) bytes\)'
+)
+
+
+# What the report tells itself, so not passed on: rematerialization, and the
+# GPU scheduler's complaint when the arguments alone exceed its budget.
+_TOLD = re.compile(
+  r"Can't reduce memory use below|input/output arguments .* exceeds the base limit"
+)
+
+
+def remat_said(lines: Sequence[str]) -> dict[str, Any]:
+  """What XLA's rematerialization logged: the target it missed, what it
+  reached and where it started (bytes), when it says so.
+
+  Example:
+    >>> remat_said(["W hlo_rematerialization.cc:3231] Can't reduce memory use "
+    ...   'below 18.25GiB (19597518118 bytes) by rematerialization; only reduced '
+    ...   'to 26.62GiB (28586803392 bytes), down from 45.09GiB (48411443392 '
+    ...   'bytes) originally'])['remat_saved_bytes']
+    19824640000
+  """
+  for line in lines:
+    m = _REMAT_LINE.search(line)
+    if m:
+      target, reached, before = (int(g) for g in m.groups())
+      return {
+        'remat_target_bytes': target,
+        'remat_reached_bytes': reached,
+        'remat_saved_bytes': before - reached,
+        'remat_message': line[line.index("Can't") :].strip(),
+      }
+  return {}
+
+
+@contextlib.contextmanager
+def _stderr_lines() -> Iterator[list[str]]:
+  """What the compiler's C++ logging writes to the process's stderr while
+  compiling, as lines; passed on afterwards, but for the lines the report
+  itself tells (rematerialization)."""
+  lines: list[str] = []
+  try:
+    sys.stderr.flush()
+    saved = os.dup(2)
+  except (OSError, ValueError):  # no real stderr (embedded): nothing to read
+    yield lines
+    return
+  with tempfile.TemporaryFile() as sink:
+    os.dup2(sink.fileno(), 2)
+    try:
+      yield lines
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      sink.seek(0)
+      text = sink.read().decode(errors='replace')
+      lines.extend(text.splitlines())
+      rest = [ln for ln in lines if not _TOLD.search(ln)]
+      if rest:
+        sys.stderr.write('\n'.join(rest) + '\n')
 
 
 def _memory(compiled: Any) -> dict[str, int]:
@@ -149,13 +229,18 @@ def input_bytes(compiled: Any) -> list[tuple[str, int, bool]]:
   return out
 
 
-def figures(target: Step, arguments: Arguments, use_cache: bool) -> dict[str, Any]:
+def figures(
+  target: Step, arguments: Arguments, use_cache: bool, limit: int | None = None
+) -> dict[str, Any]:
   """Compiles (or reads the cache) and returns the program's figures.
 
   The cache keeps XLA's own figures and the optimised HLO text; the HLO is
   read again by this version's reader, so cached collectives and loop counts
   are never those of an older one. Without ``use_cache`` nothing is read
-  from or kept in the cache, in memory or on disk.
+  from or kept in the cache, in memory or on disk. With ``limit`` (GPUs),
+  the program is compiled as a real run's compiler would plan it, for that
+  much device memory (``usable.compile_for_memory``); each limit is its own
+  cache entry.
   """
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always', IndivisibleDimensionWarning)
@@ -167,7 +252,11 @@ def figures(target: Step, arguments: Arguments, use_cache: bool) -> dict[str, An
   key = (
     # With the source locations: the same program from two files is two
     # entries, each with its own lines for the collectives' attribution.
-    cache_lib.key(lowered.as_text(debug_info=True), mesh.devices, extra=_FIGURES_FORMAT)
+    cache_lib.key(
+      lowered.as_text(debug_info=True),
+      mesh.devices,
+      extra=f'{_FIGURES_FORMAT} limit={limit}',
+    )
     if use_cache
     else None
   )
@@ -181,7 +270,7 @@ def figures(target: Step, arguments: Arguments, use_cache: bool) -> dict[str, An
       found, cached = None, False
   computations = None
   if found is None:
-    found, text, computations = _compiled_figures(lowered)
+    found, text, computations = _compiled_figures(lowered, limit)
     if key is not None:
       if text is not None:
         cache_lib.store_text(key, text, on_disk=True)
@@ -240,15 +329,17 @@ def attributor(
 
 
 def _compiled_figures(
-  lowered: Any,
+  lowered: Any, limit: int | None
 ) -> tuple[dict[str, Any], str | None, dict[str, Any] | None]:
   """Compiles: the figures to cache, the HLO text and its parse (None when
   the compiler refused the program)."""
-  compiled, refusal, seconds = _compile(lowered)
+  compiled, refusal, seconds, planned = _compile(lowered, limit)
   if refusal is not None:
-    return {'refusal': dataclasses.asdict(refusal), 'seconds': seconds}, None, None
+    found = {'refusal': dataclasses.asdict(refusal), 'seconds': seconds}
+    return dict(found, planned=planned), None, None
   text = hlo_text.program_text(compiled)
   computations = hlo_text.parse(text)
+  planned['remat_instructions'] = len(_REMATERIALIZED.findall(text))
   found = {
     'memory': _memory(compiled),
     'cost': _cost(compiled),
@@ -257,5 +348,11 @@ def _compiled_figures(
     # Where the text reader disagrees with XLA's own module objects: kept with
     # the figures, so a cached report says so too.
     'reader': hlo_text.disagreements(computations, compiled),
+    'planned': planned,
   }
   return found, text, computations
+
+
+# XLA's rematerialization names each recomputed instruction after the one it
+# copies with a ".remat" suffix (hlo_rematerialization.cc).
+_REMATERIALIZED = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]*\.remat\d*[\w.\-]*\s*=', re.M)

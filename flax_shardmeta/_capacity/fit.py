@@ -19,17 +19,21 @@ from typing import Any
 
 from jax.sharding import AbstractMesh
 
-from flax_shardmeta._capacity import gpu, hlo, report as rep
+from flax_shardmeta._capacity import (
+  gpu,
+  gpu_verdict as gv,
+  hlo,
+  report as rep,
+  usable as usable_lib,
+)
 from flax_shardmeta._capacity.chips import CHIPS, Chip, chip_named, chip_of, parse_bytes
 from flax_shardmeta._capacity.compiled import figures
 from flax_shardmeta._capacity.estimate import estimate
-from flax_shardmeta._capacity.extrapolate import extrapolate
+from flax_shardmeta._capacity.extrapolate import fit_layers
 from flax_shardmeta._capacity.roofline import group, roofline
 from flax_shardmeta._capacity.step import Arguments, Step, path_category, prepare
 from flax_shardmeta._capacity.topology import describe
 from flax_shardmeta._errors import FitError
-
-_EXTRAPOLATE_FROM = (2, 4)
 
 
 def fit(
@@ -40,6 +44,8 @@ def fit(
   layers: int | None = None,
   exact: bool = False,
   cache: bool = True,
+  mem_fraction: float | None = None,
+  reserve: int | str | None = None,
 ) -> rep.FitReport:
   """Compiles ``step`` for its mesh and reports what each chip must hold.
 
@@ -58,24 +64,43 @@ def fit(
   compiler refuses the program for lack of HBM, the report says so
   (``fits=False``, with the compiler's required and available figures).
 
+  On GPUs the verdict is against the memory a real jax run gives XLA
+  (``report.usable``): ``min(fraction x GPU memory, GPU memory - reserve)``,
+  where the fraction is the allocator's (``mem_fraction=``, else
+  ``XLA_CLIENT_MEM_FRACTION`` / ``XLA_PYTHON_CLIENT_MEM_FRACTION``, else
+  jax's 0.75) and the reserve what the run holds outside XLA's pool (the
+  CUDA context, NCCL's communicators; ``_capacity.usable``). The program is
+  compiled as that run's compiler would plan it, for the pool. A step that
+  does not fit there but whose program, compiled for a larger fraction (at
+  most 0.95), fits at it is "FITS ONLY WITH XLA_CLIENT_MEM_FRACTION=x"
+  (``report.needed_fraction``; ``fits`` stays False at the run's fraction).
+
   Args:
     step: a function from :func:`flax_shardmeta.jit` (it brings its mesh,
       rules and shardings), a ``jax.jit`` function or plain function called
       under ``jax.set_mesh(mesh)``. With ``layers``, a builder instead (below).
     *args: the step's arguments, abstract.
     hbm: the memory per chip to judge against (bytes, or text like
-      ``'95GiB'``); default: the chip's, when the devices are known TPUs.
+      ``'95GiB'``); default: the chip's, when the devices are known. On GPUs,
+      the GPU's memory, of which the allocator takes its fraction.
     chip: figures for the verdict and the roofline when the devices do not
       say (an ``AbstractMesh``, CPU devices): ``'v5p'``, ``'h100'``, ...
-    layers: with a builder ``step(num_layers) -> (jitted, *args)`` for a model
-      whose layers are stacked (``nn.scan`` / ``nnx.scan``), the depth to
-      report on. The model is compiled at 2 and 4 layers and every figure
-      extrapolated linearly (scanned layers add the same per layer); this is
-      faster when compile time grows with depth (layers unrolled in Python).
-    exact: with ``layers``, compile all of them instead.
+    layers: with a builder ``step(num_layers) -> (jitted, *args)``, the depth
+      to report on. Where the model's program grows with depth (layers
+      unrolled in Python) enough for it to be clearly faster, the model is
+      compiled at 2 and 4 layers and every figure extrapolated linearly;
+      otherwise (layers stacked by ``nn.scan`` / ``nnx.scan``: one compile of
+      all of them costs about one of 2) it is compiled whole, once. The
+      report's notes say which, and why.
+    exact: with ``layers``, compile all of them whatever the programs' sizes.
     cache: reuse figures of the very same program and target (in memory and
       in ``~/.cache/flax_shardmeta/fit``, see ``FLAX_SHARDMETA_CACHE``);
       ``False`` compiles afresh and keeps nothing.
+    mem_fraction: GPUs: the allocator fraction the run will use (default: the
+      environment's, as jaxlib reads it, else 0.75).
+    reserve: GPUs: bytes (or text like ``'3GiB'``) the run holds outside
+      XLA's pool per GPU; default: the project's table by the program's
+      NCCL communicators.
 
   Returns:
     The :class:`FitReport`.
@@ -103,12 +128,15 @@ def fit(
   """
   capacity = _capacity(hbm)
   chip_spec = _chip(chip)
+  run = gv.RunMemory(mem_fraction, reserve)
+  if mem_fraction is not None:
+    usable_lib.run_fraction(mem_fraction)  # a bad one is refused at once
   if layers is not None:
-    return _fit_layers(step, layers, capacity, chip_spec, exact, cache)
+    return _fit_layers(step, layers, capacity, chip_spec, exact, cache, run)
   target = Step.of(step, len(args))
   if isinstance(target.mesh, AbstractMesh):
-    return estimate(target, args, capacity, chip_spec)
-  return _compiled_report(target, args, capacity, chip_spec, cache)
+    return gv.judged_estimate(estimate(target, args, capacity, chip_spec), run)
+  return _compiled_report(target, args, capacity, chip_spec, cache, run)
 
 
 def _capacity(hbm: int | str | None) -> int | None:
@@ -143,14 +171,18 @@ def _compiled_report(
   capacity: int | None,
   chip_spec: Chip | None,
   use_cache: bool,
+  run: gv.RunMemory,
 ) -> rep.FitReport:
   arguments = prepare(target, args)
-  found = figures(target, arguments, use_cache)
   mesh = target.mesh
   chip = chip_spec or chip_of(mesh.devices)
   hbm = capacity if capacity is not None else (chip.hbm_bytes if chip else None)
   if hbm is None:  # a custom GPU: its own description's memory
     hbm = gpu.described_memory(mesh.devices)
+  on_gpu = _platform(mesh) == 'gpu' and hbm is not None
+  # A real GPU run hands XLA its allocator's pool; so does this compile.
+  pool = run.memory(hbm, ()).compile_limit_bytes if on_gpu and hbm else None
+  found = figures(target, arguments, use_cache, pool)
   common = {
     'mesh': dict(zip(mesh.axis_names, mesh.axis_sizes)),
     'devices': describe(mesh.devices),
@@ -162,6 +194,7 @@ def _compiled_report(
     refusal = rep.Refusal(**found['refusal'])
     by_category = _sum_by_category(arguments.categories, arguments.layout_bytes)
     return _refused_report(refusal, by_category, capacity, common)
+  plan = rep.CompilerPlan.from_found(found.get('planned'))
   memory = found['memory']
   summary = hlo.ProgramSummary.from_dict(found['summary'])
   by_category, told_by_path = _compiled_categories(arguments, found['input_bytes'])
@@ -171,10 +204,18 @@ def _compiled_report(
   traffic = cost.get('bytes accessed')
   traffic = traffic + summary.extra_bytes if traffic is not None else None
   collectives = group(summary.collectives, chip)
+  total = sum(r.bytes for r in rows)
   notes = _notes(mesh, chip, summary, hbm)
   notes += _argument_notes(memory, by_category, told_by_path, found['reader'])
-  if _platform(mesh) == 'gpu':
-    notes += _gpu_notes(sum(r.bytes for r in rows), hbm, cost)
+  memory_at_run, needed = None, None
+  if on_gpu and hbm:
+    memory_at_run = run.memory(hbm, collectives)
+    hbm = memory_at_run.usable_bytes
+    needed, tried = gv.needed_fraction(
+      target, arguments, use_cache, memory_at_run, total
+    )
+    notes += gv.gpu_notes(memory_at_run, plan, tried, cost)
+  notes += gv.remat_notes(plan)
   return rep.FitReport(
     source='compiled',
     method='compiled for the mesh; figures from XLA (memory_analysis, '
@@ -194,6 +235,9 @@ def _compiled_report(
     loops=summary.loops,
     notes=notes,
     replicated=tuple(found.get('replicated', ())),
+    usable=memory_at_run,
+    needed_fraction=needed,
+    plan=plan,
     **common,
   )
 
@@ -320,26 +364,6 @@ def _platform(mesh: Any) -> str:
   return getattr(next(iter(mesh.devices.flat)), 'platform', '')
 
 
-def _gpu_notes(total: int, hbm: int | None, cost: dict[str, float]) -> tuple[str, ...]:
-  """What a GPU compile does not say by itself."""
-  notes = [
-    "XLA's GPU compiler does not check a program against the GPU's memory (it "
-    'compiles oversized ones): the verdict is this comparison of its figures '
-    "with the GPU's; compiled without a GPU, so without autotuning (matmuls in "
-    "XLA's default fusions)"
-  ]
-  if hbm and 0.75 * hbm < total <= hbm:
-    need = min(0.95, (total / hbm) + 0.02)
-    notes.append(
-      f"the step needs {total / hbm:.0%} of the GPU's memory, more than the 75% "
-      'jax preallocates by default: run it with XLA_PYTHON_CLIENT_MEM_FRACTION='
-      f'{need:.2f}'
-    )
-  if not cost:
-    notes.append('no cost model for this program: flops and HBM bytes unknown')
-  return tuple(notes)
-
-
 def _notes(
   mesh: Any, chip: Chip | None, summary: hlo.ProgramSummary, capacity: int | None
 ) -> tuple[str, ...]:
@@ -374,41 +398,33 @@ def _fit_layers(
   chip_spec: Chip | None,
   exact: bool,
   use_cache: bool,
+  run: gv.RunMemory,
 ) -> rep.FitReport:
-  if not isinstance(layers, int) or layers < 1:
-    raise FitError(f'layers={layers!r}: give the number of layers, at least 1.')
   hbm: Any = capacity
   chip_name = chip_spec.name if chip_spec else None
 
-  def run(n: int) -> rep.FitReport:
-    step, *args = _built(build, n)
-    return fit(step, *args, hbm=hbm, chip=chip_name, cache=use_cache)
-
-  a, b = _EXTRAPOLATE_FROM
-  if exact or layers <= b:
-    report = run(layers)
-    return dataclasses.replace(report, method=report.method + f' ({layers} layers)')
-  small, large = run(a), run(b)
-  if small.refusal is not None or large.refusal is not None:
-    refused = small if small.refusal is not None else large
-    depth = a if small.refusal is not None else b
-    return dataclasses.replace(
-      refused,
-      method=f'the compiler refused the model already at {depth} of {layers} '
-      'layers; deeper only needs more',
+  def at_depth(made: tuple[Any, ...]) -> rep.FitReport:
+    step, *args = made
+    return fit(
+      step,
+      *args,
+      hbm=hbm,
+      chip=chip_name,
+      cache=use_cache,
+      mem_fraction=run.mem_fraction,
+      reserve=run.reserve,
     )
-  # The full model is never compiled, but its layout must exist: its plan
-  # raises what cannot be laid out, as fit at that depth would.
-  step, *args = _built(build, layers)
-  prepare(Step.of(step, len(args)), args)
-  return extrapolate(small, large, a, b, layers)
 
-
-def _built(build: Callable[[int], Any], n: int) -> tuple[Any, ...]:
-  made = build(n)
-  if not isinstance(made, (tuple, list)) or not made:
-    raise FitError(
-      f'the builder returned {type(made).__name__} for {n} layers; with layers=, '
-      'fit takes a function num_layers -> (jitted_step, *abstract_args).'
+  report, extrapolated = fit_layers(build, layers, at_depth, exact=exact)
+  if not extrapolated or report.usable is None:
+    return report
+  # The fraction the deeper model needs was never compiled for: say what it
+  # would be, not that it fits there.
+  need = report.usable.needed_fraction(report.total_bytes)
+  notes = tuple(n for n in report.notes if not n.startswith('compiled again'))
+  if need is not None and not report.fits:
+    notes += (
+      f'extrapolated: about {usable_lib.FRACTION_VARIABLES[0]}={need:.2f} would '
+      'hold it; fit with exact=True to compile for it',
     )
-  return tuple(made)
+  return dataclasses.replace(report, needed_fraction=None, notes=notes)

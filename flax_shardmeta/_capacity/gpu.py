@@ -42,6 +42,9 @@ _KIND = re.compile(r'\bdevice_description_str\s*:\s*"([^"]*)"')
 # device_kind -> memory bytes of every description devices were made from, so
 # a custom GPU's verdict is judged against its own memory.
 _MEMORY_OF_KIND: dict[str, int] = {}
+# device_kind -> the description devices were made from, so fit can compile
+# the same program for the memory a real run hands XLA (_capacity.usable).
+_TEXT_OF_KIND: dict[str, str] = {}
 _PLUGINS = ('jax_plugins.xla_cuda12', 'jax_plugins.xla_cuda13')
 
 
@@ -256,4 +259,6 @@ def _devices(text: str, nodes: int, per_node: int, name: str) -> tuple[Any, ...]
   memory = _MEMORY.search(text)
   if devices and memory is not None:
     _MEMORY_OF_KIND[devices[0].device_kind] = int(memory.group(1))
+  if devices:
+    _TEXT_OF_KIND[devices[0].device_kind] = text
   return devices

@@ -2,38 +2,62 @@
 
 Each preset says which mesh axes it uses and how the logical names of a
 transformer (``batch``, ``embed``, ``vocab``, ``heads``, ``kv_heads``,
-``mlp``, ``experts``; everything else replicated) map onto them:
+``mlp``, or ``hidden`` as the Flax MLP names it, ``expert`` for the experts of
+a mixture-of-experts layer, as T5X and ``examples.moe`` name them;
+everything else replicated) map onto them:
 
 ========== ====================== ==============================================
 preset     mesh axes              rules
 ========== ====================== ==============================================
 fsdp       data, fsdp             batch over (data, fsdp); embed over fsdp
-fsdp+tp    data, fsdp, model      as fsdp, and heads, kv_heads, mlp, vocab over
-                                  model
-tp         data, model            batch over data; heads, kv_heads, mlp, vocab
-                                  over model
+fsdp+tp    data, fsdp, model      as fsdp, and heads, kv_heads, mlp, hidden,
+                                  vocab over model
+tp         data, model            batch over data; heads, kv_heads, mlp,
+                                  hidden, vocab over model
 t5x-1d     data, model            T5X's rules, model parallelism in 1-D
                                   (``standard_logical_axis_rules(1, 1)``)
 t5x-2d     data, model            T5X's 2-D parameter partitioning: embed over
                                   data as well (``(1, 2)``)
-ep         data, expert           experts over expert; batch over (data,
+ep         data, expert           expert over expert; batch over (data,
                                   expert) (mixture-of-experts models)
+ep+tp      data, expert, model    as ep, and heads, kv_heads, mlp, hidden,
+                                  vocab over model (expert and model inside a
+                                  host)
 ========== ====================== ==============================================
+
+``DEFAULT_PRESETS`` (fsdp, fsdp+tp, tp) are for dense models; ask for ``ep``
+and ``ep+tp`` by name. ``fsm.suggest`` skips a preset none of whose logical
+names (``batch`` aside) the model uses, with a warning: its layout would be
+plain data parallelism under another name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import tomllib
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._errors import InvalidRulesError
 from flax_shardmeta._rules import normalize_rules
 from flax_shardmeta._standard_rules import standard_logical_axis_rules
 
-_TP = (('heads', 'model'), ('kv_heads', 'model'), ('mlp', 'model'), ('vocab', 'model'))
+_TP = (
+  ('heads', 'model'),
+  ('kv_heads', 'model'),
+  ('mlp', 'model'),
+  ('hidden', 'model'),
+  ('vocab', 'model'),
+)
+# 'hidden' is the MLP dimension of the Flax scale-up notebook's layer
+# (examples.linen.DotReluDot); a model names it 'mlp' or 'hidden', not both.
+
+_EP = ('expert', 'expert')
+# T5X's mixture-of-experts name for the experts' dimension, and examples.moe's.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,15 +138,22 @@ RULE_PRESETS: dict[str, RulePreset] = {
     RulePreset(
       'ep',
       ('data', 'expert'),
-      (('batch', ('data', 'expert')), ('experts', 'expert')),
+      (('batch', ('data', 'expert')), _EP),
       'experts over expert (mixture-of-experts models)',
+    ),
+    RulePreset(
+      'ep+tp',
+      ('data', 'expert', 'model'),
+      (('batch', ('data', 'expert')), _EP, *_TP),
+      'ep, and heads / mlp / vocab over model',
     ),
   )
 }
 """The built-in presets, by name (see the module doc)."""
 
 DEFAULT_PRESETS = ('fsdp', 'fsdp+tp', 'tp')
-"""What ``suggest`` tries unless told otherwise (dense models)."""
+"""What ``suggest`` tries unless told otherwise (dense models; the
+mixture-of-experts presets ``ep`` and ``ep+tp`` are asked for by name)."""
 
 
 def resolve(presets: Iterable[str | RulePreset]) -> tuple[RulePreset, ...]:
@@ -186,3 +217,73 @@ def load(text: str, source: str = '<presets>') -> tuple[RulePreset, ...]:
 def rules_text(rules: Sequence[tuple[str, Any]]) -> str:
   """Rules as Python source, to paste into a training script."""
   return '[' + ', '.join(f'({n!r}, {t!r})' for n, t in rules) + ']'
+
+
+# Which presets a model's names reach
+# ------------------------------------------------------------------------------
+
+
+def model_names(args: Sequence[Any]) -> set[str]:
+  """The logical names the annotated leaves of ``args`` carry (a step's
+  abstract arguments; leaves annotated with mesh axes, or not at all, add
+  none).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> w = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+    >>> sorted(model_names([{'w': fsm.LogicalPartitioned(w, ('embed', 'mlp'))}]))
+    ['embed', 'mlp']
+  """
+  names: set[str] = set()
+  for arg in args:
+    leaves, _ = ann_lib.walk(arg)
+    for leaf in leaves:
+      ann = leaf.annotation
+      if ann is None or not ann.logical:
+        continue
+      for name in ann.names:
+        names.update(n for n in _flat(name) if isinstance(n, str))
+  return names
+
+
+def _flat(name: Any) -> tuple[Any, ...]:
+  return tuple(name) if isinstance(name, (tuple, list)) else (name,)
+
+
+def unused_presets(presets: Sequence[RulePreset], names: set[str]) -> dict[str, str]:
+  """Presets none of whose sharding names (``batch`` aside) the model uses,
+  by name, each with why; each is warned about. Nothing is skipped when the
+  model's parameters carry no logical names (then nothing can be told).
+
+  Example:
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True):
+    ...   warnings.simplefilter('always')
+    ...   unused = unused_presets([RULE_PRESETS['ep']], {'embed', 'mlp'})
+    >>> list(unused)
+    ['ep']
+  """
+  own = names - {'batch'}
+  if not own:
+    return {}
+  unused = {}
+  for p in presets:
+    mapped = sorted({n for n, target in p.rules if target is not None and n != 'batch'})
+    if not mapped or own & set(mapped):
+      continue
+    hints = []
+    for n in mapped:
+      close = difflib.get_close_matches(n, sorted(own), n=1)
+      if close:
+        hints.append(f'{n!r} -> did you mean {close[0]!r}?')
+    hint = f' ({"; ".join(hints)})' if hints else ''
+    why = (
+      f'rule preset {p.name!r} shards logical names {mapped}, none of which '
+      f"the model's arguments carry (their names: {sorted(own)}){hint}; "
+      'under it every parameter would be replicated, plain data parallelism, '
+      f'so it is skipped. Rename the rules of {p.name!r} (fsm.RulePreset) or '
+      "the model's annotations to match."
+    )
+    warnings.warn(why, UserWarning, stacklevel=3)
+    unused[p.name] = why
+  return unused

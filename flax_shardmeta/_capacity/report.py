@@ -11,6 +11,7 @@ from flax_shardmeta._capacity.chips import Chip
 from flax_shardmeta._capacity.fit_format import format_seconds, signed_bytes, table
 from flax_shardmeta._capacity.roofline import CollectiveRow, Roofline, by_link
 from flax_shardmeta._capacity.unplaced import UnplacedValue, report_lines
+from flax_shardmeta._capacity.usable import FRACTION_VARIABLES, UsableMemory
 from flax_shardmeta._capacity.why import format_why
 
 PARAMETERS = 'parameters'
@@ -65,6 +66,55 @@ class Refusal:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompilerPlan:
+  """The memory XLA's compiler planned against, and what it did to meet it.
+
+  Attributes:
+    budget_bytes: the device memory the compiler was handed (GPUs: the
+      allocator's pool, as a real run hands it); None when it planned with
+      the device's own (TPUs).
+    retargeted: the program was compiled for that budget (False: jax gave no
+      way to, and the compiler planned with the description's memory).
+    remat_instructions: instructions XLA's rematerialization recomputes to
+      meet the budget (0: none).
+    remat_saved_bytes: bytes rematerialization saved, where XLA logs it.
+    remat_target_bytes: the peak it aimed for, where XLA logs it (it says
+      so when it cannot reach it).
+    message: XLA's own line about it, if any.
+  """
+
+  budget_bytes: int | None = None
+  retargeted: bool = False
+  remat_instructions: int = 0
+  remat_saved_bytes: int | None = None
+  remat_target_bytes: int | None = None
+  message: str = ''
+
+  @property
+  def rematerialized(self) -> bool:
+    """Whether the compiler recomputes values the step did not ask it to."""
+    return self.remat_instructions > 0 or bool(self.message)
+
+  @classmethod
+  def from_found(cls, planned: dict[str, Any] | None) -> CompilerPlan | None:
+    """From the compiled figures' ``planned`` entry."""
+    if not planned:
+      return None
+    return cls(
+      budget_bytes=planned.get('budget'),
+      retargeted=bool(planned.get('retargeted')),
+      remat_instructions=int(planned.get('remat_instructions', 0)),
+      remat_saved_bytes=planned.get('remat_saved_bytes'),
+      remat_target_bytes=planned.get('remat_target_bytes'),
+      message=planned.get('remat_message', ''),
+    )
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready form."""
+    return dict(dataclasses.asdict(self), rematerialized=self.rematerialized)
+
+
+@dataclasses.dataclass(frozen=True)
 class FitReport:
   """What one step of a program costs each chip: memory, collectives, time.
 
@@ -113,6 +163,17 @@ class FitReport:
     unplaced: estimates only: the values inside the step nothing lays out,
       counted replicated, largest first, each with the line that makes it
       (``unplaced_bytes`` of the total rests on them); empty when compiled.
+    usable: GPUs: the memory a real jax run gives XLA (device memory,
+      allocator fraction, pool, reserve, usable); ``hbm_bytes`` is then its
+      usable bytes.
+    needed_fraction: GPUs, when the step does not fit at the run's fraction
+      but its program compiled for a larger one (at most 0.95) fits there:
+      that fraction (``XLA_CLIENT_MEM_FRACTION``).
+    error_band: estimates only: the estimate's measured error on this
+      platform, ``(below, above)``: the most it came out under and over the
+      compiled total; a limit inside that band gets no verdict (``fits`` is
+      None: too close to call without compiling).
+    plan: what the compiler planned against and whether it rematerialized.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -147,15 +208,47 @@ class FitReport:
   notes: tuple[str, ...] = ()
   unplaced: tuple[UnplacedValue, ...] = ()
   replicated: tuple[str, ...] = ()
+  usable: UsableMemory | None = None
+  needed_fraction: float | None = None
+  error_band: tuple[float, float] | None = None
+  plan: CompilerPlan | None = None
 
   @property
   def fits(self) -> bool | None:
-    """Whether the step fits in ``hbm_bytes`` (None when that is unknown)."""
+    """Whether the step fits in ``hbm_bytes`` (on GPUs: the usable memory at
+    the run's fraction). None when that is unknown, or when an estimate is
+    within its error of it (too close to call without compiling)."""
     if self.refusal is not None:
       return False
-    if self.hbm_bytes is None:
+    if self.hbm_bytes is None or self.too_close_to_call:
       return None
     return self.total_bytes <= self.hbm_bytes
+
+  @property
+  def too_close_to_call(self) -> bool:
+    """An estimate whose total is within its measured error of the limit:
+    the compiled step could land on either side."""
+    if self.error_band is None or self.hbm_bytes is None or self.refusal:
+      return False
+    below, above = self.error_band
+    # estimate = compiled x (1 + error), error in [-below, +above]
+    low = self.total_bytes / (1 + above)
+    high = self.total_bytes / max(1 - below, 1e-9)
+    return low <= self.hbm_bytes <= high
+
+  @property
+  def verdict_kind(self) -> str:
+    """``'fits'``, ``'fits_with_fraction'`` (GPUs: only with a raised
+    ``XLA_CLIENT_MEM_FRACTION``), ``'does_not_fit'``, ``'too_close'`` or
+    ``'unknown'``."""
+    if self.too_close_to_call:
+      return 'too_close'
+    fits = self.fits
+    if fits is None:
+      return 'unknown'
+    if fits:
+      return 'fits'
+    return 'fits_with_fraction' if self.needed_fraction else 'does_not_fit'
 
   @property
   def headroom_bytes(self) -> int | None:
@@ -169,7 +262,8 @@ class FitReport:
     """Headroom as a fraction of ``hbm_bytes``."""
     if self.hbm_bytes is None or self.headroom_bytes is None:
       return None
-    return self.headroom_bytes / self.hbm_bytes
+    # A GPU whose reserve leaves XLA nothing has no memory to be a share of.
+    return self.headroom_bytes / max(self.hbm_bytes, 1)
 
   @property
   def collective_bytes(self) -> float:
@@ -227,6 +321,11 @@ class FitReport:
       'cached': self.cached,
       'notes': list(self.notes),
       'unplaced': [v.to_dict() for v in self.unplaced],
+      'verdict': self.verdict_kind,
+      'usable_memory': self.usable.to_dict() if self.usable else None,
+      'needed_fraction': self.needed_fraction,
+      'error_band': list(self.error_band) if self.error_band else None,
+      'compiler_plan': self.plan.to_dict() if self.plan else None,
     }
 
   def __str__(self) -> str:
@@ -256,7 +355,8 @@ class FitReport:
 
 
 def verdict(report: FitReport) -> str:
-  """One line: FITS / DOES NOT FIT, with the headroom or the shortfall."""
+  """One line: FITS / FITS ONLY WITH / DOES NOT FIT / TOO CLOSE TO CALL, with
+  the headroom or the shortfall."""
   if report.refusal is not None:
     r = report.refusal
     return (
@@ -264,12 +364,37 @@ def verdict(report: FitReport) -> str:
       f'{signed_bytes(r.available_bytes)} available '
       f'({signed_bytes(r.required_bytes - r.available_bytes)} short)'
     )
+  if report.too_close_to_call:
+    below, above = report.error_band or (0.0, 0.0)
+    return (
+      f'TOO CLOSE TO CALL without compiling: the estimate '
+      f'{signed_bytes(report.total_bytes)} is within its measured error (-{below:.0%}'
+      f'..+{above:.0%}) of the {signed_bytes(report.hbm_bytes)} limit; compile it '
+      'on a topology mesh (fsm.make_mesh(..., topology=...)) for a verdict'
+    )
   if report.fits is None:
     return 'no verdict: the device memory is unknown (pass hbm=..., e.g. "95GiB")'
   room, share = report.headroom_bytes, report.headroom
+  of = 'of usable memory' if report.usable else 'of HBM'
+  at = _at_fraction(report.usable)
   if report.fits:
-    return f'FITS, headroom {signed_bytes(room)} ({share:.1%} of HBM)'
-  return f'DOES NOT FIT: {signed_bytes(-(room or 0))} over ({-(share or 0):.1%} of HBM)'
+    return f'FITS{at}, headroom {signed_bytes(room)} ({share:.1%} {of})'
+  over = f'{signed_bytes(-(room or 0))} over ({-(share or 0):.1%} {of})'
+  if report.needed_fraction is not None:
+    current, old = FRACTION_VARIABLES
+    usable = report.usable
+    now = f' at {usable.fraction:.2f} ({usable.fraction_from})' if usable else ''
+    return (
+      f'FITS ONLY WITH {current}={report.needed_fraction:.2f} ({old} in older '
+      f'jax): {signed_bytes(-(room or 0))} over the usable memory{now}'
+    )
+  return f'DOES NOT FIT: {over}{at}'
+
+
+def _at_fraction(usable: UsableMemory | None) -> str:
+  if usable is None:
+    return ''
+  return f' at {FRACTION_VARIABLES[0]}={usable.fraction:.2f} ({usable.fraction_from})'
 
 
 def format_report(report: FitReport) -> str:
@@ -289,7 +414,10 @@ def format_report(report: FitReport) -> str:
     else 'argument + output - alias + temporaries + code'
   )
   rows.append(('  total', signed_bytes(report.total_bytes), '', total_note))
-  if report.hbm_bytes is not None:
+  if report.usable is not None:
+    for name, size, where in report.usable.rows():
+      rows.append((f'  {name}', signed_bytes(size), '', where))
+  elif report.hbm_bytes is not None:
     where = f'{report.chip.name} HBM' if report.chip else 'hbm='
     rows.append(('  HBM', signed_bytes(report.hbm_bytes), '', where))
   lines += table(rows, {1, 2})
@@ -360,5 +488,7 @@ def treescope_view(report: FitReport) -> dict[str, Any]:
     },
     'roofline': report.roofline.to_dict() if report.roofline else None,
     'memory_analysis': report.memory_analysis,
+    'usable_memory': report.usable.to_dict() if report.usable else None,
+    'compiler_plan': report.plan.to_dict() if report.plan else None,
     'notes': list(report.notes),
   }

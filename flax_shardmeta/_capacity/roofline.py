@@ -9,7 +9,16 @@ devices and ``B`` bytes (the full buffer per device): all-gather,
 reduce-scatter and all-to-all move ``B (n-1)/n``; all-reduce ``2 B (n-1)/n``;
 collective-permute ``B``; over the slow network (``dcn`` across TPU slices,
 ``network`` across GPU nodes) at the chip's network bandwidth, else over its
-per-axis ICI or NVLink bandwidth (see ``chips.Chip``).
+per-axis ICI or NVLink bandwidth (``chips.Chip.collective_bandwidth``).
+
+Those factors are the ones nccl-tests turns a measured time into a bus
+bandwidth with (NVIDIA/nccl-tests doc/PERFORMANCE.md and the *GetBw functions
+of its src/*.cu: ``busbw = algbw * 2(n-1)/n`` for all-reduce, ``algbw *
+(n-1)/n`` for all-gather, reduce-scatter and all-to-all, ``algbw`` for
+send/receive, ``algbw`` being ``B`` over the time), so a collective takes
+``moved / busbw``. On GPUs that bandwidth is the bus bandwidth NCCL reaches on
+NVLink or the network (about a fifth below the link's peak), as nccl-tests
+reports it; on TPUs it is the ICI or DCN figure itself.
 """
 
 from __future__ import annotations
@@ -96,15 +105,23 @@ class CollectiveRow:
 
 
 def op_seconds(op: CollectiveOp, chip: Chip) -> float:
-  """Seconds one step spends on ``op`` at ``chip``'s bandwidths."""
+  """Seconds one step spends on ``op`` at ``chip``'s bandwidths: the bytes
+  the ring moves per device over the bus bandwidth (see the module's text).
+
+  Example:
+    >>> from flax_shardmeta._capacity.chips import chip_named
+    >>> from flax_shardmeta._capacity.hlo_collectives import CollectiveOp
+    >>> op = CollectiveOp('all-gather', 'ag', 8 * 10**9, 1, 8, ('model',))
+    >>> round(op_seconds(op, chip_named('h100')), 4)  # 7 GB at 360 GB/s
+    0.0194
+  """
   n = max(op.group_size, 1)
   share = (n - 1) / n
   moved = {
     'all-reduce': 2 * op.bytes * share,
     'collective-permute': float(op.bytes),
   }.get(op.kind, op.bytes * share)
-  bandwidth = chip.dcn_bandwidth if op.crosses_slices else chip.ici_bandwidth
-  return op.runs * moved / bandwidth
+  return op.runs * moved / chip.collective_bandwidth(op.crosses_slices)
 
 
 def group(ops: Iterable[CollectiveOp], chip: Chip | None) -> tuple[CollectiveRow, ...]:

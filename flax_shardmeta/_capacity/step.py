@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -28,10 +29,13 @@ from flax_shardmeta._capacity import report as rep
 from flax_shardmeta._errors import NoMeshError, ShardingError, ShardingProblem
 from flax_shardmeta._explicit import explain_sharding_type_errors
 from flax_shardmeta._jit_key import own_trace
+from flax_shardmeta._paths import path_str
 from flax_shardmeta._placement import context_mesh
 from flax_shardmeta._planning.plan import plan
 from flax_shardmeta._rules import get_logical_axis_rules, logical_axis_rules
+from flax_shardmeta._specs import mesh_axes_of, spec_entries
 from flax_shardmeta._typing import AnyMesh
+from flax_shardmeta._validate import check_spec
 
 # What is being fitted
 # ------------------------------------------------------------------------------
@@ -75,7 +79,7 @@ class Step:
       step,
       mesh,
       tuple(rules),
-      _argument_names(step, n_args),
+      argument_names(step, n_args),
       getattr(step, 'in_shardings', None) is not None,
     )
 
@@ -114,7 +118,14 @@ def _mesh_context(mesh: AnyMesh) -> Any:
   return jax.set_mesh(mesh)
 
 
-def _argument_names(step: Any, n: int) -> tuple[str, ...]:
+def argument_names(step: Any, n: int) -> tuple[str, ...]:
+  """The names of ``step``'s first ``n`` positional parameters (``arg{i}``
+  where it has none), as paths of its arguments begin.
+
+  Example:
+    >>> argument_names(lambda state, batch: None, 3)
+    ('state', 'batch', 'arg2')
+  """
   fn = inspect.unwrap(step)
   try:
     params = [
@@ -183,11 +194,102 @@ def prepare(target: Step, args: Sequence[Any]) -> Arguments:
     raise ShardingError(problems, context=' (in the arguments of the step)')
   leaves = jax.tree_util.tree_leaves(lowered)
   layout = input_shardings(target, lowered)
+  # A layout the step gives itself (in_shardings), or a leaf brings, is not
+  # planned above: checked here, before jax refuses it naming no argument.
+  problems = _layout_problems(target, lowered, layout)
+  if problems:
+    raise ShardingError(problems, context=' (in the arguments of the step)')
   sizes = [
     _leaf_bytes(leaf, sharding) if sharding is not None else planned
     for leaf, sharding, planned in zip(leaves, layout, plan_bytes)
   ]
   return Arguments(tuple(lowered), categories, sizes)
+
+
+def _layout_problems(
+  target: Step, lowered: Sequence[Any], layout: Sequence[Any]
+) -> list[ShardingProblem]:
+  """What is wrong with each leaf's sharding in ``layout`` (one per leaf of
+  ``lowered``, in ``jax.tree.leaves`` order), by the plan's own checks."""
+  given = getattr(target.step, 'given_in_shardings', None)
+  shardings = iter(layout)
+  out = []
+  for i, (name, arg) in enumerate(zip(target.names, lowered)):
+    names = _given_names(given, i)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+      sharding = next(shardings, None)
+      shape = _shape_of(leaf)
+      if shape is None or not isinstance(sharding, NamedSharding):
+        continue
+      spec = sharding.spec
+      for reason, hint, dims in check_spec(shape, spec_entries(spec), sharding.mesh):
+        divides = _divides_hint(shape, spec, sharding.mesh, dims, names)
+        out.append(
+          ShardingProblem(
+            _join(name, path_str(path)),
+            shape,
+            names,
+            spec,
+            reason,
+            divides or hint,
+            dims,
+          )
+        )
+  return out
+
+
+def _given_names(given: Any, i: int) -> tuple[Any, ...] | None:
+  """The logical names argument ``i`` was given in ``fsm.jit``'s in_shardings,
+  when given as names (a tuple of them for all arguments, or one per argument)."""
+  entry = given
+  if isinstance(given, (tuple, list)) and not _is_names(given):
+    entry = given[i] if i < len(given) else None
+  return entry if _is_names(entry) else None
+
+
+def _is_names(x: Any) -> bool:
+  # Plain tuples only: optax states are NamedTuples.
+  return type(x) is tuple and all(
+    e is None or isinstance(e, str) or e is jax.sharding.PartitionSpec.UNCONSTRAINED
+    for e in x
+  )
+
+
+def _divides_hint(
+  shape: tuple[int, ...],
+  spec: Any,
+  mesh: AnyMesh,
+  dims: tuple[int, ...],
+  names: tuple[Any, ...] | None,
+) -> str | None:
+  """How to fix a dimension its mesh axes do not divide, for a layout the
+  step's in_shardings give (there is no plan to replicate it); None for any
+  other problem."""
+  entries = spec_entries(spec)
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  for d in dims:
+    axes = mesh_axes_of(entries[d]) if d < len(entries) else ()
+    if not axes or any(a not in sizes for a in axes):
+      continue
+    factor = math.prod(sizes[a] for a in axes)
+    if shape[d] % factor == 0:
+      continue
+    multiple = -(-shape[d] // factor) * factor
+    name = names[d] if names is not None and d < len(names) else None
+    if isinstance(name, str):
+      elsewhere = (
+        f'map {name!r} to mesh axes that divide it in the rules (None replicates it)'
+      )
+    else:
+      elsewhere = (
+        'lay the argument out with shardings whose mesh axes divide it '
+        '(fsm.get_sharding(..., replicate_indivisible=True) replicates what '
+        'does not)'
+      )
+    return (
+      f'make dimension {d} a multiple of {factor} (e.g. {multiple}), or {elsewhere}'
+    )
+  return None
 
 
 def _leaves(name: str, arg: Any, p: Any, value: Any) -> list[tuple[str, int]]:

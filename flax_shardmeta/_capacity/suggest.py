@@ -1,14 +1,24 @@
 """``fsm.suggest``: the best mesh, rules and remat for a model on a pod.
 
 Candidates are every way of splitting the chips over a preset's mesh axes,
-times the rule presets, times the remat policies. Cheap checks come first and
-are exact, so they never reject a layout that would fit: a candidate whose
-shapes do not divide its axes, or whose parameters, optimizer state and
-gradients alone exceed the HBM, is rejected from its plan without compiling.
-The rest are ordered by the estimate (``fit`` on an abstract mesh, a second
-each) and the most promising ``max_candidates`` are compiled with ``fit``.
-Those that fit rank first, then by estimated step time (the roofline), then
-by headroom.
+times the rule presets, times the remat policies. A preset none of whose
+logical names the model uses is skipped with a warning (its layout would be
+plain data parallelism). Cheap checks come first and are exact, so they never
+reject a layout that could fit: a candidate whose shapes do not divide its
+axes, or whose parameters, optimizer state and gradients alone exceed the most
+memory it could be given (on GPUs: the usable memory at the largest fraction
+``fit`` proposes), is rejected from its plan without compiling. The rest are
+ordered by the estimate (``fit`` on an abstract mesh, a second each; one too
+close to call counts as fitting) and the most promising ``max_candidates`` are
+compiled with ``fit``.
+
+Those that fit (on GPUs: at the run's allocator fraction) rank first, then
+those that fit only with a raised ``XLA_CLIENT_MEM_FRACTION`` (the smallest
+first), then the rest; within each, by estimated step time, then by headroom.
+On GPUs the step time is the roofline's compute and collective time without
+its HBM term: a GPU program compiled without a GPU keeps XLA's default fusions,
+so its HBM bytes are inflated, and remat lowers them. Last, a layout never
+ranks above the same mesh and preset with less remat when both fit.
 """
 
 from __future__ import annotations
@@ -23,8 +33,16 @@ from typing import Any
 
 import jax
 
-from flax_shardmeta._capacity import presets as presets_lib
-from flax_shardmeta._capacity.candidate import Candidate, Suggestions, summary
+from flax_shardmeta._capacity import (
+  presets as presets_lib,
+  ranking,
+  usable as usable_lib,
+)
+from flax_shardmeta._capacity.candidate import (
+  Candidate,
+  Suggestions,
+  verdict_words,
+)
 from flax_shardmeta._capacity.chips import Chip, chip_named, chip_of, parse_bytes
 from flax_shardmeta._capacity.fit import fit
 from flax_shardmeta._capacity.gpu import described_memory
@@ -46,9 +64,10 @@ _INSIDE_A_HOST = ('model', 'expert')
 def _factorizations(
   axes: Sequence[str], n: int, per_host: int, num_slices: int
 ) -> Iterable[tuple[int, ...]]:
-  """Every split of ``n`` chips over ``axes``: model-like axes inside one host,
-  the first axis spanning the slices; an axis of size 1 other than 'data'
-  adds nothing another preset lacks, so only pure data parallelism keeps one."""
+  """Every split of ``n`` chips over ``axes``: model-like axes inside one host
+  (together), the first axis spanning the slices; an axis of size 1 other than
+  'data' adds nothing another preset lacks, so only pure data parallelism
+  keeps one."""
 
   def split(k: int, i: int) -> Iterable[tuple[int, ...]]:
     if i == len(axes) - 1:
@@ -61,7 +80,8 @@ def _factorizations(
 
   for sizes in split(n, 0):
     named = dict(zip(axes, sizes))
-    if any(named[a] > 1 and per_host % named[a] for a in _INSIDE_A_HOST if a in named):
+    inside = math.prod(named[a] for a in _INSIDE_A_HOST if a in named)
+    if inside > 1 and per_host % inside:
       continue
     if num_slices > 1 and sizes[0] % num_slices:
       continue
@@ -87,13 +107,23 @@ def suggest(
   max_candidates: int = 8,
   progress: bool | Callable[[str], None] = True,
   cache: bool = True,
+  mem_fraction: float | None = None,
+  reserve: int | str | None = None,
 ) -> Suggestions:
   """Searches meshes, rule presets and remat policies for the best layout.
+
+  On GPUs every candidate is judged as :func:`fit` judges it: against the
+  memory a real run gives XLA (``mem_fraction`` of the GPU's memory, less
+  what of the reserve does not fit beside it). A candidate that fits only
+  with a raised ``XLA_CLIENT_MEM_FRACTION`` is marked so and ranks after
+  those that fit at the run's fraction, before those that do not fit.
 
   Args:
     build: ``build(mesh, rules, remat) -> (step, *abstract_args)``, what
       :func:`fit` takes (``flax_shardmeta.examples.train.builder`` makes one
-      for the built-in models).
+      for the built-in models). Its annotated arguments' logical names decide
+      which presets apply: one none of whose names (``batch`` aside) the
+      model uses is skipped with a warning.
     batch: the global batch size: every candidate's batch axes must divide it.
     tokens_per_example: tokens per example (the sequence length), for
       tokens/s/chip.
@@ -103,21 +133,30 @@ def suggest(
     num_slices: slices of the TPU topology; the first mesh axis spans them.
     target_config: with ``topology='custom:NxG'``, the GPU's description.
     devices: other devices to lay meshes over (default: this machine's).
-    hbm: memory per chip to judge against (default: the chip's).
+    hbm: memory per chip to judge against (default: the chip's); on GPUs,
+      the GPU's memory, of which the allocator takes its fraction.
     chip: chip figures when the devices do not say (e.g. CPU devices).
     presets: preset names (``'fsdp'``, ``'fsdp+tp'``, ``'tp'``, ``'t5x-1d'``,
-      ``'t5x-2d'``, ``'ep'``) or :class:`RulePreset` objects.
-    remat: remat policies to try.
+      ``'t5x-2d'``, ``'ep'``, ``'ep+tp'``) or :class:`RulePreset` objects.
+    remat: remat policies to try, least remat first: a layout never ranks
+      above the same mesh and preset with a policy listed before its own
+      when both fit.
     max_candidates: at most this many are compiled (the most promising by
       the estimate, spread over the presets and remat policies).
     progress: print progress to stderr (or call this with each line).
     cache: reuse compiled figures (see :func:`fit`).
+    mem_fraction: GPUs: the allocator fraction the run will use (default:
+      ``XLA_CLIENT_MEM_FRACTION`` from the environment, else jax's 0.75).
+    reserve: GPUs: bytes (or text like ``'3GiB'``) the run holds outside
+      XLA's pool per GPU (default: the CUDA context and each layout's NCCL
+      communicators, see :func:`fit`).
 
   Returns:
     :class:`Suggestions`, best first; ``suggestions[0].compare()`` says why.
 
   Raises:
-    FitError: malformed arguments (batch, hbm, max_candidates).
+    FitError: malformed arguments (batch, hbm, max_candidates, mem_fraction,
+      reserve).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -137,26 +176,46 @@ def suggest(
   _check_arguments(batch, max_candidates)
   say = _progress(progress)
   pool = _pool(topology, num_slices, devices, target_config)
-  capacity = _capacity(hbm, chip_named(chip) if chip else chip_of(pool))
+  spec = chip_named(chip) if chip else chip_of(pool)
+  capacity = _capacity(hbm, spec)
   if capacity is None:  # a custom GPU: its own description's memory
     capacity = described_memory(pool)
   where = _Where(pool, topology, num_slices)
-  candidates = _candidates(presets, remat, where, batch * tokens_per_example)
+  memory = _Memory.of(capacity, where.on_gpu, mem_fraction, reserve)
+  policies = tuple(remat)
+  resolved = presets_lib.resolve(presets)
+  candidates = _candidates(resolved, policies, where, batch * tokens_per_example)
+  first = _first_built(build, candidates)
+  unused: dict[str, str] = {}
+  if first is not None:
+    unused = presets_lib.unused_presets(resolved, presets_lib.model_names(first[1][1:]))
+    candidates = [c for c in candidates if c.preset.name not in unused]
   say(f'{len(candidates)} candidates over {len(pool)} devices; checking plans')
+  runs = {'mem_fraction': mem_fraction, 'reserve': reserve}
+  estimate_chip = chip or (spec.name if spec is not None else None)
   for c in candidates:
-    _check(c, build, where, batch, capacity, chip)
+    built = first[1] if first is not None and c is first[0] else None
+    _check(c, build, where, batch, memory, estimate_chip, runs, built)
   viable = [c for c in candidates if c.rejected is None]
   rejected = [c for c in candidates if c.rejected is not None]
-  chosen = _pick(viable, max_candidates, capacity)
+  chosen = _pick(viable, max_candidates, memory)
   skipped = [c for c in viable if c not in chosen]
   for i, c in enumerate(chosen, 1):
     t = time.perf_counter()
     step, *args = build(_mesh(c, where), c.preset.rules, c.remat)
-    c.report = r = fit(step, *args, hbm=capacity, chip=chip, cache=cache)
+    c.report = r = fit(step, *args, hbm=capacity, chip=chip, cache=cache, **runs)
     say(f'[{i}/{len(chosen)}] {c.label}: {_compiled(r, time.perf_counter() - t)}')
-  ranked = sorted(chosen, key=_rank_key)
-  _reasons(ranked)
-  return Suggestions(ranked, rejected, skipped, capacity, time.perf_counter() - start)
+  ranked = ranking.rank(chosen, policies)
+  ranking.reasons(ranked, policies)
+  return Suggestions(
+    ranked,
+    rejected,
+    skipped,
+    memory.judged_bytes,
+    time.perf_counter() - start,
+    usable=memory.usable,
+    skipped_presets=unused,
+  )
 
 
 def _check_arguments(batch: Any, max_candidates: Any) -> None:
@@ -173,11 +232,71 @@ def _capacity(hbm: int | str | None, chip: Chip | None) -> int | None:
   return chip.hbm_bytes if chip is not None else None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Memory:
+  """What the candidates are judged against.
+
+  Attributes:
+    capacity: memory per chip (``hbm=`` or the chip's; GPUs: the GPU's).
+    usable: GPUs: a run's usable memory at its fraction, with the reserve of
+      the CUDA context alone (or ``reserve=``): the most any layout gets at
+      that fraction (its NCCL communicators take more).
+  """
+
+  capacity: int | None
+  usable: usable_lib.UsableMemory | None
+
+  @classmethod
+  def of(
+    cls,
+    capacity: int | None,
+    on_gpu: bool,
+    mem_fraction: float | None,
+    reserve: int | str | None,
+  ) -> _Memory:
+    if mem_fraction is not None:
+      usable_lib.run_fraction(mem_fraction)  # a bad one is refused at once
+    size, why = usable_lib.reserve_for((), reserve)  # so is a bad reserve
+    if not on_gpu or capacity is None:
+      return cls(capacity, None)
+    fraction, source = usable_lib.run_fraction(mem_fraction)
+    return cls(capacity, usable_lib.UsableMemory(capacity, fraction, source, size, why))
+
+  @property
+  def judged_bytes(self) -> int | None:
+    """The memory a layout is judged to fit in: usable memory on GPUs."""
+    return self.usable.usable_bytes if self.usable is not None else self.capacity
+
+  @property
+  def most_bytes(self) -> int | None:
+    """The most memory any layout could be judged to fit in: on GPUs at the
+    largest fraction ``fit`` proposes (or the run's, when larger)."""
+    if self.usable is None:
+      return self.capacity
+    top = max(self.usable.fraction, usable_lib.MAX_FRACTION)
+    return self.usable.with_fraction(top, 'the largest fraction').usable_bytes
+
+  def most_text(self) -> str:
+    """What :attr:`most_bytes` is, in words."""
+    most = format_bytes(self.most_bytes or 0)
+    if self.usable is None:
+      return most
+    top = max(self.usable.fraction, usable_lib.MAX_FRACTION)
+    name = usable_lib.FRACTION_VARIABLES[0]
+    return (
+      f'{most}, the most a run can give XLA ({name}={top:.2f}, the largest '
+      f'fraction fit proposes, of {format_bytes(self.usable.device_bytes)}, '
+      f'{format_bytes(self.usable.reserve_bytes)} held outside its pool)'
+    )
+
+
 def _compiled(r: FitReport, seconds: float) -> str:
   """How a compiled candidate came out, for the progress line."""
-  verdict = 'fits' if r.fits else 'does not fit'
   cached = ', cached' if r.cached else ''
-  return f'{format_bytes(r.total_bytes)} per chip, {verdict} ({seconds:.0f} s{cached})'
+  return (
+    f'{format_bytes(r.total_bytes)} per chip, {verdict_words(r)} '
+    f'({seconds:.0f} s{cached})'
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +311,11 @@ class _Where:
   def per_host(self) -> int:
     hosts = {getattr(d, 'process_index', 0) for d in self.pool}
     return len(self.pool) // max(len(hosts), 1)
+
+  @property
+  def on_gpu(self) -> bool:
+    """GPU devices (``fit`` compiles their programs without a GPU)."""
+    return bool(self.pool) and getattr(self.pool[0], 'platform', '') == 'gpu'
 
 
 def _pool(
@@ -208,10 +332,12 @@ def _pool(
 
 
 def _candidates(
-  presets: Iterable[str | RulePreset], remat: Iterable[str], where: _Where, tokens: int
+  presets: Sequence[RulePreset],
+  policies: Sequence[str],
+  where: _Where,
+  tokens: int,
 ) -> list[Candidate]:
   """Every preset, split of the chips over its axes, and remat policy."""
-  policies = tuple(remat)
   n = len(where.pool)
   return [
     Candidate(
@@ -221,11 +347,34 @@ def _candidates(
       _topology=where.topology,
       _num_slices=where.num_slices,
       _tokens=tokens,
+      _gpu=where.on_gpu,
     )
-    for p in presets_lib.resolve(presets)
+    for p in presets
     for sizes in _factorizations(p.axes, n, where.per_host, where.num_slices)
     for r in policies
   ]
+
+
+# Presets the model has no names for
+# ------------------------------------------------------------------------------
+
+
+def _first_built(
+  build: Build, candidates: Sequence[Candidate]
+) -> tuple[Candidate, tuple[Any, ...]] | None:
+  """The first candidate the build lays out on its abstract mesh, and what it
+  returned (its shapes may not divide another's axes; those are rejected by
+  their own check)."""
+  for c in candidates:
+    try:
+      return c, tuple(build(_abstract_mesh(c), c.preset.rules, c.remat))
+    except ShardingError:
+      continue
+  return None
+
+
+# The cheap checks and the estimate
+# ------------------------------------------------------------------------------
 
 
 def _progress(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
@@ -246,15 +395,26 @@ def _mesh(c: Candidate, where: _Where) -> Any:
   return device_mesh(sizes, names, where.pool, auto, dcn_axis_sizes=dcn)
 
 
+def _abstract_mesh(c: Candidate) -> jax.sharding.AbstractMesh:
+  return jax.sharding.AbstractMesh(
+    tuple(c.shape.values()),
+    tuple(c.shape),
+    axis_types=(jax.sharding.AxisType.Auto,) * len(c.shape),
+  )
+
+
 def _check(
   c: Candidate,
   build: Build,
   where: _Where,
   batch: int,
-  capacity: int | None,
+  memory: _Memory,
   chip: str | None,
+  runs: dict[str, Any],
+  built: Sequence[Any] | None = None,
 ) -> None:
-  """The exact cheap checks: batch and shapes divide, the state fits."""
+  """The exact cheap checks (batch and shapes divide, the state fits the most
+  memory the layout could be given), then the estimate."""
   batch_ways = math.prod(
     c.shape[a]
     for name, target in c.preset.rules
@@ -270,13 +430,11 @@ def _check(
     c.rejected = f'no such mesh here: {e}'
     return
   del mesh  # it exists: the candidate can be compiled
-  abstract = jax.sharding.AbstractMesh(
-    tuple(c.shape.values()),
-    tuple(c.shape),
-    axis_types=(jax.sharding.AxisType.Auto,) * len(c.shape),
-  )
-  step, *args = build(abstract, c.preset.rules, c.remat)
   try:
+    # The build itself may lay the arguments out (fsm.jit's in_shardings).
+    if built is None:
+      built = tuple(build(_abstract_mesh(c), c.preset.rules, c.remat))
+    step, *args = built
     arguments = prepare(Step.of(step, len(args)), args)
   except ShardingError as e:
     first = e.problems[0]
@@ -291,22 +449,25 @@ def _check(
       by_category[category] += size
   # Gradients are laid out like the parameters.
   c.lower_bound = 2 * by_category[PARAMETERS] + by_category[OPTIMIZER]
-  if capacity is not None and c.lower_bound > capacity:
+  most = memory.most_bytes
+  if most is not None and c.lower_bound > most:
     c.rejected = (
       f'parameters, optimizer state and gradients alone need '
-      f'{format_bytes(c.lower_bound)} per chip, over {format_bytes(capacity)}'
+      f'{format_bytes(c.lower_bound)} per chip, over {memory.most_text()}'
     )
     return
-  c.estimate = fit(step, *args, chip=chip).total_bytes
+  estimated = fit(step, *args, hbm=memory.capacity, chip=chip, **runs)
+  c.estimate = estimated.total_bytes
+  c.estimate_verdict = estimated.verdict_kind
 
 
-def _pick(viable: list[Candidate], n: int, capacity: int | None) -> list[Candidate]:
-  """The ``n`` most promising: estimated to fit first, no remat before remat,
-  then least memory; taken in turn from each (preset, remat) group."""
+def _pick(viable: list[Candidate], n: int, memory: _Memory) -> list[Candidate]:
+  """The ``n`` most promising: estimated to fit (or too close to call) first,
+  then those a raised fraction may hold, no remat before remat, then least
+  memory; taken in turn from each (preset, remat) group."""
 
   def key(c: Candidate) -> tuple[Any, ...]:
-    likely_out = capacity is not None and (c.estimate or 0) > capacity
-    return (likely_out, c.remat != 'none', c.estimate or 0)
+    return (_estimated_tier(c, memory), c.remat != 'none', c.estimate or 0)
 
   groups: dict[tuple[str, str], list[Candidate]] = {}
   for c in sorted(viable, key=key):
@@ -320,48 +481,12 @@ def _pick(viable: list[Candidate], n: int, capacity: int | None) -> list[Candida
   return picked
 
 
-def _rank_key(c: Candidate) -> tuple[Any, ...]:
-  r = c.report
-  if r is None:
-    return (True, math.inf, 0)
-  step = c.step_s if c.step_s is not None else math.inf
-  # The step time is an estimate: ones equal to three significant digits (as
-  # printed) are a tie, and the headroom decides.
-  if math.isfinite(step):
-    step = float(f'{step:.3g}')
-  return (not r.fits, step, -(r.headroom_bytes or 0))
-
-
-def _reasons(ranked: list[Candidate]) -> None:
-  """A one-line reason per candidate, against the one ranked just above it
-  (the first against the second)."""
-  for i, c in enumerate(ranked):
-    ref = ranked[1] if i == 0 and len(ranked) > 1 else (ranked[i - 1] if i else None)
-    c._next = ranked[i + 1] if i + 1 < len(ranked) else None
-    c.reason = _reason(c, ref, first=i == 0)
-
-
-def _reason(c: Candidate, ref: Candidate | None, first: bool) -> str:
-  r = c.report
-  if r is None:
-    return c.rejected or 'not compiled'
-  kinds = sorted(r.collectives, key=lambda x: -x.bytes)
-  top = kinds[0] if kinds else None
-  comm = (
-    f'{top.kind}s {format_bytes(int(top.bytes))} per step over {top.over}'
-    if top is not None
-    else 'no collectives'
-  )
-  if not r.fits:
-    return f'needs {format_bytes(-(r.headroom_bytes or 0))} more than the HBM; {comm}'
-  if ref is None or ref.report is None:
-    return f'{summary(c)}; {comm}'
-  other = 'the next' if first else 'the one above'
-  parts = []
-  if c.step_s and ref.step_s:
-    parts.append(f"step {c.step_s / ref.step_s:.2f}x {other}'s")
-  temp = r.row('temporaries') - ref.report.row('temporaries')
-  sign = '+' if temp >= 0 else '-'
-  parts.append(f'activations {sign}{format_bytes(abs(temp))} vs {other}')
-  parts.append(comm)
-  return '; '.join(parts)
+def _estimated_tier(c: Candidate, memory: _Memory) -> int:
+  """0: the estimate fits, is too close to call or has no verdict; 1 (GPUs):
+  over the run's usable memory, within what a raised fraction gives; 2: over."""
+  if c.estimate_verdict != 'does_not_fit':
+    return 0
+  most = memory.most_bytes
+  if memory.usable is not None and most is not None and (c.estimate or 0) <= most:
+    return 1
+  return 2

@@ -11,6 +11,7 @@ memory and cost, with no TPU attached.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import glob
 import importlib.util
@@ -20,7 +21,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from flax_shardmeta._capacity import gpu
+from flax_shardmeta._capacity import chips, gpu
 from flax_shardmeta._errors import MeshShapeError, TopologyError
 
 if TYPE_CHECKING:  # jax is imported when a mesh is made: the CLI starts light
@@ -34,6 +35,20 @@ ACCEPTED_FORMS = (
 """The topology names libtpu accepts, as given in errors."""
 
 _NAME = re.compile(r'^([a-zA-Z0-9_ ]+)[=_:]([0-9x]+)(_twisted|_untwisted)?$')
+
+TPU_GENERATIONS = tuple(c.name for c in chips.CHIPS if c.device_kind.startswith('TPU'))
+"""The TPU generations fsm has figures for (``chips.CHIPS``): v4, v5e, v5p,
+v6e and tpu7x, as topology names spell them."""
+
+# What else libtpu takes as a generation (tried with libtpu 0.0.42.1's
+# get_topology_desc): 'v5' for v5p, and v2 and v3, which compile without
+# figures of fsm's; each also as 'TPU v5' (libtpu's own "TPU <generation>"), in
+# any case. It refuses 'v5litepod', 'v6' and 'v7x' ("Invalid TPU external
+# name: TPU v5litepod").
+_TPU_SPELLINGS = frozenset({*TPU_GENERATIONS, 'v2', 'v3', 'v5'})
+# Cloud TPU's name of a generation libtpu does not take, and the one it does
+# ('v5litepod-16' is a v5e slice, as ACCEPTED_FORMS says).
+_CLOUD_NAMES = {'v5litepod': 'v5e'}
 
 # Without these, libtpu looks for the TPU VM it runs on (cloud metadata, worker
 # hostnames) and prints several lines of warnings before it answers. They only
@@ -66,6 +81,59 @@ def _on_a_tpu_vm() -> bool:
   return bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))
 
 
+def platform_of(name: Any) -> str | None:
+  """``'gpu'`` or ``'tpu'``: what the accelerator a topology name starts with
+  is, read before either is asked to describe it. None for a name that is not
+  ``ACCELERATOR:SHAPE`` at all (not a string, no shape), which
+  :func:`topology_devices` refuses with the accepted forms.
+
+  Raises:
+    TopologyError: the accelerator is neither a GPU nor a TPU generation fsm
+      knows; the message names the closest known ones and lists them all.
+
+  Example:
+    >>> platform_of('h100:4x8'), platform_of('v5p:4x4x8'), platform_of('v5p-8')
+    ('gpu', 'tpu', None)
+    >>> platform_of('h900:1x8')
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.TopologyError: unknown accelerator 'h900' in topology
+    'h900:1x8': did you mean h100 or h200? (GPUs: a100, h100, h200, b200, custom;
+    TPUs: v4, v5e, v5p, v6e, tpu7x)
+  """
+  if gpu.is_gpu_topology(name):
+    return 'gpu'
+  match = _NAME.match(name.strip()) if isinstance(name, str) else None
+  if match is None:
+    return None
+  given = match.group(1).strip()
+  key = given.lower()
+  if key in gpu.GPUS or key == 'custom':
+    return 'gpu'  # a GPU in a form gpu.gpu_devices refuses with its own forms
+  if key.removeprefix('tpu ').strip() in _TPU_SPELLINGS:
+    return 'tpu'
+  raise TopologyError(_unknown_accelerator(given, name))
+
+
+def _unknown_accelerator(given: str, name: str) -> str:
+  """One line: the accelerator given, the closest known names, all of them."""
+  gpus = (*gpu.GPUS, 'custom')
+  known = (*gpus, *TPU_GENERATIONS)
+  key = given.lower()
+  close = set(difflib.get_close_matches(key, known))
+  if key in _CLOUD_NAMES:
+    close.add(_CLOUD_NAMES[key])
+  nearest = [k for k in known if k in close]  # in the listing's order
+  listing = f'(GPUs: {", ".join(gpus)}; TPUs: {", ".join(TPU_GENERATIONS)})'
+  if not nearest:
+    hint = f'use one of these {listing}'
+  elif len(nearest) == 1:
+    hint = f'did you mean {nearest[0]}? {listing}'
+  else:
+    hint = f'did you mean {", ".join(nearest[:-1])} or {nearest[-1]}? {listing}'
+  return f'unknown accelerator {given!r} in topology {name!r}: {hint}'
+
+
 def topology_devices(
   name: str, *, num_slices: int = 1, target_config: str | None = None
 ) -> tuple[Any, ...]:
@@ -84,7 +152,9 @@ def topology_devices(
     The devices, in libtpu's order.
 
   Raises:
-    TopologyError: libtpu is missing, or the name is not a topology it knows.
+    TopologyError: the accelerator the name starts with is unknown (read
+      first, so that no platform is asked about it), libtpu is missing, or
+      the name is not a topology it knows.
 
   Example:
     >>> from flax_shardmeta._capacity import topology
@@ -95,7 +165,7 @@ def topology_devices(
     ...   print(8, 'TPU v5')
     8 TPU v5
   """
-  if gpu.is_gpu_topology(name):
+  if platform_of(name) == 'gpu':
     if num_slices != 1:
       raise TopologyError(
         f'num_slices={num_slices} is for TPU topologies; a GPU cluster counts '

@@ -17,7 +17,11 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from flax_shardmeta._capacity.gpu import is_gpu_topology, node_local_check
-from flax_shardmeta._capacity.topology import device_mesh, topology_devices
+from flax_shardmeta._capacity.topology import (
+  device_mesh,
+  platform_of,
+  topology_devices,
+)
 from flax_shardmeta._errors import MeshShapeError
 
 
@@ -70,7 +74,10 @@ def make_mesh(
   Raises:
     MeshShapeError: the sizes do not fit the devices or the hosts; the
       message names both counts and a factorisation that would fit.
-    TopologyError: libtpu / the CUDA plugin is missing; an unknown topology.
+    TopologyError: an accelerator neither a GPU nor a TPU fsm knows (read
+      before either platform is asked: ``'h900:1x8'`` names the closest
+      known ones, ``h100`` or ``h200``); libtpu / the CUDA plugin is missing;
+      an unknown topology.
 
   Example:
     >>> import jax, flax_shardmeta as fsm
@@ -116,7 +123,10 @@ def _devices_and_dcn(
   """The devices to lay the mesh over (this machine's, a pod's or a GPU
   cluster's), and the hosts each axis spans (with slices, the first axis
   spans them by default)."""
-  if target_config is not None and not is_gpu_topology(topology):
+  # The accelerator first: a GPU fsm does not know is not a TPU to ask libtpu
+  # about, nor a target_config mistake.
+  platform = platform_of(topology) if topology is not None else None
+  if target_config is not None and platform != 'gpu':
     raise MeshShapeError(
       f"target_config= describes a GPU: give topology='custom:NxG' with it, "
       f'not {topology!r}.'

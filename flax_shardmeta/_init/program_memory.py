@@ -108,3 +108,23 @@ def memory_fields(compiled: Any) -> dict[str, int] | None:
     return None
   stats = compiled.memory_analysis()
   return {f: int(getattr(stats, f, 0) or 0) for f in MEMORY_FIELDS}
+
+
+def step_total(fields: dict[str, int]) -> int:
+  """The peak one device holds over a whole step, from :func:`memory_fields`:
+  arguments + outputs - aliased + temporaries + generated code (what
+  ``fsm.fit`` reports as ``total_bytes``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile()
+    >>> step_total(memory_fields(compiled)) >= 32
+    True
+  """
+  return (
+    fields['argument_size_in_bytes']
+    + fields['output_size_in_bytes']
+    - fields['alias_size_in_bytes']
+    + fields['temp_size_in_bytes']
+    + fields['generated_code_size_in_bytes']
+  )

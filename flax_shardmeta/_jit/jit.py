@@ -67,8 +67,10 @@ class JitWithContext:
     in_shardings: Any,
     out_shardings: Any,
     jit_kwargs: dict[str, Any],
+    given_in_shardings: Any = None,
   ):
     self.mesh, self.rules = mesh, rules
+    self._given_ins = given_in_shardings
     self._fn, self._jit_kwargs = fn, jit_kwargs
     self._ins, self._outs = in_shardings, out_shardings
     self._jits: dict[Any, tuple[Any, list[Any]]] = {}
@@ -86,6 +88,13 @@ class JitWithContext:
   def in_shardings(self) -> Any:
     """The arguments' shardings as given to ``jax.jit`` (None: not given)."""
     return None if self._ins is None else _given(self._ins)
+
+  @property
+  def given_in_shardings(self) -> Any:
+    """The arguments' shardings as passed to :func:`flax_shardmeta.jit`,
+    logical names unresolved: what an error about an argument's layout
+    names."""
+    return self._given_ins
 
   @property
   def out_shardings(self) -> Any:
@@ -267,7 +276,7 @@ def jit(
     ins = _resolve_top(in_shardings, mesh, rules_t)
     outs = _resolve_top(out_shardings, mesh, rules_t)
   jit_kwargs = {'static_argnums': static_argnums, 'donate_argnums': donate_argnums}
-  return JitWithContext(fn, mesh, rules_t, ins, outs, jit_kwargs)
+  return JitWithContext(fn, mesh, rules_t, ins, outs, jit_kwargs, in_shardings)
 
 
 def _warn_if_logical(*shardings: Any) -> None:

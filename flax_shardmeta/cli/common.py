@@ -7,16 +7,12 @@ errors answer before either is loaded.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
-import glob
-import importlib.util
 import json
-import os
 import sys
 import textwrap
 import tomllib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
 from flax_shardmeta.examples import state as example_state
@@ -102,6 +98,19 @@ def positive(text: str) -> int:
     value = 0
   if value < 1:
     raise argparse.ArgumentTypeError(f'expected a positive integer, got {text!r}')
+  return value
+
+
+def fraction(text: str) -> float:
+  """argparse ``type=`` for a fraction in (0, 1]."""
+  try:
+    value = float(text)
+  except ValueError:
+    value = 0.0
+  if not 0 < value <= 1:  # also refuses nan
+    raise argparse.ArgumentTypeError(
+      f'expected a fraction greater than 0 and at most 1, e.g. 0.9, got {text!r}'
+    )
   return value
 
 
@@ -191,6 +200,19 @@ def add_step(p: argparse.ArgumentParser, *, remat: str, batch_required: bool) ->
   p.add_argument(
     '--hbm', help="memory per chip to judge against, e.g. 95GiB (default: the chip's)"
   )
+  p.add_argument(
+    '--mem-fraction',
+    type=fraction,
+    metavar='FLOAT',
+    help="GPU runs: the fraction of each GPU's memory jax's allocator takes "
+    "(XLA_CLIENT_MEM_FRACTION; default: the environment's, else jax's 0.75)",
+  )
+  p.add_argument(
+    '--reserve',
+    metavar='SIZE',
+    help="GPU runs: memory held outside XLA's pool per GPU (CUDA context, "
+    "NCCL); default: the project's table",
+  )
 
 
 def add_front_end(p: argparse.ArgumentParser, *, api: str, dtype: str) -> None:
@@ -244,8 +266,8 @@ def require_positive(args: argparse.Namespace, flags: Iterable[str]) -> None:
       raise UsageError(f'--{flag.replace("_", "-")} {value}: must be at least 1')
 
 
-def check_hbm(text: str | None) -> None:
-  """``--hbm``, when given, is a size (``95GiB``)."""
+def check_hbm(text: str | None, flag: str = '--hbm') -> None:
+  """``--hbm`` (or another size ``flag``), when given, is a size (``95GiB``)."""
   if text is None:
     return
   from flax_shardmeta._capacity.chips import parse_bytes
@@ -254,7 +276,20 @@ def check_hbm(text: str | None) -> None:
   try:
     parse_bytes(text)
   except FitError as e:
-    raise UsageError(f'--hbm: {e}') from None
+    raise UsageError(f'{flag}: {e}') from None
+
+
+def check_gpu_run(args: argparse.Namespace) -> None:
+  """``--reserve``, when given, is a size (``--mem-fraction`` is checked by
+  the parser)."""
+  check_hbm(args.reserve, '--reserve')
+
+
+def gpu_run_options(args: argparse.Namespace) -> dict[str, Any]:
+  """``mem_fraction=`` and ``reserve=`` for ``fsm.fit`` and ``fsm.suggest``,
+  each only when its option is given (the library's defaults otherwise)."""
+  given = {'mem_fraction': args.mem_fraction, 'reserve': args.reserve}
+  return {k: v for k, v in given.items() if v is not None}
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -360,6 +395,18 @@ def command_rules(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
   return load_rules('t5x')
 
 
+def note_default_rules(args: argparse.Namespace) -> None:
+  """One line on stderr when :func:`command_rules` fell back to T5X's rules
+  (your own model, no ``--rules``): a layout from rules nobody chose should
+  say whose they are. Said with the output, so that errors stay one line."""
+  if not args.rules and args.model is None:
+    print(
+      'flax-shardmeta: rules: T5X defaults (pass --rules t5x-2d, inline JSON or '
+      'a JSON / TOML file to choose)',
+      file=sys.stderr,
+    )
+
+
 def mesh_rules(
   args: argparse.Namespace, axis_names: tuple[str, ...]
 ) -> tuple[tuple[str, Any], ...]:
@@ -420,74 +467,3 @@ def check_mesh_axis_names(
       f'--mesh {text!r}: no rule uses mesh axis {given!r}, and the rules '
       f'shard over {wanted!r}, which the mesh lacks: did you mean {wanted!r}?'
     )
-
-
-def local_jax_on_cpu() -> None:
-  """Off a TPU VM, jax's own backend is the CPU (unless JAX_PLATFORMS says).
-
-  Every command runs on this machine's CPU (the demo's simulated devices) or
-  compiles for a described pod. With libtpu installed (the tpu extra), jax
-  would otherwise try to start a local TPU first and print several lines of
-  warnings about this machine's missing TPU.
-  """
-  if glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'):
-    return
-  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-
-
-def start_jax_quietly() -> None:
-  """Imports jax with standard error closed where jax's CUDA plugin would only
-  say that this machine has no GPU.
-
-  With the gpu extra (the plugin, to compile for GPU clusters) on a machine
-  without an NVIDIA GPU, importing jax and starting its first backend print
-  "Could not find cuda drivers" from the plugin's C++ libraries, which no
-  setting silences. The commands compile for described GPUs only, so those
-  lines say nothing. No backend is started here (the demo and jax.distributed
-  come first); the plugin's own start is closed off the same way. Anywhere
-  else this does nothing.
-  """
-  if glob.glob('/dev/nvidia[0-9]*') or 'jax' in sys.modules:
-    return
-  plugins = [name for name in _CUDA_PLUGINS if _found(name)]
-  if not plugins:
-    return
-  with _stderr_closed():
-    import jax  # noqa: F401
-
-    for name in plugins:
-      module = importlib.import_module(name)
-      setattr(module, 'initialize', _closed(module.initialize))  # noqa: B010
-
-
-_CUDA_PLUGINS = ('jax_plugins.xla_cuda12', 'jax_plugins.xla_cuda13')
-
-
-def _found(name: str) -> bool:
-  try:
-    return importlib.util.find_spec(name) is not None
-  except ModuleNotFoundError:  # no jax_plugins namespace at all
-    return False
-
-
-def _closed(start: Any) -> Any:
-  def initialize() -> Any:
-    with _stderr_closed():
-      return start()
-
-  return initialize
-
-
-@contextlib.contextmanager
-def _stderr_closed() -> Iterator[None]:
-  """File descriptor 2 to /dev/null: the messages come from C++."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  null = os.open(os.devnull, os.O_WRONLY)
-  os.dup2(null, 2)
-  os.close(null)
-  try:
-    yield
-  finally:
-    os.dup2(saved, 2)
-    os.close(saved)

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from flax_shardmeta.cli import common
+from flax_shardmeta.cli import common, process
 
 HELP = (
   'plan, init and train a small model on 8 simulated devices, checking every sharding'
@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
   """The ``demo`` subcommand: in this process, or across ``--processes``."""
-  common.start_jax_quietly()
+  process.start_jax_quietly()
   from flax_shardmeta._hosts import launch
 
   n = args.processes

@@ -13,8 +13,10 @@ preset rules. The keywords are ``batch``, ``seq``, ``remat`` and
 passes each candidate's ``remat`` when the factory takes one); an option given
 to a factory without that parameter (or ``**kwargs``) is an error. The factory
 builds abstractly: parameters with ``jax.eval_shape``, inputs as
-``jax.ShapeDtypeStruct``; nothing can be computed on a TPU topology's devices.
-What it returns is each command's own (described with the command). A module
+``jax.ShapeDtypeStruct``; nothing can be computed on the devices of a TPU pod
+or GPU cluster this machine does not have. Every command takes ``(step,
+*abstract_args)``, a training step and its arguments (``plan`` lays out the
+annotated ones; it also takes a model, described with it). A module
 that cannot be imported, a missing factory, or a factory (or the model it
 returns) that raises is reported in one line naming the factory and the error,
 with exit code 2; ``--traceback`` prints the whole traceback.
@@ -26,8 +28,10 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import math
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -178,29 +182,136 @@ def _reported(
   except (UsageError, *passing):
     raise
   except Exception as e:
-    if mesh is not None and _computes_eagerly(e, mesh):
-      raise UsageError(
-        f'--module {target} computes an array eagerly under a TPU topology mesh; '
-        'build the arguments abstractly: jax.eval_shape(...) / '
-        "jax.ShapeDtypeStruct; a concrete array cannot live on the TPU topology's "
-        'devices',
-        cause=e,
-      ) from None
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    text = f': {lines[0]}{" ..." if len(lines) > 1 else ""}' if lines else ''
-    raise UsageError(f'--module {target}: {type(e).__name__}{text}', cause=e) from None
+    if mesh is not None:
+      explained = _constraint_failure(e, mesh)
+      if explained is not None:
+        raise UsageError(f'--module {target}: {explained}', cause=e) from None
+      if _computes_eagerly(e, mesh):
+        far = _far_devices(mesh)
+        raise UsageError(
+          f'--module {target} computes an array eagerly under a {far} mesh, of '
+          'devices this machine does not have; build the arguments abstractly: '
+          'jax.eval_shape(...) / jax.ShapeDtypeStruct; a concrete array cannot '
+          f"live on the {far}'s devices",
+          cause=e,
+        ) from None
+    raise UsageError(
+      f'--module {target}: {type(e).__name__}{_gist(e)}', cause=e
+    ) from None
+
+
+def _gist(error: Exception) -> str:
+  """``error``'s message in one line: its first line, and under a heading
+  (``1 leaf cannot be sharded as annotated:``) the first item listed too,
+  which says what is wrong."""
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  if not lines:
+    return ''
+  head, rest = lines[0], lines[1:]
+  if head.endswith(':') and rest:
+    head = f'{head} {rest.pop(0).removeprefix("- ")}'
+  return f': {head}{" ..." if rest else ""}'
+
+
+def _far_devices(mesh: Any) -> str:
+  """What a mesh of devices this machine lacks is over, for a message."""
+  platform = getattr(next(iter(mesh.devices.flat), None), 'platform', '')
+  return {'gpu': 'GPU cluster', 'cuda': 'GPU cluster', 'tpu': 'TPU pod'}.get(
+    platform, f'{platform} topology'
+  )
+
+
+def _mesh_text(mesh: Any) -> str:
+  """``mesh`` for a message: its axes, and what its devices are."""
+  import jax
+
+  sizes = ' x '.join(f'{n}={s}' for n, s in zip(mesh.axis_names, mesh.axis_sizes))
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    return f'the abstract mesh {sizes} (no --topology: it has no devices)'
+  return f'the {_far_devices(mesh)} mesh {sizes} (devices this machine does not have)'
+
+
+def _constraint_failure(error: Exception, mesh: Any) -> str | None:
+  """What went wrong when ``error`` was raised by ``fsm.with_logical_constraint``
+  inside the model the factory evaluates (typically ``init`` on a dummy
+  input), and what to do; None for any other error.
+
+  Told by the traceback: the constraint's own frame (its ``names``) and the
+  line of the model that called it.
+  """
+  from flax_shardmeta._constraints import with_logical_constraint
+  from flax_shardmeta._errors import NoMeshError, ShardingError
+  from flax_shardmeta._specs import format_spec, mesh_axes_of, spec_entries
+
+  frames = list(traceback.walk_tb(error.__traceback__))
+  at = next(
+    (
+      i
+      for i, (frame, _) in enumerate(frames)
+      if frame.f_code is with_logical_constraint.__code__
+    ),
+    None,
+  )
+  if at is None:
+    return None
+  names = frames[at][0].f_locals.get('names')
+  where = ''
+  if at > 0:
+    caller, line = frames[at - 1]
+    where = f' at {os.path.basename(caller.f_code.co_filename)}:{line}'
+  what = (
+    "the model's activation constraint fsm.with_logical_constraint(..., "
+    f'{names!r}){where}'
+  )
+  on = _mesh_text(mesh)
+  problems = getattr(error, 'problems', ()) if isinstance(error, ShardingError) else ()
+  if problems:
+    p = problems[0]
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    entries = spec_entries(p.spec)
+    factors = [
+      math.prod(sizes.get(a, 1) for a in mesh_axes_of(entries[d]))
+      for d in p.dims
+      if d < len(entries)
+    ]
+    if (
+      factors
+      and p.shape is not None
+      and all(p.shape[d] % f for d, f in zip(p.dims, factors))
+    ):
+      fix = (
+        'The factory evaluates the model on an input the mesh cannot split (a '
+        'dummy batch for init?): initialise under jax.eval_shape with inputs of '
+        'the real shapes (jax.ShapeDtypeStruct), or with a batch that is a '
+        f'multiple of {factors[0]}'
+      )
+    else:
+      fix = f'Fix: {p.hint}'
+    return (
+      f'{what} cannot lay out the value the factory gives it, on {on}: shape '
+      f'{p.shape}, spec {format_spec(p.spec)}: {p.reason}. {fix}'
+    )
+  if isinstance(error, NoMeshError) or _computes_eagerly(error, mesh):
+    return (
+      f'{what} was applied eagerly, to a concrete array outside jit, while the '
+      f'factory ran; nothing can be laid out on {on}. Initialise the model '
+      'abstractly, e.g. jax.eval_shape(lambda: model.init(jax.random.key(0), x)), '
+      'or give the factory abstract inputs (jax.ShapeDtypeStruct)'
+    )
+  return None
 
 
 def _computes_eagerly(error: Exception, mesh: Any) -> bool:
   """Whether ``error`` is jax failing to run an operation on ``mesh``'s devices.
 
-  A mesh over a TPU topology's devices (``fsm.make_mesh(..., topology=...)``)
-  compiles but runs nothing: an eager operation under it (``jax.random.key(0)``,
-  ``jnp.zeros``) fails deep inside jax with an error that does not say why (jax
-  0.10 to 0.12: ``AttributeError: 'Executable' object has no attribute
-  'local_devices'``). Rather than match that text, ``error`` is compared with
-  what an eager probe raises under the same mesh; where jax runs the probe,
-  nothing is detected. A test pins the message this gives.
+  A mesh over a TPU pod's or GPU cluster's devices (``fsm.make_mesh(...,
+  topology=...)``) compiles but runs nothing: an eager operation under it
+  (``jax.random.key(0)``, ``jnp.zeros``) fails deep inside jax with an error
+  that does not say why (jax 0.10 to 0.12: ``AttributeError: 'Executable'
+  object has no attribute 'local_devices'``). Rather than match that text,
+  ``error`` is compared with what an eager probe raises under the same mesh;
+  where jax runs the probe, nothing is detected. A test pins the message this
+  gives.
   """
   import jax
   import jax.numpy as jnp

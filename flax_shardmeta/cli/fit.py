@@ -21,8 +21,10 @@ on TPUs, nvlink / network on GPUs) and a roofline step time.
 Without ``--topology`` the mesh is an ``AbstractMesh`` (Auto axes) and the
 figures are an estimate (``--chip`` names the hardware for the verdict).
 
-Exit codes: 0 the step fits (or no memory size is known), 1 it does not fit,
-2 bad arguments or a failing factory (one line on stderr).
+Exit codes: 0 the step fits (or no memory size is known), 1 it does not fit
+(on GPUs: not at the run's allocator fraction), 2 bad arguments or a failing
+factory (one line on stderr), 3 an estimate too close to the limit to call
+without compiling.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     '--extrapolate',
     action='store_true',
-    help='compile at 2 and 4 layers and extrapolate (faster only when compile '
-    'time grows with depth, i.e. layers not scanned)',
+    help='compile 2 and 4 layers and extrapolate where the program grows with '
+    'depth (layers unrolled) enough for that to be clearly faster; else (scanned '
+    "layers) compile the whole model once; the report's notes say which",
   )
   p.add_argument(
     '--why',
@@ -75,11 +78,13 @@ def run(args: argparse.Namespace) -> int:
     'hbm': args.hbm,
     'chip': args.chip,
     'cache': not args.no_cache,
+    **common.gpu_run_options(args),
   }
   if factory is None:
     report = _builtin(args, mesh, rules, options)
   else:
     report = _user(args, factory, mesh, rules, options)
+  common.note_default_rules(args)
   if args.format == 'json':
     print(json.dumps(report.to_dict(), indent=1))
   else:
@@ -87,7 +92,13 @@ def run(args: argparse.Namespace) -> int:
     if args.why:
       print()
       print(report.why())
+  if report.too_close_to_call:
+    return TOO_CLOSE
   return 1 if report.fits is False else 0
+
+
+TOO_CLOSE = 3
+"""The exit code of an estimate within its measured error of the limit."""
 
 
 def _builtin(args: argparse.Namespace, mesh: Any, rules: Any, options: dict) -> Any:

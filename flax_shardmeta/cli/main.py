@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from flax_shardmeta._errors import FlaxShardmetaError
-from flax_shardmeta.cli import common, demo, diff, fit, plan, snapshot, suggest
+from flax_shardmeta.cli import common, demo, diff, fit, plan, process, snapshot, suggest
 
 
 class Command(Protocol):
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     >>> main(['plan', '--model', 'mlp', '--mesh', 'data=0'])
     2
   """
-  common.local_jax_on_cpu()
+  process.local_jax_on_cpu()
   args = None
   try:
     args = build_parser().parse_args(argv)

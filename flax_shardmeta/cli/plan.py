@@ -6,6 +6,11 @@
 
 ``--module pkg.mod:factory`` plans your own model. The factory returns either
 
+* ``(step, *abstract_args)``, as for ``fit`` and ``suggest``: the arguments
+  that carry annotations (a train state from ``jax.eval_shape``, a boxed
+  batch) are planned as they are, by the step's parameter names, their
+  optimizer state included; the others are left to the step and named on
+  stderr; or
 * ``(linen_module, *example_inputs)``: parameters come from
   ``linen_module.init(key, *example_inputs)['params']``, evaluated abstractly
   (inputs may be arrays or ``jax.ShapeDtypeStruct``); or
@@ -13,8 +18,9 @@
   returns a variables tree (its ``'params'`` entry is used when present); with
   ``--api nnx`` it returns an ``nnx.Module`` whose ``nnx.Param`` state is used.
 
-The parameters are then planned with the optimizer state of ``--optimizer``
-and the rules of ``--rules`` (T5X's by default for your own models).
+The parameters of the last two are planned with the optimizer state of
+``--optimizer``. The rules are those of ``--rules`` (T5X's by default for your
+own models, which stderr says).
 
 Exit codes: 0 success, 1 the plan has problems (0 with ``--allow-problems``),
 2 bad arguments or a failing factory (one line on stderr).
@@ -28,7 +34,7 @@ import sys
 import warnings
 from typing import Any
 
-from flax_shardmeta.cli import common
+from flax_shardmeta.cli import common, process
 from flax_shardmeta.cli.factory import CONTRACT, Factory
 from flax_shardmeta.examples import state as example_state
 
@@ -81,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
   common.check_model_name(args.model)
   axis_names, axis_sizes = common.parse_mesh(args.mesh)
   rules = common.mesh_rules(args, axis_names)
-  common.start_jax_quietly()
+  process.start_jax_quietly()
   factory = Factory.load(args.module) if args.module is not None else None
 
   # Heavy imports only once the arguments are known to be good.
@@ -96,11 +102,12 @@ def run(args: argparse.Namespace) -> int:
   mesh = jax.sharding.AbstractMesh(
     axis_sizes, axis_names, axis_types=(kind,) * len(axis_names)
   )
+  left_out: tuple[str, ...] = ()
   if factory is None:
     dtype = common.param_dtype(args)
     state = example_state.abstract_state(args.model, args.api, args.optimizer, dtype)
   else:
-    state = _user_state(factory, mesh, rules, args.api, args.optimizer)
+    state, left_out = _user_state(factory, mesh, rules, args.api, args.optimizer)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
     result = plan(
@@ -115,6 +122,13 @@ def run(args: argparse.Namespace) -> int:
     # twice.
     if not issubclass(w.category, IndivisibleDimensionWarning):
       print(f'flax-shardmeta: warning: {w.message}', file=sys.stderr)
+  common.note_default_rules(args)
+  if left_out:
+    print(
+      'flax-shardmeta: plan: arguments of the step without annotations, not '
+      f'planned: {", ".join(left_out)}',
+      file=sys.stderr,
+    )
   if args.format == 'json':
     print(json.dumps(result.to_dict(), indent=1))
   else:
@@ -132,8 +146,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _user_state(
   factory: Factory, mesh: Any, rules: Any, api: str, optimizer_name: str
-) -> Any:
-  """The abstract state of ``--module pkg.mod:factory`` (see the module doc)."""
+) -> tuple[Any, tuple[str, ...]]:
+  """The abstract state of ``--module pkg.mod:factory`` (see the module doc),
+  and the arguments of a step left out of it."""
   made = factory(mesh, rules)
   import jax
   from flax import linen as nn
@@ -141,6 +156,8 @@ def _user_state(
   with factory.running():
     if isinstance(made, tuple) and made and isinstance(made[0], nn.Module):
       params = example_state.abstract_linen_params(made[0], *made[1:])
+    elif isinstance(made, (tuple, list)) and made and callable(made[0]):
+      return _step_arguments(factory, made)
     elif callable(made) and api == 'nnx':
       from flax import nnx
 
@@ -152,7 +169,33 @@ def _user_state(
     else:
       raise common.UsageError(
         f'--module {factory.target}: the factory returned {type(made).__name__}; '
-        'expected (linen_module, *example_inputs) or a function with no '
-        'arguments building the variables'
+        'expected (step, *abstract_args), (linen_module, *example_inputs) or a '
+        'function with no arguments building the variables'
       )
-  return example_state.abstract_train_state(params, optimizer_name)
+  return example_state.abstract_train_state(params, optimizer_name), ()
+
+
+def _step_arguments(
+  factory: Factory, made: Any
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+  """The annotated arguments of ``(step, *abstract_args)`` by the step's
+  parameter names (``state/params/...``, as ``fit`` names them), and the names
+  of the others."""
+  from flax_shardmeta import _annotation as ann_lib
+  from flax_shardmeta._capacity.step import argument_names
+
+  step, *args = made
+  names = argument_names(step, len(args))
+
+  def annotated(arg: Any) -> bool:
+    return any(lf.annotation is not None for lf in ann_lib.walk(arg)[0])
+
+  out = {n: a for n, a in zip(names, args) if annotated(a)}
+  if not out:
+    raise common.UsageError(
+      f'--module {factory.target}: none of the arguments of the step it returned '
+      f'({", ".join(names) or "none"}) carries annotations, so there is nothing '
+      'to plan; annotate them (fsm.with_logical_partitioning, '
+      'fsm.LogicalPartitioned) or see the layout with flax-shardmeta fit'
+    )
+  return out, tuple(n for n in names if n not in out)

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
   names, sizes, rules, factory = step.checked(args)
   mesh = step.mesh(args, names, sizes)
   text = json.dumps(_snapshot(args, factory, mesh, rules), indent=1, sort_keys=True)
+  common.note_default_rules(args)
   if args.out is None:
     print(text)
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from flax_shardmeta.cli import common
+from flax_shardmeta.cli import common, process
 from flax_shardmeta.cli.factory import Factory
 
 
@@ -40,8 +40,9 @@ def checked(
     common.check_remat(args.remat, [args.remat], builtin=args.model is not None)
   common.require_positive(args, ('batch', 'seq', 'num_slices'))
   common.check_hbm(args.hbm)
+  common.check_gpu_run(args)
   rules = common.mesh_rules(args, names)
-  common.start_jax_quietly()
+  process.start_jax_quietly()
   factory = Factory.load(args.module) if args.module is not None else None
   return names, sizes, rules, factory
 

@@ -33,7 +33,7 @@ import sys
 import tomllib
 from typing import Any
 
-from flax_shardmeta.cli import common
+from flax_shardmeta.cli import common, process
 from flax_shardmeta.cli.factory import CONTRACT, Factory
 
 HELP = 'search meshes, rule presets and remat for the best layout on a pod'
@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
   remat = [r.strip() for r in (args.remat or 'none,full').split(',') if r.strip()]
   common.check_remat(args.remat, remat, builtin=args.model is not None)
   common.check_hbm(args.hbm)
-  common.start_jax_quietly()
+  common.check_gpu_run(args)
+  process.start_jax_quietly()
   if args.module is not None:
     factory = Factory.load(args.module)
     build = _user_build(factory, args)
@@ -103,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
       remat=remat,
       max_candidates=args.max_candidates,
       cache=not args.no_cache,
+      **common.gpu_run_options(args),
     )
   if args.format == 'json':
     print(json.dumps(found.to_dict(), indent=1))
@@ -112,14 +114,25 @@ def run(args: argparse.Namespace) -> int:
       print()
       print(found[0].compare())
   if not found.fitting:
+    raised = found.fitting_with_fraction
     closest = found.closest
-    if closest is not None and found.hbm_bytes is not None:
+    report = closest.report if closest is not None else None
+    if raised and raised[0].report is not None:
+      from flax_shardmeta._capacity.candidate import verdict_words
+
+      print(
+        "flax-shardmeta suggest: nothing fits at the run's fraction; best with a "
+        f'raised one is {raised[0].label}: {verdict_words(raised[0].report)}',
+        file=sys.stderr,
+      )
+    elif closest is not None and report is not None and report.hbm_bytes is not None:
       from flax_shardmeta._planning.format import format_bytes
 
-      short = (closest.total_bytes or 0) - found.hbm_bytes
+      what = 'the usable memory' if report.usable is not None else 'the HBM'
+      short = (closest.total_bytes or 0) - report.hbm_bytes
       print(
         f'flax-shardmeta suggest: nothing fits; closest is {closest.label}, '
-        f'{format_bytes(short)} over the HBM',
+        f'{format_bytes(short)} over {what}',
         file=sys.stderr,
       )
     return 1

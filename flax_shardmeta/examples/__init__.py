@@ -9,8 +9,9 @@ model's abstract training state for ``fsm.plan``, and
 ``flax-shardmeta plan --model NAME`` uses); ``examples.train`` builds their
 training steps abstractly for ``fsm.fit`` and ``fsm.suggest``
 (``train_step(name, mesh, batch=..., seq=...)``, ``builder(name, ...)``);
-``examples.demo`` is the job
-``flax-shardmeta demo`` runs. Importing this package is light: the model
+``examples.moe`` is a Mixtral-shaped mixture of experts (its experts on the
+logical name ``'expert'``), trained by ``examples.train`` too; ``examples.demo``
+is the job ``flax-shardmeta demo`` runs. Importing this package is light: the model
 modules (and flax's front ends) load when first used.
 
 Example:
@@ -34,7 +35,7 @@ from flax_shardmeta.examples.state import (
   optimizer,
 )
 
-_LAZY_MODULES = ('linen', 'nnx', 'demo', 'train')
+_LAZY_MODULES = ('linen', 'nnx', 'demo', 'train', 'moe')
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -148,23 +148,7 @@ class LlamaBlock(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
     c = self.config
-    wq = self._param(
-      'wq', (c.dim, c.num_heads, c.head_dim), ('embed', 'heads', 'head_dim')
-    )
-    wk = self._param(
-      'wk', (c.dim, c.num_kv_heads, c.head_dim), ('embed', 'kv_heads', 'head_dim')
-    )
-    wv = self._param(
-      'wv', (c.dim, c.num_kv_heads, c.head_dim), ('embed', 'kv_heads', 'head_dim')
-    )
-    wo = self._param(
-      'wo', (c.num_heads, c.head_dim, c.dim), ('heads', 'head_dim', 'embed')
-    )
-    h = RMSNorm(c.norm_eps, self.param_dtype, name='attention_norm')(x)
-    q = rope(jnp.einsum('bse,ehd->bshd', h, wq), c.rope_theta)
-    k = rope(jnp.einsum('bse,ehd->bshd', h, wk), c.rope_theta)
-    v = jnp.einsum('bse,ehd->bshd', h, wv)
-    x = x + jnp.einsum('bshd,hde->bse', attend(q, k, v), wo)
+    x = gqa_attention(self, x)
     w1 = self._param('w1', (c.dim, c.ffn_dim), ('embed', 'mlp'))
     w3 = self._param('w3', (c.dim, c.ffn_dim), ('embed', 'mlp'))
     w2 = self._param('w2', (c.ffn_dim, c.dim), ('mlp', 'embed'))
@@ -174,11 +158,39 @@ class LlamaBlock(nn.Module):
     return x, None
 
 
+def gqa_attention(block: LlamaBlock, x: jax.Array) -> jax.Array:
+  """``x`` plus ``block``'s pre-norm grouped-query attention over it: its
+  parameters ``wq``, ``wk``, ``wv``, ``wo`` and its ``attention_norm``. A
+  function, not a method, so that the ops keep the layer's own name scope;
+  the mixture-of-experts layer (``examples.moe``) shares it."""
+  c = block.config
+  wq = block._param(
+    'wq', (c.dim, c.num_heads, c.head_dim), ('embed', 'heads', 'head_dim')
+  )
+  wk = block._param(
+    'wk', (c.dim, c.num_kv_heads, c.head_dim), ('embed', 'kv_heads', 'head_dim')
+  )
+  wv = block._param(
+    'wv', (c.dim, c.num_kv_heads, c.head_dim), ('embed', 'kv_heads', 'head_dim')
+  )
+  wo = block._param(
+    'wo', (c.num_heads, c.head_dim, c.dim), ('heads', 'head_dim', 'embed')
+  )
+  h = RMSNorm(c.norm_eps, block.param_dtype, name='attention_norm')(x)
+  q = rope(jnp.einsum('bse,ehd->bshd', h, wq), c.rope_theta)
+  k = rope(jnp.einsum('bse,ehd->bshd', h, wk), c.rope_theta)
+  v = jnp.einsum('bse,ehd->bshd', h, wv)
+  return x + jnp.einsum('bshd,hde->bse', attend(q, k, v), wo)
+
+
 class Llama(nn.Module):
   """Llama-3 decoder with its layers stacked by ``nn.scan`` on a 'layers' axis.
 
-  ``remat`` rematerialises each layer (see ``REMAT_POLICIES``).
+  ``remat`` rematerialises each layer (see ``REMAT_POLICIES``); ``block`` is
+  the layer (``examples.moe`` swaps in a mixture-of-experts one).
   """
+
+  block: ClassVar[type[LlamaBlock]] = LlamaBlock
 
   config: LlamaConfig
   param_dtype: Any = jnp.float32
@@ -195,7 +207,7 @@ class Llama(nn.Module):
     )
     x = jnp.take(embedding, tokens, axis=0)
     x, _ = nn.scan(
-      _rematted(LlamaBlock, self.remat),
+      _rematted(self.block, self.remat),
       length=c.num_layers,
       variable_axes={'params': 0},
       split_rngs={'params': True},

@@ -4,7 +4,9 @@
 ``fsm.jit`` training step (forward, backward, optimizer update, the state
 donated) and its arguments as ``jax.eval_shape`` trees. Nothing is allocated,
 so the mesh may be a pod's: ``fsm.fit(*train_step('llama3-8b', mesh,
-batch=256, seq=2048))``.
+batch=256, seq=2048))``. Besides the built-in models (``MODEL_NAMES``), the
+mixture-of-experts examples of ``examples.moe`` (``'mixtral-8x7b'``,
+``'moe-tiny'``; Linen only) train the same way.
 """
 
 from __future__ import annotations
@@ -49,12 +51,29 @@ def num_layers(name: str) -> int:
   """The depth of built-in model ``name``: what ``fit --extrapolate`` reports on.
 
   Example:
-    >>> num_layers('mlp'), num_layers('llama3-8b')
-    (4, 32)
+    >>> num_layers('mlp'), num_layers('llama3-8b'), num_layers('moe-tiny')
+    (4, 32, 2)
   """
   if name == 'mlp':
     return 4  # the notebook's depth, as examples.linen.model('mlp') builds it
+  if name in _moe_configs():
+    return _moe_configs()[name].num_layers
   return llama_config(name).num_layers
+
+
+def _moe_configs() -> dict[str, Any]:
+  from flax_shardmeta.examples import moe
+
+  return moe.MOE_CONFIGS
+
+
+def _rules(name: str) -> tuple[tuple[str, Any], ...]:
+  """The rules a model is meant to be planned with."""
+  if name in _moe_configs():
+    from flax_shardmeta.examples import moe
+
+    return moe.MOE_RULES
+  return model_rules(name)
 
 
 def _loss(name: str, apply: Any, batch: jax.Array) -> jax.Array:
@@ -88,7 +107,7 @@ def train_step(
   """A built-in model's training step on ``mesh``, with abstract arguments.
 
   Args:
-    name: one of ``MODEL_NAMES``.
+    name: one of ``MODEL_NAMES``, or of ``examples.moe.MOE_CONFIGS``.
     mesh: the mesh (a pod's, from ``fsm.make_mesh(..., topology=...)``, or an
       ``AbstractMesh`` for an estimate).
     rules: logical axis rules (the model's own by default).
@@ -114,7 +133,7 @@ def train_step(
     >>> batch.shape, step.in_shardings[1].spec
     ((16, 1024), P('data', None))
   """
-  rules = model_rules(name) if rules is None else tuple(rules)
+  rules = _rules(name) if rules is None else tuple(rules)
   tx = optimizer(optimizer_name)
   tokens = abstract_batch(name, batch, seq)
   if api == 'linen':
@@ -137,9 +156,10 @@ def train_step(
 def _linen(
   name: str, tx: Any, remat: str, dtype: Any, num_layers: int | None, rules: Any
 ) -> tuple[Any, Any]:
-  from flax_shardmeta.examples import linen
+  from flax_shardmeta.examples import linen, moe
 
-  module, example = linen.model(name, dtype, remat=remat, num_layers=num_layers)
+  make = moe.model if name in moe.MOE_CONFIGS else linen.model
+  module, example = make(name, dtype, remat=remat, num_layers=num_layers)
 
   def init(key: jax.Array) -> train_state.TrainState:
     x = jnp.zeros(example.shape, example.dtype)
@@ -163,6 +183,11 @@ def _nnx(
   from flax import nnx
 
   from flax_shardmeta.examples import nnx as nnx_models
+
+  if name in _moe_configs():
+    raise UnknownNameError(
+      f"the mixture-of-experts example {name!r} is Linen only; pass api='linen'"
+    )
 
   def create() -> tuple[Any, Any]:
     m = nnx_models.model(
