@@ -270,7 +270,9 @@ def compile_for_memory(lowered: Any, limit_bytes: int) -> tuple[Any, bool]:
   makes XLA plan against ``limit_bytes``. That swaps jax's private lowering
   fields (its backend and device list) on a copy: when they are not there
   (another jax), the program is compiled for the mesh's own devices and
-  ``retargeted`` is False (the report then says so).
+  ``retargeted`` is False (the report then says so). The described memory is
+  also what XLA's collective-combiner heuristic reads (a real run's is the
+  card's), so combined collectives may differ slightly from the run's.
   """
   lowering: Any = getattr(lowered, '_lowering', None)
   args = getattr(lowering, 'compile_args', None)
