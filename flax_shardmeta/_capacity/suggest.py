@@ -34,6 +34,7 @@ from typing import Any
 import jax
 
 from flax_shardmeta._capacity import (
+  gpu_verdict,
   presets as presets_lib,
   ranking,
   usable as usable_lib,
@@ -254,13 +255,12 @@ class _Memory:
     mem_fraction: float | None,
     reserve: int | str | None,
   ) -> _Memory:
-    if mem_fraction is not None:
-      usable_lib.run_fraction(mem_fraction)  # a bad one is refused at once
-    size, why = usable_lib.reserve_for((), reserve)  # so is a bad reserve
+    run = gpu_verdict.RunMemory(mem_fraction, reserve)
+    # A bad fraction or reserve is refused at once, GPU or not.
+    memory = run.memory(capacity or 0, ())
     if not on_gpu or capacity is None:
       return cls(capacity, None)
-    fraction, source = usable_lib.run_fraction(mem_fraction)
-    return cls(capacity, usable_lib.UsableMemory(capacity, fraction, source, size, why))
+    return cls(capacity, memory)
 
   @property
   def judged_bytes(self) -> int | None:
