@@ -315,19 +315,21 @@ def model(
   *,
   remat: str = 'none',
   num_layers: int | None = None,
+  config: Any = None,
 ) -> nn.Module:
   """Model ``name`` (``NAMES``); ``num_layers`` sets the depth (of the encoder
-  and of the decoder, for ``'t5'``)."""
+  and of the decoder, for ``'t5'``), ``config`` other widths (a ``T5Config``
+  or ``MoEConfig``)."""
   remat_policy(remat)
   if name == 't5':
-    config = T5Config()
+    config = config or T5Config()
     if num_layers is not None:
       config = dataclasses.replace(
         config, encoder_layers=num_layers, decoder_layers=num_layers
       )
     return T5(config, dtype, remat)
   if name == 'moe':
-    config = MoEConfig()
+    config = config or MoEConfig()
     if num_layers is not None:
       config = dataclasses.replace(config, num_layers=num_layers)
     return MoE(config, dtype, remat)
@@ -370,6 +372,7 @@ def train_step(
   remat: str = 'none',
   dtype: Any = jnp.bfloat16,
   num_layers: int | None = None,
+  config: Any = None,
 ) -> tuple[fsm.JitWithContext, Any, Any]:
   """Model ``name``'s training step on ``mesh``, with abstract arguments.
 
@@ -382,6 +385,7 @@ def train_step(
     remat: ``'none'`` or ``'full'`` (or another ``REMAT_POLICIES`` name).
     dtype: the parameters' dtype.
     num_layers: another depth than the config's.
+    config: other widths than the model's (``T5Config``, ``MoEConfig``).
 
   Returns:
     ``(step, state, batch)``: ``step(state, batch) -> (state, loss)`` from
@@ -389,7 +393,7 @@ def train_step(
     abstract arguments.
   """
   rules = model_rules(name) if rules is None else tuple(rules)
-  module = model(name, dtype, remat=remat, num_layers=num_layers)
+  module = model(name, dtype, remat=remat, num_layers=num_layers, config=config)
   tokens = abstract_batch(name, batch, seq)
   tx = optax.adamw(1e-4)
 

@@ -40,10 +40,8 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     RulePreset as RulePreset,
   )
   from flax_shardmeta._capacity.report import FitReport as FitReport
-  from flax_shardmeta._capacity.snapshot import (
-    snapshot as snapshot,
-    snapshot_diff as snapshot_diff,
-  )
+  from flax_shardmeta._capacity.snapshot import snapshot as snapshot
+  from flax_shardmeta._capacity.snapshot_diff import snapshot_diff as snapshot_diff
   from flax_shardmeta._capacity.suggest import (
     Candidate as Candidate,
     Suggestions as Suggestions,

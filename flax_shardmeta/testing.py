@@ -14,7 +14,7 @@ import os
 import pathlib
 from typing import Any
 
-from flax_shardmeta._capacity.snapshot import snapshot_diff
+from flax_shardmeta._capacity.snapshot_diff import VERSION, outdated, snapshot_diff
 from flax_shardmeta._errors import FitError
 
 UPDATE_VARIABLE = 'FLAX_SHARDMETA_UPDATE_SNAPSHOTS'
@@ -60,15 +60,17 @@ def assert_snapshot(snapshot: dict[str, Any], path: str | os.PathLike[str]) -> N
   Raises:
     SnapshotMismatch: (an ``AssertionError``) the layouts differ; the message
       lists the differences and how to record the new layout.
-    FitError: the file holds no snapshot of this format.
+    FitError: the file holds no snapshot of this format; one of an older
+      version (written by an older flax_shardmeta) must be recorded again,
+      with ``FLAX_SHARDMETA_UPDATE_SNAPSHOTS=1``.
 
   Example:
     >>> import os, tempfile, flax_shardmeta as fsm
-    >>> snap = {'version': 1, 'parameters': {'params/w': "P(None, 'model')"}}
+    >>> snap = {'version': 2, 'parameters': {'params/w': "P(None, 'model')"}}
     >>> path = os.path.join(tempfile.mkdtemp(), 'layout.json')
     >>> fsm.testing.assert_snapshot(snap, path)  # written: it was missing
     >>> fsm.testing.assert_snapshot(snap, path)  # equal: passes
-    >>> moved = {'version': 1, 'parameters': {'params/w': "P('model', None)"}}
+    >>> moved = {'version': 2, 'parameters': {'params/w': "P('model', None)"}}
     >>> fsm.testing.assert_snapshot(moved, path)
     Traceback (most recent call last):
     ...
@@ -91,6 +93,9 @@ def assert_snapshot(snapshot: dict[str, Any], path: str | os.PathLike[str]) -> N
       f'{os.fspath(path)} holds no JSON ({e}): delete it or record '
       f'it again with {UPDATE_VARIABLE}=1.'
     ) from None
+  if isinstance(recorded, dict) and recorded.get('version', VERSION) != VERSION:
+    # Named by its path: which golden file to record again.
+    raise FitError(f'{os.fspath(path)} {outdated(recorded["version"])}')
   lines = snapshot_diff(recorded, json.loads(text))
   if lines:
     raise SnapshotMismatch(path, lines)

@@ -85,3 +85,40 @@ def pytest_runtest_setup(item):
       pytest.skip(
         "libtpu is not installed (pip install 'flax_shardmeta[tpu]'; CI has it)"
       )
+
+
+@pytest.fixture(autouse=True)
+def _reports_read_right(monkeypatch):
+  """Every report any test makes names only the user's lines (no source of a
+  collective row lies in jax, flax, optax or flax_shardmeta itself), and was
+  read from a program text the reader read as XLA's own module has it."""
+  from flax_shardmeta import _frames
+  from flax_shardmeta._capacity import report
+
+  made = []
+  real = report.FitReport.__init__
+
+  def keep(self, *args, **kwargs):
+    real(self, *args, **kwargs)
+    made.append(self)
+
+  monkeypatch.setattr(report.FitReport, '__init__', keep)
+  yield
+  library = sorted(
+    {
+      source
+      for made_report in made
+      for row in made_report.collectives
+      for source in row.sources
+      if _frames.is_library_file(source.rpartition(':')[0])
+    }
+  )
+  assert not library, f'collectives attributed to library lines: {library}'
+  # The HLO reader agrees with XLA's own module on every program compiled.
+  disagreeing = [
+    note
+    for made_report in made
+    for note in made_report.notes
+    if 'reader disagrees' in note
+  ]
+  assert not disagreeing, disagreeing

@@ -4,8 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+import flax_shardmeta as fsm
 from flax_shardmeta._capacity import hlo, hlo_collectives, hlo_text, hlo_work
 
 ADD = """
@@ -267,3 +269,90 @@ def test_attributes_are_read_at_the_top_level_only():
   assert inst.int_attribute('channel_id') == 3
   assert inst.attribute('replica_groups') == '{{0,1},{2,3}}'
   assert inst.first_group(4) == [0, 1]
+
+
+def test_computations_of_another_execution_thread_close_where_they_end():
+  """A TPU's SparseCore computations end with their thread's name: the reader
+  must not read the next computation's instructions into them."""
+  text = (
+    '%region (a: f32[], b: f32[]) -> f32[] {\n'
+    '  %a = f32[] parameter(0)\n'
+    '  %b = f32[] parameter(1)\n'
+    '  ROOT %s = f32[] add(%a, %b)\n'
+    '}, execution_thread="sparsecore"\n'
+    '\n'
+    '%called (p: f32[8]) -> f32[8] {\n'
+    '  ROOT %p = f32[8]{0} parameter(0)\n'
+    '}, execution_thread="sparsecore"\n'
+    '\n'
+    'ENTRY %main (x: f32[8]) -> f32[8] {\n'
+    '  %x = f32[8]{0} parameter(0)\n'
+    '  %st = ((f32[8]{0}), f32[8]{0}) call-start(%x), '
+    'async_execution_thread="sparsecore", to_apply=%called\n'
+    '  ROOT %d = f32[8]{0} call-done(%st)\n'
+    '}\n'
+  )
+  computations = hlo_text.parse(text)
+  assert {n: len(c.instructions) for n, c in computations.items()} == {
+    'region': 3,
+    'called': 1,
+    'main': 3,
+  }
+  assert [c.thread for c in computations.values()] == ['sparsecore'] * 2 + ['main']
+  assert computations['main'].instructions[1].called() == [('to_apply', 'called')]
+
+
+@pytest.mark.libtpu
+def test_reader_agrees_with_xla_on_an_unrolled_nnx_mixture_of_experts():
+  """On v5p the backward pass of top-k routing scatters on the SparseCore:
+  computations of another execution thread, called asynchronously."""
+  experts, dim, ffn = 4, 64, 128
+
+  class Experts(nnx.Module):
+    def __init__(self, rngs):
+      init = nnx.initializers.normal(0.02)
+      self.router = nnx.Param(init(rngs.params(), (dim, experts)))
+      self.w_in = nnx.Param(init(rngs.params(), (experts, dim, ffn)))
+      self.w_out = nnx.Param(init(rngs.params(), (experts, ffn, dim)))
+
+    def __call__(self, x):
+      probs = jax.nn.softmax(x @ self.router[...], axis=-1)
+      gates, index = jax.lax.top_k(probs, 2)
+      chosen = jax.nn.one_hot(index, experts)
+      dispatch, combine = chosen.sum(2), (chosen * gates[..., None]).sum(2)
+      tokens = jnp.einsum('gse,gsd->egsd', dispatch, x)
+      h = jax.nn.gelu(jnp.einsum('egsd,edf->egsf', tokens, self.w_in[...]))
+      out = jnp.einsum('egsf,efd->egsd', h, self.w_out[...])
+      return jnp.einsum('gse,egsd->gsd', combine, out)
+
+  class MoE(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.List([Experts(rngs) for _ in range(2)])
+
+    def __call__(self, x):
+      for layer in self.layers:  # unrolled: no scan
+        x = x + layer(x)
+      return x
+
+  mesh = fsm.make_mesh((2, 2), ('data', 'model'), topology='v5p:2x2x1')
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(nnx.Rngs(0))))
+  state = jax.tree.map(
+    lambda v: jax.ShapeDtypeStruct(
+      v.shape,
+      v.dtype,
+      sharding=NamedSharding(mesh, P('model' if v.ndim == 3 else None)),
+    ),
+    state,
+  )
+  x = jax.ShapeDtypeStruct(
+    (8, 32, dim), jnp.float32, sharding=NamedSharding(mesh, P('data'))
+  )
+
+  def step(state, x):
+    grads = jax.grad(lambda s: (nnx.merge(graphdef, s)(x) ** 2).mean())(state)
+    return jax.tree.map(lambda w, g: w - 0.1 * g, state, grads)
+
+  compiled = jax.jit(step).lower(state, x).compile()
+  computations = hlo_text.parse(hlo_text.program_text(compiled))
+  assert any(c.thread == 'sparsecore' for c in computations.values())
+  assert hlo_text.disagreements(computations, compiled) == []

@@ -46,12 +46,23 @@ LAYERS = [
   ['_planning.explain', '_planning.format', '_planning.entry'],
   ['_planning.plan', '_planning.verify'],
   # _capacity: what a whole step costs.
-  ['_capacity.chips', '_capacity.gpu', '_capacity.topology', '_capacity.cache'],
+  [
+    '_capacity.chips',
+    '_capacity.gpu',
+    '_capacity.topology',
+    '_capacity.source_map',
+    '_capacity.cache',
+  ],
   # The memory a GPU run gives XLA, and compiling for it.
   ['_capacity.usable'],
-  # The compiled program's text: read, then its loops, collectives and work.
+  # Layouts inside a traced step, and the layout changes its constraints ask for.
+  ['_capacity.propagate', '_capacity.constraint_changes'],
+  # The compiled program's text: read, its data flow, why each collective is
+  # there, then its loops, collectives and work.
   [
+    '_capacity.hlo_metadata',
     '_capacity.hlo_text',
+    '_capacity.hlo_flow',
     '_capacity.hlo_attribution',
     '_capacity.hlo_loops',
     '_capacity.hlo_collectives',
@@ -64,10 +75,11 @@ LAYERS = [
     '_capacity.why',
     '_capacity.unplaced',
     '_capacity.report',
+    '_capacity.snapshot_diff',
   ],
   ['_capacity.presets'],
   # The step, the estimate without a compiler, the compiled figures, fit.
-  ['_capacity.step', '_capacity.propagate', '_capacity.liveness', '_capacity.estimate'],
+  ['_capacity.step', '_capacity.liveness', '_capacity.estimate'],
   [
     '_capacity.compiled',
     '_capacity.extrapolate',

@@ -7,7 +7,10 @@ the 8 simulated CPU devices with Auto axes (the layout the rules give is what
 the compiler keeps; nothing is a sharding type).
 """
 
+import importlib
 import json
+import pathlib
+import re
 import runpy
 import subprocess
 import sys
@@ -16,7 +19,13 @@ import textwrap
 import pytest
 
 import flax_shardmeta as fsm
-from flax_shardmeta import cli
+from flax_shardmeta import _frames, cli
+from flax_shardmeta._capacity import (
+  snapshot as snapshot_module,
+  snapshot_diff as snapshot_diff_module,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Written to a file so that this process and a fresh one trace the same lines.
 MODEL = textwrap.dedent(
@@ -85,7 +94,7 @@ def _constraint_line(path):
 
 
 def test_the_snapshot_holds_specs_constraints_collectives_and_mesh(snap, model):
-  assert snap['version'] == 1 and snap['source'] == 'compiled'
+  assert snap['version'] == 2 and snap['source'] == 'compiled'
   assert snap['mesh'] == {
     'axis_names': ['data', 'model'],
     'axis_sizes': [2, 4],
@@ -101,13 +110,18 @@ def test_the_snapshot_holds_specs_constraints_collectives_and_mesh(snap, model):
   assert snap['optimizer_state']['opt_state/0/count'] == 'P()'
   assert snap['inputs'] == {'x': 'P(None, None)'}
   path, _ = model
-  where = f'{path}:{_constraint_line(path)}'
-  mine = [c for c in snap['constraints'] if c['where'] == where]
+  # Run by path, the file is in no module: named by its base name.
+  where = f'layout_model.py:{_constraint_line(path)}'
+  mine = [c for c in snap['constraints'] if where in c['where']]
   # Once as written (under jvp), once on the cotangent (its transpose).
   assert {(c['spec'], tuple(c['shape'])) for c in mine} == {
     ("P('data', 'model')", (8, 32))
   }
-  assert len(mine) == 2 and all('Model' in c['scope'] for c in mine)
+  assert [c['scope'] for c in mine] == ['jvp(Model)', 'transpose(jvp(Model))']
+  assert all(c['where'] == [where] and c['count'] == 1 for c in mine)
+  for c in snap['constraints']:
+    assert not re.search(r':\d', c['scope']), 'a scope holds no line number'
+    assert c['where'] and all(not w.startswith('/') for w in c['where'])
   assert snap['collectives'], 'the gradients are reduced over data'
   for row in snap['collectives']:
     assert set(row) == {
@@ -116,6 +130,7 @@ def test_the_snapshot_holds_specs_constraints_collectives_and_mesh(snap, model):
       'link',
       'reason',
       'parameters',
+      'scope',
       'sources',
       'bytes',
       'count',
@@ -190,12 +205,157 @@ def test_testing_is_a_public_module_loaded_on_first_use():
   assert issubclass(fsm.testing.SnapshotMismatch, AssertionError)
 
 
+# Golden files that travel: the same text from any directory, wherever the
+# model is, and no difference when its code only moves
+# ------------------------------------------------------------------------------
+
+PACKAGE = 'fsm_golden_pkg'  # a name no other test imports
+
+
+@pytest.fixture
+def package(tmp_path, monkeypatch):
+  """Writes the model as ``PACKAGE.layout_model`` under a root and imports it
+  from there (``sys.path`` set to the root), as a user's package would be."""
+  monkeypatch.setattr(sys, 'path', list(sys.path))
+  roots = []
+
+  def load(root, text=MODEL):
+    _forget()
+    folder = tmp_path / root / PACKAGE
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / '__init__.py').write_text('')
+    (folder / 'layout_model.py').write_text(text)
+    sys.path[:] = [p for p in sys.path if p not in roots]
+    roots.append(str(tmp_path / root))
+    sys.path.insert(0, roots[-1])
+    importlib.invalidate_caches()
+    return importlib.import_module(f'{PACKAGE}.layout_model')
+
+  yield load
+  _forget()
+
+
+def _forget():
+  for name in [n for n in sys.modules if n.split('.')[0] == PACKAGE]:
+    del sys.modules[name]
+
+
+def _text(snap):
+  return json.dumps(snap, indent=1, sort_keys=True)
+
+
+def test_the_snapshot_is_the_same_from_any_directory_and_install(
+  package, tmp_path, monkeypatch
+):
+  first = package('a')
+  texts = {}
+  for cwd in (ROOT, ROOT / 'tests', tmp_path / 'a', tmp_path / 'a' / PACKAGE):
+    monkeypatch.chdir(cwd)
+    texts[str(cwd)] = _text(fsm.snapshot(*first.build(), cache=False))
+  moved = package('b')  # the same file in another tree
+  assert moved.__file__ != first.__file__
+  texts['b'] = _text(fsm.snapshot(*moved.build(), cache=False))
+  assert len(set(texts.values())) == 1, texts.keys()
+  text = texts['b']
+  assert str(tmp_path) not in text and str(ROOT) not in text
+  line = _constraint_line(pathlib.Path(moved.__file__))
+  snap = json.loads(text)
+  where = f'{PACKAGE}/layout_model.py:{line}'
+  assert [c['scope'] for c in snap['constraints'] if where in c['where']] == [
+    'jvp(Model)',
+    'transpose(jvp(Model))',
+  ]
+
+
+def test_code_that_only_moves_is_no_difference(package, tmp_path, monkeypatch):
+  monkeypatch.delenv('FLAX_SHARDMETA_UPDATE_SNAPSHOTS', raising=False)
+  module = package('c')
+  old = fsm.snapshot(*module.build(), cache=False)
+  golden = tmp_path / 'layouts' / 'step.json'
+  fsm.testing.assert_snapshot(old, golden)  # recorded
+  path = pathlib.Path(module.__file__)
+  path.write_text('# A comment above everything moves every line down.\n' + MODEL)
+  module = importlib.reload(module)
+  new = fsm.snapshot(*module.build(), cache=False)
+  lines = {w for c in new['constraints'] for w in c['where']}
+  assert f'{PACKAGE}/layout_model.py:{_constraint_line(path)}' in lines
+  assert new != old, 'the lines moved'
+  assert fsm.snapshot_diff(old, new) == []
+  fsm.testing.assert_snapshot(new, golden)
+
+
+def test_a_golden_file_of_version_1_is_to_be_recorded_again(snap, tmp_path):
+  golden = tmp_path / 'step.json'
+  old = {**json.loads(_text(snap)), 'version': 1}
+  for c in old['constraints']:  # as version 1 wrote them: one line each
+    c['where'] = c['where'][0]
+  golden.write_text(json.dumps(old))
+  with pytest.raises(fsm.FitError) as info:
+    fsm.testing.assert_snapshot(snap, golden)
+  message = str(info.value)
+  assert str(golden) in message and 'version 1' in message
+  assert 'must be recorded again' in message
+  assert 'FLAX_SHARDMETA_UPDATE_SNAPSHOTS=1' in message
+  with pytest.raises(fsm.FitError, match='old is a layout snapshot of version 1'):
+    fsm.snapshot_diff(old, snap)
+
+
+def test_a_constraint_with_no_user_frame_names_no_library_line(monkeypatch):
+  from jax._src import source_info_util
+
+  frame = source_info_util.Frame
+  library = [
+    frame(fsm.__file__, 'constrain', 12, 0, 12, 0),
+    frame('/elsewhere/site-packages/flax/linen/module.py', 'apply', 9, 0, 9, 0),
+  ]
+  calls = [library, [*library, frame(__file__, 'step', 7, 0, 7, 0)]]
+  monkeypatch.setattr(source_info_util, 'user_frames', lambda _: iter(calls.pop(0)))
+  info = source_info_util.new_source_info()
+  assert snapshot_module._where(info) == '(no user line)'
+  assert snapshot_module._where(info) == f'{_frames.import_path(__file__)}:7'
+  assert not _frames.import_path(__file__).startswith('/')
+
+
+def test_import_path_is_the_path_from_the_import_root(package, tmp_path):
+  import flax.linen.linear
+
+  module = package('d')
+  assert _frames.import_path(module.__file__) == f'{PACKAGE}/layout_model.py'
+  init = sys.modules[PACKAGE].__file__
+  assert _frames.import_path(init) == f'{PACKAGE}/__init__.py'
+  assert _frames.import_path(flax.linen.linear.__file__) == 'flax/linen/linear.py'
+  assert _frames.import_path(json.__file__) == 'json/__init__.py'
+  # No module has it: under the longest sys.path entry, else its base name.
+  loose = tmp_path / 'd' / 'tools' / 'run.py'
+  assert _frames.import_path(str(loose)) == 'tools/run.py'
+  assert _frames.import_path(str(tmp_path / 'nowhere' / 'run.py')) == 'run.py'
+
+
+def test_library_files_are_told_here_and_from_other_machines():
+  import flax.linen
+
+  assert _frames.is_library_file(flax.linen.__file__)
+  assert _frames.is_library_file(json.__file__)
+  assert _frames.is_library_file(snapshot_module.__file__)
+  for elsewhere in (
+    '/opt/venv/lib/python3.12/site-packages/jax/_src/pjit.py',
+    '/build/jaxlib/xla_client.py',
+    'C:\\py\\Lib\\site-packages\\optax\\_src\\alias.py',
+    'flax/linen/linear.py',
+    'flax_shardmeta/_capacity/fit.py',
+  ):
+    assert _frames.is_library_file(elsewhere), elsewhere
+  for user in ('/home/me/flax_shardmeta/examples/models.py', '/srv/pkg/model.py'):
+    assert not _frames.is_library_file(user), user
+  assert not _frames.is_library_file(__file__)
+
+
 # snapshot_diff on records written by hand
 # ------------------------------------------------------------------------------
 
 
 def _record(**sections):
-  return {'version': 1, 'mesh': {'axis_names': ['data'], 'axis_sizes': [8]}, **sections}
+  return {'version': 2, 'mesh': {'axis_names': ['data'], 'axis_sizes': [8]}, **sections}
 
 
 def _row(nbytes, count=4, **attribution):
@@ -224,6 +384,44 @@ def test_collectives_are_matched_by_attribution_within_one_percent():
   ]
 
 
+def test_collectives_are_matched_by_scope_not_source_line():
+  grad = {'reason': 'gradient', 'parameters': ['params/w'], 'scope': 'Model/mlp'}
+  old = _record(collectives=[_row(1024, sources=['pkg/m.py:4'], **grad)])
+  moved = _record(collectives=[_row(1024, sources=['pkg/m.py:5'], **grad)])
+  assert fsm.snapshot_diff(old, moved) == []
+  other = _record(collectives=[_row(1024, sources=['pkg/m.py:4'], **grad)])
+  other['collectives'][0]['scope'] = 'Model/attn'
+  assert fsm.snapshot_diff(old, other) == [
+    'new all-reduce over model, 1.00 KiB/step, reason gradient, params/w, '
+    'in Model/attn, pkg/m.py:4',
+    'removed all-reduce over model, 1.00 KiB/step, reason gradient, params/w, '
+    'in Model/mlp, pkg/m.py:4',
+  ]
+  # A reason this version does not know is one more opaque reason.
+  unknown = _record(collectives=[_row(1024, **{**grad, 'reason': 'unknown'})])
+  assert fsm.snapshot_diff(unknown, unknown) == []
+  assert fsm.snapshot_diff(old, unknown) == [
+    'removed all-reduce over model, 1.00 KiB/step, reason gradient, params/w, '
+    'in Model/mlp, pkg/m.py:4',
+    'new all-reduce over model, 1.00 KiB/step, reason unknown, params/w, in Model/mlp',
+  ]
+
+
+def test_collective_rows_differing_only_in_lines_are_one_with_their_lines(
+  tmp_path, monkeypatch
+):
+  monkeypatch.syspath_prepend(str(tmp_path))
+  grad = {'reason': 'gradient', 'parameters': ['params/w'], 'scope': 'Model'}
+  rows = [
+    _row(1024, sources=[f'{tmp_path}/pkg/m.py:9', 'pkg/m.py:10'], **grad),
+    _row(1024, sources=['pkg/m.py:10'], **grad),
+  ]
+  (merged,) = snapshot_diff_module.merge_collectives(rows)
+  assert merged['bytes'] == 2048 and merged['count'] == 8
+  # An absolute file is named from its import root (here a sys.path entry).
+  assert merged['sources'] == ['pkg/m.py:10', 'pkg/m.py:9']
+
+
 def test_rows_without_attribution_read_as_before_it():
   # Reports from before collectives were attributed: no reason, no paths.
   old = _record(collectives=[_row(1024)])
@@ -236,9 +434,10 @@ def test_rows_without_attribution_read_as_before_it():
   assert fsm.snapshot_diff(_record(collectives=split), _record(collectives=[one])) == []
 
 
-def test_constraints_are_matched_by_line_and_scope():
-  def constraint(spec, shape=(8, 32), where='model.py:40'):
-    return {'where': where, 'scope': 'Model/attn', 'shape': list(shape), 'spec': spec}
+def test_constraints_are_matched_by_scope_and_layout_not_line():
+  def constraint(spec, shape=(8, 32), where=('model.py:40',)):
+    row = {'scope': 'Model/attn', 'shape': list(shape), 'spec': spec}
+    return {**row, 'where': list(where), 'count': 1}
 
   old = _record(constraints=[constraint("P('data', None)")])
   new = _record(constraints=[constraint("P(None, 'model')")])
@@ -250,10 +449,18 @@ def test_constraints_are_matched_by_line_and_scope():
     "constraint at model.py:40 (Model/attn): P('data', None) on [8, 32] -> "
     "P('data', None) on [16, 32]"
   ]
-  moved = _record(constraints=[constraint("P('data', None)", where='model.py:41')])
-  assert fsm.snapshot_diff(old, moved) == [
+  moved = _record(constraints=[constraint("P('data', None)", where=['model.py:41'])])
+  assert fsm.snapshot_diff(old, moved) == []
+  twice = constraint("P('data', None)", where=['model.py:9', 'model.py:41'])
+  twice['count'] = 2
+  assert fsm.snapshot_diff(old, _record(constraints=[twice])) == [
+    "constraint at model.py:9, model.py:41 (Model/attn): P('data', None) on "
+    '[8, 32]: 1 -> 2 times'
+  ]
+  elsewhere = {**constraint("P('data', None)"), 'scope': 'Model/mlp'}
+  assert fsm.snapshot_diff(old, _record(constraints=[elsewhere])) == [
     "removed constraint at model.py:40 (Model/attn): P('data', None) on [8, 32]",
-    "new constraint at model.py:41 (Model/attn): P('data', None) on [8, 32]",
+    "new constraint at model.py:40 (Model/mlp): P('data', None) on [8, 32]",
   ]
 
 
@@ -274,8 +481,9 @@ def test_mesh_and_sections_are_compared():
     ([], 'not a layout snapshot'),
     ({'parameters': {}}, 'not a layout snapshot'),
     ({'version': 99}, 'version 99'),
-    ({'version': 1, 'constraints': {}}, r"new\['constraints'\] should be a list"),
-    ({'version': 1, 'collectives': [{'bytes': 1}]}, "with a 'kind'"),
+    ({'version': 1}, 'version 1.*must be recorded again'),
+    ({'version': 2, 'constraints': {}}, r"new\['constraints'\] should be a list"),
+    ({'version': 2, 'collectives': [{'bytes': 1}]}, "with a 'kind'"),
   ],
 )
 def test_what_is_not_a_snapshot_is_said(bad, message):

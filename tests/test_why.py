@@ -210,3 +210,253 @@ def _has_libtpu():
   from flax_shardmeta._capacity import topology
 
   return topology.libtpu_available()
+
+
+# Combined reductions, constraints that asked, rings, every backend
+# ------------------------------------------------------------------------------
+
+
+def _mlp_loss(p, x):
+  p = fsm.unbox(p)['params']
+  h = jnp.tanh(x @ p['w1'])  # uses w1
+  return jnp.mean((h @ p['w2']) ** 2)  # uses w2
+
+
+def _mlp_step(p, x):
+  loss, grads = jax.value_and_grad(_mlp_loss)(p, x)
+  return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), loss
+
+
+def _mlp(mesh):
+  """Two FSDP weights with 'embed' over 'data', the batch over 'data', SGD:
+  XLA sums both weights' gradients and the loss in one collective."""
+  rules = [('batch', 'data'), ('embed', 'data'), ('mlp', None)]
+  params = {
+    'params': {
+      'w1': fsm.LogicalPartitioned(S((256, 1024), jnp.float32), ('embed', 'mlp')),
+      'w2': fsm.LogicalPartitioned(S((1024, 256), jnp.float32), ('mlp', 'embed')),
+    }
+  }
+  x = fsm.LogicalPartitioned(S((512, 256), jnp.float32), ('batch', None))
+  step = fsm.jit(_mlp_step, mesh=mesh, rules=rules, donate_argnums=0)
+  return step, params, x
+
+
+@pytest.fixture
+def program_texts(monkeypatch):
+  """The optimised HLO text of every program fit compiles in the test."""
+  from flax_shardmeta._capacity import compiled
+
+  texts = []
+  real = compiled._compiled_figures
+
+  def keep(lowered, limit):
+    found, text, parsed = real(lowered, limit)
+    texts.append(text)
+    return found, text, parsed
+
+  monkeypatch.setattr(compiled, '_compiled_figures', keep)
+  return texts
+
+
+def _check_combined(report, text):
+  from flax_shardmeta._capacity import hlo_text
+
+  rows = report.collectives
+  grads = [r for r in rows if r.reason == 'gradient']
+  assert {p for r in grads for p in r.parameters} == {'p/params/w1', 'p/params/w2'}
+  assert all(len(r.parameters) == 1 for r in grads)
+  assert not [r for r in rows if r.reason == 'activation'], rows
+  assert [r.bytes for r in rows if r.reason == 'other'] == [4]  # the loss
+  full = 256 * 1024 * 4
+  assert sorted(r.bytes for r in grads) == [full, full]
+  combined = [
+    i
+    for c in hlo_text.parse(text).values()
+    for i in c.instructions
+    if i.opcode.startswith('all-reduce') and len(i.operands) > 1
+  ]
+  for inst in combined:  # where XLA combined them: one row per value it sums
+    assert hlo_text.shape_bytes(inst.shape) - 4 == sum(r.bytes for r in grads)
+  text = report.why()
+  assert 'p/params/w1' in text and 'p/params/w2' in text and 'activation' not in text
+
+
+def test_a_combined_gradient_reduction_names_each_parameter(program_texts):
+  mesh = fsm.make_mesh((8,), ('data',), axis_types=(AxisType.Auto,))
+  report = fsm.fit(*_mlp(mesh), cache=False)
+  (text,) = program_texts
+  assert 'all-reduce(' in text and ') all-reduce(' in text  # combined on CPU
+  _check_combined(report, text)
+
+
+@pytest.mark.libtpu
+def test_gradient_reductions_name_each_parameter_on_a_tpu_topology(program_texts):
+  mesh = fsm.make_mesh(
+    (4,), ('data',), topology='v5p:2x2x1', axis_types=(AxisType.Auto,)
+  )
+  _check_combined(fsm.fit(*_mlp(mesh), cache=False), program_texts[-1])
+
+
+def _two_constraints(p, x):
+  p = fsm.unbox(p)['params']
+  h = fsm.with_logical_constraint(jnp.tanh(x @ p['w1']), ('batch', None, 'mlp'))
+  h = fsm.with_logical_constraint(h, (None, 'length', 'mlp'))  # second
+  return jnp.mean((h @ p['w2']) ** 2)
+
+
+def _two_constraint_step(p, x):
+  loss, grads = jax.value_and_grad(_two_constraints)(p, x)
+  return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), loss
+
+
+def _check_constraints_asked(mesh):
+  rules = [('batch', 'data'), ('length', 'data'), ('embed', None), ('mlp', None)]
+  params = {
+    'params': {
+      'w1': fsm.LogicalPartitioned(S((128, 256), jnp.float32), ('embed', 'mlp')),
+      'w2': fsm.LogicalPartitioned(S((256, 128), jnp.float32), ('mlp', 'embed')),
+    }
+  }
+  x = fsm.LogicalPartitioned(S((16, 64, 128), jnp.float32), ('batch', None, 'embed'))
+  step = fsm.jit(_two_constraint_step, mesh=mesh, rules=rules, donate_argnums=0)
+  report = fsm.fit(step, params, x, cache=False)
+  second = _line(_two_constraints, '# second')
+  first = _line(_two_constraints, "('batch', None, 'mlp')")
+  moves = [r for r in report.collectives if r.kind == 'all-to-all']
+  assert moves, report.collectives
+  # The forward pass's all-to-all is the second constraint's, at its line
+  # (XLA places it at the next line's matmul); the backward pass's is asked
+  # by the first constraint, whose layout the gradient goes back to.
+  assert all(r.asked_by == 'constraint' for r in moves), moves
+  assert any(s.endswith(second) for r in moves for s in r.sources), moves
+  assert {s.rsplit('/', 1)[-1] for r in moves for s in r.sources} <= {first, second}
+  assert report.why().endswith('nothing: every reshard was asked for.')
+
+
+def test_a_constraint_that_changes_a_layout_asks_for_its_reshard():
+  _check_constraints_asked(fsm.make_mesh((8,), ('data',), axis_types=(AxisType.Auto,)))
+
+
+@pytest.mark.libtpu
+def test_a_constraint_asks_for_its_reshard_on_a_tpu_topology():
+  mesh = fsm.make_mesh(
+    (4,), ('data',), topology='v5p:2x2x1', axis_types=(AxisType.Auto,)
+  )
+  _check_constraints_asked(mesh)
+
+
+_RING = 8
+
+
+def _ring_local(w, x):
+  """FSDP by hand: the weight gathered for use, its gradient's shards summed
+  by a ring of permutes (what XLA's windowed einsums make of a reduce-scatter)."""
+  whole = jax.lax.all_gather(w, 'data', axis=0, tiled=True)
+  grad = jax.grad(lambda full: jnp.mean((x @ full.T) ** 2))(whole)
+  rows, me = w.shape[0], jax.lax.axis_index('data')
+
+  def chunk(k):
+    return jax.lax.dynamic_slice_in_dim(grad, (k % _RING) * rows, rows)
+
+  def hop(s, acc):  # each device ends with the sum of its own rows
+    peers = [(j, (j - 1) % _RING) for j in range(_RING)]
+    return jax.lax.ppermute(acc, 'data', peers) + chunk(me + s + 1)  # ring
+
+  return w - 0.1 * jax.lax.fori_loop(1, _RING, hop, chunk(me + 1))
+
+
+def test_a_permute_ring_over_a_gradient_is_that_gradient():
+  mesh = fsm.make_mesh((_RING,), ('data',), axis_types=(AxisType.Explicit,))
+  rows = P('data', None)
+
+  def step(p, x):
+    ring = jax.shard_map(_ring_local, mesh=mesh, in_specs=(rows, rows), out_specs=rows)
+    return {'params': {'w': ring(p['params']['w'], x)}}
+
+  w = S((1024, 256), jnp.float32, sharding=NamedSharding(mesh, rows))
+  x = S((512, 256), jnp.float32, sharding=NamedSharding(mesh, rows))
+  with jax.set_mesh(mesh):
+    report = fsm.fit(jax.jit(step, donate_argnums=0), {'params': {'w': w}}, x)
+  ring = [r for r in report.collectives if r.kind == 'collective-permute']
+  assert ring and all(r.reason == 'gradient' for r in ring), report.collectives
+  assert {p for r in ring for p in r.parameters} == {'p/params/w'}
+  assert any(s.endswith(_line(_ring_local, '# ring')) for r in ring for s in r.sources)
+  gathers = [r for r in report.collectives if r.kind == 'all-gather']
+  assert [r.reason for r in gathers] == ['parameter']
+
+
+def _small_t5(mesh):
+  """A scanned encoder-decoder (T5 v1.1's layers, small widths), T5X's rules,
+  adamw, the state donated."""
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  from benchmarks import _shapes
+
+  config = _shapes.T5Config(
+    vocab_size=512,
+    dim=128,
+    num_heads=4,
+    head_dim=32,
+    ffn_dim=256,
+    encoder_layers=2,
+    decoder_layers=2,
+  )
+  return _shapes.train_step('t5', mesh, batch=16, seq=64, config=config)
+
+
+def _reasons(report):
+  """Per parameter (or '-'), the reasons its collectives run for."""
+  found = {}
+  for r in report.collectives:
+    for p in r.parameters or ('-',):
+      found.setdefault(p, set()).add(r.reason)
+  return found
+
+
+_CPU_REASONS = {}
+
+
+def _cpu_reasons():
+  if not _CPU_REASONS:
+    mesh = fsm.make_mesh((4, 2), ('data', 'model'), axis_types=(AxisType.Auto,) * 2)
+    report = fsm.fit(*_small_t5(mesh), cache=False)
+    _CPU_REASONS.update(_reasons(report))
+  return _CPU_REASONS
+
+
+def _check_same_reasons(topology):
+  mesh = fsm.make_mesh(
+    (4, 2), ('data', 'model'), topology=topology, axis_types=(AxisType.Auto,) * 2
+  )
+  report = fsm.fit(*_small_t5(mesh), cache=False)
+  reasons, cpu = _reasons(report), _cpu_reasons()
+  params = {p for p in cpu if p != '-'}
+  assert len(params) >= 20
+  assert {p: reasons.get(p) for p in params} == {p: cpu[p] for p in params}
+  # Every weight is gathered for use and has its gradient reduced (FSDP; the
+  # embedding is looked up where it lies); the rest reshards activations,
+  # with the loss summed as 'other'.
+  assert cpu['state/params/embedding'] == {'gradient'}
+  weights = params - {'state/params/embedding'}
+  assert all(cpu[p] == {'parameter', 'gradient'} for p in weights), cpu
+  assert reasons['-'] <= {'activation', 'other'} and cpu['-'] <= {'activation', 'other'}
+
+
+@pytest.mark.libtpu
+def test_a_scanned_encoder_decoder_gets_the_same_reasons_on_tpu_as_on_cpu():
+  _check_same_reasons('v5p:2x2x2')
+
+
+@pytest.mark.cuda
+def test_a_scanned_encoder_decoder_gets_the_same_reasons_on_gpu_as_on_cpu():
+  _check_same_reasons('h100:1x8')
+
+
+def test_an_estimate_says_its_collectives_are_unknown():
+  mesh = jax.sharding.AbstractMesh((8,), ('data',), axis_types=(AxisType.Auto,))
+  step, params, x = _mlp(mesh)
+  report = fsm.fit(step, params, x)
+  assert report.source == 'estimate'
+  why = report.why()
+  assert why.startswith('Why each collective is there: unknown without compiling.')
+  assert 'topology=' in why and 'runs none' not in why

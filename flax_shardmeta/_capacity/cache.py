@@ -7,7 +7,9 @@ by the current code). ``fit`` keys them by a hash
 of the lowered program text (which holds the shapes, the shardings and the
 mesh's device assignment), the devices' kinds and coordinates, and the jax
 and libtpu versions, so a figure is reused only for the very same program on
-the very same target.
+the very same target. The text is read without its source locations
+(``source_map``): the same program from another script is the same entry,
+and its HLO's lines are moved to that script's when read.
 """
 
 from __future__ import annotations

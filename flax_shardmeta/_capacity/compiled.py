@@ -32,8 +32,15 @@ from flax_shardmeta._capacity import (
   report as rep,
   usable,
 )
-from flax_shardmeta._capacity.step import Arguments, Step, path_category
+from flax_shardmeta._capacity.constraint_changes import LayoutChange, layout_changes
+from flax_shardmeta._capacity.step import (
+  Arguments,
+  Step,
+  input_shardings,
+  path_category,
+)
 from flax_shardmeta._errors import FitError, IndivisibleDimensionWarning
+from flax_shardmeta._frames import source_line
 from flax_shardmeta._init.program_memory import memory_fields
 
 _REFUSAL = re.compile(
@@ -42,7 +49,7 @@ _REFUSAL = re.compile(
   re.S,
 )
 # Bumped when the cached figures change form: older entries are not read.
-_FIGURES_FORMAT = 'figures-5'
+_FIGURES_FORMAT = 'figures-6'
 _UNIT = {'': 1, 'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30, 'T': 1 << 40}
 
 
@@ -240,26 +247,26 @@ def figures(
   from or kept in the cache, in memory or on disk. With ``limit`` (GPUs),
   the program is compiled as a real run's compiler would plan it, for that
   much device memory (``usable.compile_for_memory``); each limit is its own
-  cache entry.
+  cache entry. The key is the program without its source locations: a
+  second script fitting the same program reads the first one's entry, with
+  the cached program's lines moved to its own (``source_map``).
   """
+  from flax_shardmeta._capacity import source_map
+
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always', IndivisibleDimensionWarning)
-    lowered = target.lower(*arguments.lowered)
+    traced, lowered = target.trace_and_lower(*arguments.lowered)
   for w in caught:  # the rest are the caller's, as if not caught here
     if not issubclass(w.category, IndivisibleDimensionWarning):
       warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
   mesh = target.mesh
-  key = (
-    # With the source locations: the same program from two files is two
-    # entries, each with its own lines for the collectives' attribution.
-    cache_lib.key(
-      lowered.as_text(debug_info=True),
-      mesh.devices,
-      extra=f'{_FIGURES_FORMAT} limit={limit}',
-    )
-    if use_cache
-    else None
-  )
+  key, lines = None, None
+  if use_cache:
+    # Without the source locations (jax's name stacks stay): the same program
+    # from another script, or moved in its file, is the same entry; its lines
+    # are this lowering's, read from it op by op.
+    program, lines = source_map.read(lowered.as_text(debug_info=True))
+    key = cache_lib.key(program, mesh.devices, extra=f'{_FIGURES_FORMAT} limit={limit}')
   found = cache_lib.load(key, on_disk=True) if key is not None else None
   cached = found is not None
   text = None
@@ -268,19 +275,31 @@ def figures(
     if text is None:  # a cache entry without its program: compile again
       cache_lib.forget(key or '')
       found, cached = None, False
+    elif lines is not None:
+      # The cached program names the lines of the script that compiled it.
+      text = source_map.relocate(text, found.get('lines'), lines)
   computations = None
   if found is None:
     found, text, computations = _compiled_figures(lowered, limit)
     if key is not None:
       if text is not None:
         cache_lib.store_text(key, text, on_disk=True)
+        if lines is not None:
+          found = dict(found, lines=lines.to_json())
       cache_lib.store(key, found, on_disk=True)
   out = dict(found)
+  out.pop('lines', None)  # only the cache reads them
   if text is not None:
     if computations is None:
       computations = hlo_text.parse(text)
     why = attributor(
-      text, computations, arguments, out.get('input_bytes', []), target.names
+      text,
+      computations,
+      arguments,
+      out.get('input_bytes', []),
+      target.names,
+      out.get('outputs'),
+      _layout_changes(target, arguments, traced),
     )
     summary = hlo.summarize_computations(
       computations, mesh.devices, mesh.axis_names, why
@@ -302,9 +321,13 @@ def attributor(
   arguments: Arguments,
   inputs: list[list[Any]],
   names: Sequence[str] = (),
+  outputs: list[list[Any]] | None = None,
+  changes: Sequence[LayoutChange] = (),
 ) -> hlo_attribution.Attributor:
   """What tells each collective's reason: the program's parameters as plan
-  paths and report categories, its source lines and its donated outputs."""
+  paths and report categories, its source lines, which outputs are the new
+  values of which parameters (donated, or at the same path of the step's
+  output tree), and the layout changes its constraints ask for."""
   if len(inputs) == len(arguments.categories):
     categories = list(arguments.categories)
   else:
@@ -319,13 +342,93 @@ def attributor(
   shapes = [tuple(leaf[3]) for leaf in inputs if leaf[1] > 0]
   main = hlo_text.entry(computations)
   n_params = sum(1 for i in main.instructions if i.opcode == 'parameter') if main else 0
+  known = len(kept) == n_params
   return hlo_attribution.Attributor(
     computations,
-    kept if len(kept) == n_params else [],
+    kept if known else [],
     hlo_text.stack_frames(text),
     hlo_text.output_aliases(text),
     shapes if len(shapes) == n_params else [],
+    _new_values(inputs, categories, outputs, main) if known else None,
+    changes,
   )
+
+
+def _layout_changes(
+  target: Step, arguments: Arguments, traced: Any
+) -> list[LayoutChange]:
+  """The layout changes the step's constraints ask for (from this trace, so
+  with this script's lines even when the program came from the cache)."""
+  mesh = target.mesh
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  specs = []
+  for sharding in input_shardings(target, arguments.lowered):
+    spec = getattr(sharding, 'spec', None)
+    specs.append(None if spec is None else tuple(spec))
+  jaxpr = traced.jaxpr.jaxpr
+  if len(specs) != len(jaxpr.invars):
+    specs = [None] * len(jaxpr.invars)
+  try:
+    return layout_changes(
+      jaxpr, [_padded(s, v) for s, v in zip(specs, jaxpr.invars)], sizes, source_line
+    )
+  except Exception:  # a program this reading does not know: no changes told
+    return []
+
+
+def _padded(spec: tuple[Any, ...] | None, var: Any) -> tuple[Any, ...] | None:
+  rank = len(getattr(var.aval, 'shape', ()))
+  if spec is None or len(spec) > rank:
+    return None
+  return spec + (None,) * (rank - len(spec))
+
+
+def _new_values(
+  inputs: list[list[Any]],
+  categories: Sequence[str],
+  outputs: list[list[Any]] | None,
+  main: Any,
+) -> dict[int, int] | None:
+  """Output position -> entry parameter number, for outputs at the path of a
+  parameter or optimizer-state argument (``[0].params['w']`` returned as
+  ``[0].params['w']``, or as ``.params['w']`` by a step returning only its
+  state), of the same shape; None when the outputs cannot be told."""
+  root = main.instructions[-1] if main is not None and main.instructions else None
+  arity = len(root.operands) if root is not None and root.opcode == 'tuple' else 1
+  if outputs is None or len(outputs) != arity:
+    return None
+  numbers: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+  number = 0
+  for leaf, category in zip(inputs, categories):
+    if leaf[1] <= 0:
+      continue
+    if category in (rep.PARAMETERS, rep.OPTIMIZER):
+      numbers.setdefault((_tail(leaf[0]), tuple(leaf[3])), []).append(number)
+    number += 1
+  found = {}
+  for position, (path, shape) in enumerate(outputs):
+    match = numbers.get((_tail(path), tuple(shape)), [])
+    if len(match) == 1:
+      found[position] = match[0]
+  return found
+
+
+def _tail(keystr: str) -> str:
+  """A leaf's path without the argument (or output) it is in:
+  ``"[0].params['w']"`` -> ``".params['w']"``."""
+  return re.sub(r'^\[\d+\]', '', keystr)
+
+
+def output_paths(compiled: Any) -> list[list[Any]]:
+  """``(path, global shape)`` of each output leaf of a compiled step."""
+  try:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(compiled.out_info)
+  except Exception:  # an older jax without out_info: outputs unknown
+    return []
+  return [
+    [jax.tree_util.keystr(path), [int(d) for d in getattr(info, 'shape', ())]]
+    for path, info in leaves
+  ]
 
 
 def _compiled_figures(
@@ -344,6 +447,7 @@ def _compiled_figures(
     'memory': _memory(compiled),
     'cost': _cost(compiled),
     'input_bytes': input_bytes(compiled),
+    'outputs': output_paths(compiled),
     'seconds': seconds,
     # Where the text reader disagrees with XLA's own module objects: kept with
     # the figures, so a cached report says so too.

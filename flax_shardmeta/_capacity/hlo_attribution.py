@@ -4,80 +4,66 @@ gradient, which line of the user's code.
 XLA keeps, on every instruction, the jax name stack (``op_name``: the module
 scope and the primitive, ``transpose(...)`` for the backward pass) and the
 user's source line (a stack frame in the module's tables). Those say *where*;
-the data flow says *what*:
+the data flow (``hlo_flow``) says *what*, for each value a collective moves
+(XLA combines several reductions into one collective: each is told apart,
+with its own bytes):
 
-- a collective whose operand comes, through moves and slices only, from a
-  parameter argument gathers that parameter for use (``'parameter'``, FSDP);
-  through a loop's carried values too, so a scanned layer's slice of a stacked
-  parameter is found;
-- an all-reduce or reduce-scatter whose result reaches an updated parameter
-  (or its optimizer state) without passing another matmul reduces that
-  parameter's gradient (``'gradient'``); the output is told by the module's
-  input/output aliasing, else by the parameter of the same shape and scope;
 - a scalar (a loss, a metric, a counter, a norm) is ``'other'``;
-- everything else reshards a value computed in the step (``'activation'``).
+- a value only moved or cut from a parameter argument, through copies,
+  converts, kernels that only move data and loop-carried tuples, gathers
+  that parameter for use (``'parameter'``, FSDP);
+- a value that reaches a parameter's new value (or its optimizer state)
+  without passing a contraction or reduction is that parameter's gradient
+  (``'gradient'``), whatever moves, slices, loops, async pairs or permute
+  rings lie between; the new values are told by the module's donated
+  outputs and by the step's output tree;
+- a value that reaches another output (the loss, metrics) is ``'other'``;
+- a value consumed by the step's computation is an activation's
+  (``'activation'``), asked for by a constraint when its buffers are those of
+  a layout change one of the step's constraints asks for
+  (``constraint_changes``), wherever XLA placed it;
+- where the data flow cannot decide, ``'unknown'``.
 
-Where metadata is missing (XLA drops it on some fused ops), the nearest
-operand that has it stands in, and the data flow decides the reason alone.
+Sources are the user's: where XLA kept only library frames on an
+instruction, those of the values it moves, their consumers and the kernel or
+loop it sits in stand in; with none, ``NO_USER_LINE``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import math
 import re
 from collections.abc import Sequence
 
+from flax_shardmeta._capacity.constraint_changes import LayoutChange, asked_for
+from flax_shardmeta._capacity.hlo_flow import Flow, Reach
+from flax_shardmeta._capacity.hlo_metadata import primitive_of, scope_of
 from flax_shardmeta._capacity.hlo_text import (
   Computation,
   Instruction,
   array_shapes,
-  entry,
   largest_array_bytes,
-  shape_bytes,
 )
+from flax_shardmeta._frames import NO_USER_LINE, import_path, is_library_file
 
-REASONS = ('parameter', 'gradient', 'activation', 'other')
+REASONS = ('parameter', 'gradient', 'activation', 'other', 'unknown')
 """Why a collective runs, in the order ``why()`` lists them."""
 
 PARAMETERS, OPTIMIZER = 'parameters', 'optimizer state'
 
-# Ops that move or cut a value without computing a new one.
-_MOVES = frozenset(
-  'bitcast copy reshape transpose convert get-tuple-element dynamic-slice slice '
-  'all-gather all-gather-start all-gather-done collective-permute '
-  'collective-permute-start collective-permute-done all-to-all copy-start '
-  'copy-done optimization-barrier fusion async-start async-done broadcast '
-  'pad'.split()
-)
-# Ops a gradient is not followed through: past a contraction or a reduction
-# (a norm's scale gradient sums the activations' gradients) it is another value.
-_CONTRACTIONS = frozenset(('dot', 'convolution', 'custom-call', 'reduce'))
-# Name-stack parts that are transformations, not module scopes.
-_TRANSFORMS = re.compile(
-  r'^(jit|pjit|jvp|transpose|vmap|remat\d*|checkpoint|rematted_computation|while|'
-  r'body|cond|scan|cond_fun|body_fun|custom_vjp_call|custom_jvp_call|shard_map|'
-  r'closed_call|core_call|named_call|xla_call)$'
-)
-_LIBRARIES = (
-  f'{os.sep}jax{os.sep}',
-  f'{os.sep}jaxlib{os.sep}',
-  f'{os.sep}flax{os.sep}',
-  f'{os.sep}optax{os.sep}',
-  f'{os.sep}flax_shardmeta{os.sep}_',
-  f'{os.sep}flax_shardmeta{os.sep}cli{os.sep}',
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Attribution:
-  """Why one collective instruction is there.
+  """Why one value a collective moves is moved (a combined collective moves
+  several).
 
   Attributes:
     reason: one of :data:`REASONS`.
     parameters: plan paths of the parameters involved (``'parameter'`` and
       ``'gradient'``), e.g. ``('params/layers/w1',)``.
-    source: the user's line, ``'file:line'`` (``''`` when unknown).
+    source: the user's line, ``'pkg/model.py:22'`` (``'(no user line)'``
+      when no instruction near it has one).
     scope: the module scope from the name stack, e.g. ``'Model/layers/attn'``.
     change: for ``'activation'``, how the value's layout changes.
     asked_by: ``'constraint'`` when a sharding constraint asked for it, else
@@ -112,30 +98,8 @@ def plan_path(keystr: str, names: Sequence[str] = ()) -> str:
   return '/'.join(parts)
 
 
-def scope_of(op_name: str) -> str:
-  """The module scope of a name stack (transformations and the primitive
-  dropped).
-
-  Example:
-    >>> scope_of('jit(step)/transpose(jvp(Model))/layers/while/body/attn/dot_general')
-    'Model/layers/attn'
-    >>> scope_of('jit(step)/jvp(Llama)/layers/bse,ehd->bshd/dot_general')
-    'Llama/layers'
-  """
-  parts = op_name.split('/')[1:-1]
-  out = []
-  for part in parts:
-    while (m := re.fullmatch(r'(\w+)\((.*)\)', part)) is not None:
-      part = m.group(2)
-    # einsum specs ('bse,ehd->bshd') and primitives with their parameters
-    # ('dot_general:...') are no module
-    if part and not _TRANSFORMS.match(part) and not re.search(r'[:,>]', part):
-      out.append(part)
-  return '/'.join(out)
-
-
 class Attributor:
-  """Attributes the collectives of one parsed program.
+  """Attributes the collectives of one parsed program, operand by operand.
 
   Args:
     computations: the program, from ``hlo_text.parse``.
@@ -144,6 +108,11 @@ class Attributor:
     frames: ``hlo_text.stack_frames`` of the program's text.
     aliases: output index -> entry parameter number (donated arguments).
     shapes: per entry parameter number, the argument's global shape.
+    outputs: output index -> the entry parameter number whose new value it
+      is, from the step's output tree; None when the outputs cannot be told
+      (then only donated outputs are known).
+    changes: the layout changes the step's constraints ask for
+      (``constraint_changes.layout_changes``).
   """
 
   def __init__(
@@ -153,52 +122,68 @@ class Attributor:
     frames: dict[int, list[tuple[str, int]]] | None = None,
     aliases: dict[int, int] | None = None,
     shapes: Sequence[tuple[int, ...]] = (),
+    outputs: dict[int, int] | None = None,
+    changes: Sequence[LayoutChange] = (),
   ) -> None:
     self.computations = computations
-    self.entry = entry(computations)
+    self.flow = Flow(computations)
+    self.entry = self.flow.entry
     self.leaves = list(leaves)
     self.frames = frames or {}
-    self.aliases = aliases or {}
-    self.by_name = {
-      c.name: {i.name: i for i in c.instructions} for c in computations.values()
-    }
-    self.users: dict[str, dict[str, list[Instruction]]] = {}
-    self.callers: dict[str, tuple[Computation, Instruction]] = {}
-    for comp in computations.values():
-      users = self.users.setdefault(comp.name, {})
-      for inst in comp.instructions:
-        for o in inst.operands:
-          users.setdefault(o, []).append(inst)
-        for role, callee in inst.called():
-          if role in ('body', 'calls', 'true_computation', 'false_computation'):
-            self.callers.setdefault(callee, (comp, inst))
-    self.param_shapes = self._parameter_shapes()
-    self.entry_dims: dict[int, tuple[int, ...]] = {}
-    for inst in self.entry.instructions if self.entry else []:
-      number = inst.parameter_number()
-      arrays = array_shapes(inst.shape)
-      if number is not None and arrays:
-        self.entry_dims[number] = arrays[0][1]
+    self.outputs_known = outputs is not None
+    self.updates = {**(outputs or {}), **(aliases or {})}
     self.shapes = list(shapes)
+    self.changes = list(changes)
 
-  def attribute(self, inst: Instruction, comp: Computation, kind: str) -> Attribution:
-    """Why ``inst`` (a collective of ``kind``) is there."""
-    named = self._named(inst, comp)
+  def attribute(
+    self,
+    inst: Instruction,
+    comp: Computation,
+    kind: str,
+    operand: int = 0,
+    axes: Sequence[str] = (),
+  ) -> Attribution:
+    """Why operand ``operand`` of ``inst`` (a collective of ``kind``; a
+    combined one carries several values) is moved."""
+    named = self._named(inst, comp, operand)
     op = named.op_name() if named is not None else ''
     scope = scope_of(op)
     common = {'source': self._source_near(inst, comp, named), 'scope': scope}
-    leaf = self._origin_leaf(comp, inst.operands[0]) if inst.operands else None
+    value = inst.operands[operand] if operand < len(inst.operands) else None
+    dims_in, dims_out = operand_dims(inst, comp, operand)
+    leaf = self._leaf(self.flow.origin(comp, value)) if value is not None else None
+    if max(_bytes(comp, value, inst), 0) <= 8:
+      return Attribution('other', (leaf[0],) if leaf else (), **common)
     if leaf is not None and leaf[1] == PARAMETERS:
       return Attribution('parameter', (leaf[0],), **common)
-    if largest_array_bytes(inst.shape) <= 8 or (
-      leaf is not None and leaf[1] == OPTIMIZER
-    ):
-      return Attribution('other', (leaf[0],) if leaf else (), **common)
-    if kind in ('all-reduce', 'reduce-scatter'):
-      grads = self._gradient_of(inst, comp, scope)
-      if grads:
-        return Attribution('gradient', grads, **common)
-    asked = op.rsplit('/', 1)[-1] if op else ''
+    if leaf is not None and leaf[1] == OPTIMIZER:
+      return Attribution('other', (leaf[0],), **common)
+    reach = self._reach(inst, comp, operand)
+    grads = self._updated(reach.outputs)
+    if grads:
+      return Attribution('gradient', grads, **common)
+    if reach.outputs:
+      known = self.outputs_known and bool(self.leaves)
+      return Attribution('other' if known else 'unknown', (), **common)
+    if not reach.complete or not self.leaves:
+      return Attribution('unknown', (), **common)
+    change = None
+    if kind != 'all-reduce' and dims_in is not None and dims_out is not None:
+      change = asked_for(
+        self.changes, math.prod(dims_in), math.prod(dims_out), axes, op
+      )
+    if change is not None:
+      return Attribution(
+        'activation',
+        (),
+        source=change.source,
+        scope=scope_of(f'jit(step)/{change.scope}/sharding_constraint') or scope,
+        change=_change(inst, kind),
+        asked_by='constraint',
+      )
+    if not reach.consumed:
+      return Attribution('unknown', (), **common)
+    asked = primitive_of(op) if op else ''
     if asked in ('sharding_constraint', 'reshard', 'with_sharding_constraint'):
       asked = 'constraint'
     return Attribution(
@@ -207,248 +192,187 @@ class Attributor:
 
   def source(self, inst: Instruction | None) -> str:
     """The user's line of ``inst``: its innermost frame outside jax, flax,
-    optax and this library (``'file:line'``, relative to the working
-    directory when under it)."""
+    optax and this library (``'pkg/model.py:22'``, the path under the module's
+    import root); ``''`` when it has none."""
     frame = inst.frame() if inst is not None else None
-    if isinstance(frame, str) or frame is None:
-      return _relative(frame) if frame else ''
-    chain = self.frames.get(frame, [])
-    mine = [(f, n) for f, n in chain if not any(lib in f for lib in _LIBRARIES)]
-    if mine:
-      return f'{_relative(mine[0][0])}:{mine[0][1]}'
-    if not chain:
+    if frame is None:
       return ''
-    # Only library frames were kept (jax keeps the innermost few): the
-    # library's own line, as the package path, the same on every machine.
-    file, line = chain[0]
-    return f'{_package_path(file)}:{line}'
+    if isinstance(frame, str):
+      file, _, line = frame.rpartition(':')
+      return '' if is_library_file(file) else f'{import_path(file)}:{line}'
+    for file, line in self.frames.get(frame, []):
+      if not is_library_file(file):
+        return f'{import_path(file)}:{line}'
+    return ''
 
   def _source_near(
     self, inst: Instruction, comp: Computation, named: Instruction | None
   ) -> str:
-    """The line of ``inst``, else of the value's consumers (the op that needed
-    the collective: some XLA versions keep a gather's name but not its frame)."""
-    found = self.source(named)
-    if found:
-      return found
-    at = [inst]
-    for _ in range(3):  # through async done / copies to the consumer
-      at = [u for a in at for u in self.users[comp.name].get(a.name, [])][:4]
-      for user in at:
-        if user.frame() is not None:
-          return self.source(user)
-    return ''
+    """The user's line of ``inst``; where XLA kept only library frames, that of
+    the values it moves, then of their consumers, then of the kernel or loop
+    it sits in; else ``NO_USER_LINE``."""
+    for candidate in (named, inst):
+      found = self.source(candidate)
+      if found:
+        return found
+    at: Computation | None = comp
+    where = inst
+    for _ in range(8):
+      if at is None:
+        break
+      for near in self._near(at, where):
+        found = self.source(near)
+        if found:
+          return found
+      caller = self.flow.caller(at)
+      if caller is None:
+        break
+      at, where = caller
+      found = self.source(where)
+      if found:
+        return found
+    return NO_USER_LINE
+
+  def _near(self, comp: Computation, inst: Instruction) -> list[Instruction]:
+    """Instructions near ``inst``: its operands' producers breadth first, then
+    its consumers'."""
+    by_name = self.flow.by_name[comp.name]
+    users = self.flow.users[comp.name]
+    out: list[Instruction] = []
+    for step in (
+      lambda i: [by_name[o] for o in i.operands if o in by_name],
+      lambda i: users.get(i.name, []),
+    ):
+      layer, seen = [inst], {inst.name}
+      for _ in range(4):
+        layer = [n for i in layer for n in step(i) if n.name not in seen][:16]
+        seen.update(n.name for n in layer)
+        out += layer
+    return out
 
   # The data flow
   # ----------------------------------------------------------------------------
 
-  def _named(self, inst: Instruction, comp: Computation) -> Instruction | None:
-    """``inst``, or the nearest operand with a name stack when XLA dropped it."""
+  def _named(
+    self, inst: Instruction, comp: Computation, operand: int
+  ) -> Instruction | None:
+    """Whose name stack tells the scope: for one value of a combined
+    collective, the element taken from its result or the value itself; else
+    ``inst``, or the nearest operand with a name stack when XLA dropped it,
+    or the kernel it sits in."""
+    by_name = self.flow.by_name[comp.name]
+    if len(inst.operands) > 1:
+      for user in self._results(inst, comp):
+        if user.opcode == 'get-tuple-element' and (
+          user.int_attribute('index') == operand and user.op_name()
+        ):
+          return user
+      value = by_name.get(inst.operands[operand])
+      if value is not None and value.op_name():
+        return value
     seen, todo = set(), [inst]
     while todo:
       at = todo.pop(0)
       if at.op_name():
         return at
       seen.add(at.name)
-      todo += [
-        self.by_name[comp.name][o]
-        for o in at.operands
-        if o in self.by_name[comp.name] and o not in seen
-      ][:2]
+      todo += [by_name[o] for o in at.operands if o in by_name and o not in seen][:2]
       if len(seen) > 16:
         break
-    caller = self.callers.get(comp.name)  # a called computation: its caller's
+    caller = self.flow.caller(comp)  # a called computation: its caller's
     if caller is not None and caller[1] is not inst:
-      return self._named(caller[1], caller[0])
+      return self._named(caller[1], caller[0], 0)
     return None
 
-  def _origin_leaf(self, comp: Computation, name: str) -> tuple[str, str] | None:
-    number = self._origin(comp, name, [], 0)
+  def _results(self, inst: Instruction, comp: Computation) -> list[Instruction]:
+    """The users of a collective's result (through its done, for a start)."""
+    users = self.flow.users[comp.name]
+    found = []
+    for user in users.get(inst.name, []):
+      found += users.get(user.name, []) if user.opcode.endswith('-done') else [user]
+    return found
+
+  def _reach(self, inst: Instruction, comp: Computation, operand: int) -> Reach:
+    """Where the moved value goes from the collective's result."""
+    combined = len(inst.operands) > 1
+    index = (operand,) if combined else ()
+    at = inst
+    if inst.opcode.endswith('-start'):
+      done = next(
+        (
+          u
+          for u in self.flow.users[comp.name].get(inst.name, [])
+          if u.opcode.endswith('-done')
+        ),
+        None,
+      )
+      if done is None:
+        return Reach(complete=False)
+      at = done
+    elif not inst.shape.startswith('('):
+      index = ()
+    return self.flow.reach(comp, at.name, index)
+
+  def _leaf(self, number: int | None) -> tuple[str, str] | None:
     if number is None or number >= len(self.leaves):
       return None
     return self.leaves[number]
 
-  def _origin(
-    self, comp: Computation, name: str, index: list[int], depth: int
-  ) -> int | None:
-    """The entry parameter ``name`` is moved or cut from, through loops."""
-    inst = self.by_name[comp.name].get(name)
-    if inst is None or depth > 64:
-      return None
-    if inst.opcode == 'parameter':
-      number = inst.parameter_number()
-      if comp is self.entry:
-        return number if not index else None
-      caller = self.callers.get(comp.name)
-      if caller is None or number is None:
-        return None
-      outer, call = caller
-      at = 0 if call.opcode == 'while' else number
-      if at >= len(call.operands):
-        return None
-      return self._origin(outer, call.operands[at], index, depth + 1)
-    if inst.opcode == 'get-tuple-element':
-      k = inst.int_attribute('index')
-      return self._origin(comp, inst.operands[0], [*index, k or 0], depth + 1)
-    if inst.opcode == 'tuple' and index:
-      k = index[-1]
-      if k >= len(inst.operands):
-        return None
-      return self._origin(comp, inst.operands[k], index[:-1], depth + 1)
-    if inst.opcode not in _MOVES or not inst.operands:
-      return None
-    largest = max(inst.operands, key=lambda o: shape_bytes(comp.shapes.get(o, '')))
-    return self._origin(comp, largest, index, depth + 1)
-
-  def _gradient_of(
-    self, inst: Instruction, comp: Computation, scope: str
-  ) -> tuple[str, ...]:
-    """The parameters whose update ``inst``'s result reaches without another
-    contraction, or those of its shape in its scope."""
-    outputs = self._reaches_outputs(comp, inst.name)
-    paths = []
-    size = _dims(
-      max((d for _, d in array_shapes(inst.shape)), key=_product, default=())
-    )
-    for out in sorted(outputs):
-      number = self.aliases.get(out)
-      leaf = (
-        self.leaves[number]
-        if number is not None and number < len(self.leaves)
-        else None
-      )
-      # A gradient's buffer is its parameter's: its shard, a layer's slice of
-      # it, or a whole of which the shard is a device count's share. An
-      # activation's gradient reaching the same update (an embedding's
-      # scatter-add) is none of those.
-      if leaf is not None and leaf[1] in (PARAMETERS, OPTIMIZER):
-        if self._same_buffer(size, number):
-          paths.append(leaf)
-    params = [p for p, c in paths if c == PARAMETERS]
-    if params:
-      return tuple(sorted(set(params)))
-    if outputs and not self.aliases:
-      return self._by_shape(inst, scope)
-    if not outputs:
-      return ()
-    return tuple(sorted({_state_param(p) for p, _ in paths}))
-
-  def _reaches_outputs(self, comp: Computation, name: str) -> set[int]:
-    """Output positions of the entry's result that ``name`` reaches through
-    anything but a contraction, across loop boundaries."""
-    found: set[int] = set()
-    todo = [(comp, name, 0)]
-    seen = set()
-    while todo:
-      at_comp, at, depth = todo.pop()
-      if (at_comp.name, at) in seen or depth > 200:
+  def _updated(self, outputs: set[int]) -> tuple[str, ...]:
+    """The parameters whose new values (or optimizer state) are among
+    ``outputs``."""
+    found: set[str] = set()
+    params = [leaf[0] for leaf in self.leaves if leaf and leaf[1] == PARAMETERS]
+    for out in outputs:
+      leaf = self._leaf(self.updates.get(out))
+      if leaf is None:
         continue
-      seen.add((at_comp.name, at))
-      root = at_comp.instructions[-1] if at_comp.instructions else None
-      if root is not None and root.name == at and at_comp is not self.entry:
-        todo += self._called_result(at_comp, depth)
-      for user in self.users[at_comp.name].get(at, []):
-        if user.opcode in _CONTRACTIONS or self._contracts(user):
-          continue
-        if root is not None and user is root and user.opcode == 'tuple':
-          positions = [i for i, o in enumerate(user.operands) if o == at]
-          if at_comp is self.entry:
-            found.update(positions)
-          else:
-            todo += self._loop_outputs(at_comp, positions, depth)
-            todo += self._called_result(at_comp, depth)
-          continue
-        todo.append((at_comp, user.name, depth + 1))
-    return found
-
-  def _same_buffer(self, size: tuple[int, ...], number: int | None) -> bool:
-    dims = self.entry_dims.get(number) if number is not None else None
-    if not dims or not size:
-      return False
-    shapes = {_dims(dims), _dims(dims[1:])}
-    if number is not None and number < len(self.shapes):
-      whole = self.shapes[number]
-      shapes |= {_dims(whole), _dims(whole[1:])}
-    return size in shapes
-
-  def _contracts(self, inst: Instruction) -> bool:
-    """A fusion whose kernel contracts or reduces."""
-    if inst.opcode != 'fusion':
-      return False
-    return any(
-      i.opcode in _CONTRACTIONS
-      for _, callee in inst.called()
-      for i in (
-        self.computations[callee].instructions if callee in self.computations else []
-      )
-    )
-
-  def _called_result(
-    self, comp: Computation, depth: int
-  ) -> list[tuple[Computation, str, int]]:
-    """A called computation's result, where its caller (a fusion, call or
-    async wrapper; not a loop, whose results go by position) uses it."""
-    caller = self.callers.get(comp.name)
-    if caller is None or caller[1].opcode == 'while':
-      return []
-    return [(caller[0], caller[1].name, depth + 1)]
-
-  def _loop_outputs(
-    self, body: Computation, positions: list[int], depth: int
-  ) -> list[tuple[Computation, str, int]]:
-    """Where a loop body's result positions come out in its caller."""
-    caller = self.callers.get(body.name)
-    if caller is None or caller[1].opcode != 'while':
-      return []
-    outer, loop = caller
-    out = []
-    for user in self.users[outer.name].get(loop.name, []):
-      if (
-        user.opcode == 'get-tuple-element' and user.int_attribute('index') in positions
-      ):
-        out.append((outer, user.name, depth + 1))
-    return out
-
-  def _parameter_shapes(self) -> dict[tuple[int, ...], list[str]]:
-    """Parameter paths by local shape, and by a scanned layer's slice of it."""
-    out: dict[tuple[int, ...], list[str]] = {}
-    if self.entry is None:
-      return out
-    for inst in self.entry.instructions:
-      number = inst.parameter_number()
-      if number is None or number >= len(self.leaves) or self.leaves[number] is None:
-        continue
-      path, category = self.leaves[number]  # type: ignore[misc]
-      if category != PARAMETERS:
-        continue
-      for _, dims in array_shapes(inst.shape)[:1]:
-        out.setdefault(dims, []).append(path)
-        if len(dims) > 1:
-          out.setdefault(dims[1:], []).append(path)
-    return out
-
-  def _by_shape(self, inst: Instruction, scope: str) -> tuple[str, ...]:
-    shapes = array_shapes(inst.shape)
-    if not shapes:
-      return ()
-    candidates = self.param_shapes.get(shapes[0][1], [])
-    words = {w.lower() for w in scope.split('/') if w}
-    scored = [(len(words & set(p.lower().split('/'))), p) for p in candidates]
-    best = max((s for s, _ in scored), default=0)
-    return tuple(sorted({p for s, p in scored if s == best}))
+      path, category = leaf
+      if category == PARAMETERS:
+        found.add(path)
+      elif category == OPTIMIZER:
+        found.add(_param_of_state(path, params))
+    return tuple(sorted(found))
 
 
-def _dims(dims: tuple[int, ...]) -> tuple[int, ...]:
-  """Dimensions compared as a buffer's: sizes of 1 dropped, order ignored
-  (XLA may hold a gradient transposed)."""
-  return tuple(sorted(d for d in dims if d != 1))
+def operand_dims(
+  inst: Instruction, comp: Computation, operand: int
+) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+  """Dimensions of one value a collective moves: as it goes in, as it comes
+  out (a combined collective's result holds one element per operand; an async
+  start's, its operands before its results)."""
+  value = inst.operands[operand] if operand < len(inst.operands) else None
+  given = array_shapes(comp.shapes.get(value or '', ''))
+  dims_in = given[0][1] if given else None
+  arrays = array_shapes(inst.shape)
+  k = len(inst.operands)
+  if inst.opcode.startswith(('all-to-all', 'ragged-all-to-all')) and k > 1:
+    # An all-to-all of several operands moves one value, one piece per peer.
+    pieces = [array_shapes(comp.shapes.get(o, '')) for o in inst.operands]
+    total_in = sum(math.prod(p[0][1]) for p in pieces if p)
+    return (total_in,), (sum(math.prod(d) for _, d in arrays[-k:]),)
+  if inst.opcode == 'collective-permute-start' and len(arrays) > 1:
+    return dims_in, arrays[1][1]
+  if inst.opcode.endswith('-start') and len(arrays) >= 2 * k:
+    return dims_in, arrays[k + operand][1]
+  if len(arrays) == k and operand < k:
+    return dims_in, arrays[operand][1]
+  return dims_in, arrays[-1][1] if arrays else None
 
 
-def _product(dims: tuple[int, ...]) -> int:
-  out = 1
-  for d in dims:
-    out *= d
-  return out
+def _bytes(comp: Computation, value: str | None, inst: Instruction) -> float:
+  """Bytes of the largest array of a moved value (its operand, else the
+  collective's result)."""
+  if value is not None and value in comp.shapes:
+    return largest_array_bytes(comp.shapes[value])
+  return largest_array_bytes(inst.shape)
+
+
+def _param_of_state(path: str, params: Sequence[str]) -> str:
+  """An optimizer-state leaf's parameter: ``'state/opt_state/0/mu/params/w'``
+  -> ``'state/params/w'`` where such a parameter exists."""
+  suffix = _state_param(path)
+  return next((p for p in params if p.endswith('/' + suffix) or p == suffix), suffix)
 
 
 def _state_param(path: str) -> str:
@@ -470,19 +394,3 @@ def _change(inst: Instruction, kind: str) -> str:
     'all-to-all': f'resharded across {dim}',
     'collective-permute': 'shards moved',
   }.get(kind, '')
-
-
-def _package_path(path: str) -> str:
-  """``'/x/site-packages/flax/linen/linear.py'`` -> ``'flax/linen/linear.py'``."""
-  for marker in ('site-packages', 'dist-packages'):
-    if marker + os.sep in path:
-      return path.split(marker + os.sep, 1)[1]
-  return _relative(path)
-
-
-def _relative(path: str) -> str:
-  try:
-    rel = os.path.relpath(path)
-  except ValueError:  # another drive
-    return path
-  return path if rel.startswith('..') else rel

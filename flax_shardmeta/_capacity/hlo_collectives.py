@@ -15,15 +15,21 @@ which the slices differ, on ``'dcn'``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from flax_shardmeta._capacity.hlo_attribution import Attribution, Attributor
+from flax_shardmeta._capacity.hlo_attribution import (
+  Attribution,
+  Attributor,
+  operand_dims,
+)
 from flax_shardmeta._capacity.hlo_text import (
   Computation,
+  Instruction,
   largest_array_bytes,
   shape_bytes,
 )
@@ -127,21 +133,46 @@ def collectives(
       kind = _OPCODE_KIND.get(inst.opcode)
       if kind is None and inst.opcode == 'send':
         for op in _across_slices(inst, runs, grid, axis_names):
-          why = attributor.attribute(inst, comp, op.kind) if attributor else None
+          why = (
+            attributor.attribute(inst, comp, op.kind, 0, op.axes)
+            if attributor
+            else None
+          )
           out.append(dataclasses.replace(op, **_fields(why)) if why else op)
       if kind is None:
         continue
-      operand_bytes = sum(shape_bytes(comp.shapes.get(o, '')) for o in inst.operands)
-      size = int(max(operand_bytes, largest_array_bytes(inst.shape)))
       group = inst.first_group(n_devices)
       axes = _axes_of(group, grid, axis_names)
       link = link_of(group, grid)
       slow = link in ('dcn', 'network')
       n = len(group) if group else (n_devices or 0)
-      why = attributor.attribute(inst, comp, kind) if attributor else None
-      op = CollectiveOp(kind, inst.name, size, runs, n, axes, slow, link)
-      out.append(dataclasses.replace(op, **_fields(why)) if why else op)
+      # XLA combines collectives of one kind and group into one instruction
+      # of several operands: each value it moves is its own row.
+      parts = _parts(inst, comp)
+      for k, size in enumerate(parts):
+        name = inst.name if len(parts) == 1 else f'{inst.name}#{k}'
+        op = CollectiveOp(kind, name, size, runs, n, axes, slow, link)
+        why = attributor.attribute(inst, comp, kind, k, axes) if attributor else None
+        out.append(dataclasses.replace(op, **_fields(why)) if why else op)
   return out
+
+
+def _parts(inst: Instruction, comp: Computation) -> list[int]:
+  """Bytes of each value a collective moves (the larger of its operand and
+  its result, per device per run); one entry for a collective of one."""
+  total = sum(shape_bytes(comp.shapes.get(o, '')) for o in inst.operands)
+  whole = int(max(total, largest_array_bytes(inst.shape)))
+  if len(inst.operands) < 2 or inst.opcode.startswith(('all-to-all', 'ragged')):
+    return [whole]  # an all-to-all's operands are one value's pieces
+  parts = []
+  for k, operand in enumerate(inst.operands):
+    dims_in, dims_out = operand_dims(inst, comp, k)
+    given = shape_bytes(comp.shapes.get(operand, ''))
+    scale = (
+      math.prod(dims_out) / max(math.prod(dims_in), 1) if dims_in and dims_out else 1
+    )
+    parts.append(int(max(given, given * scale)))
+  return parts
 
 
 def _fields(why: Attribution) -> dict[str, Any]:

@@ -8,7 +8,8 @@ trip counts the compiler recorded, contracting dimensions, convolution
 windows) is only in the text; the serialized ``HloModuleProto`` has it all,
 but no protobuf schema for it ships with jax or jaxlib. So the text is read
 here, by regular expressions, and nowhere else: :func:`parse` and the
-:class:`Instruction` accessors own every detail of the format.
+:class:`Instruction` accessors own every detail of the format (the fields of
+an instruction's metadata, jax's name stack among them: ``hlo_metadata``).
 
 Why it is fragile: XLA's text form is for people, not a stable interface; a
 release can rename an attribute, change how replica groups print or how
@@ -27,6 +28,14 @@ import re
 from typing import Any
 
 import numpy as np
+
+# The metadata readers live in hlo_metadata; read_frame, read_op_name and
+# stack_frames stay importable from here.
+from flax_shardmeta._capacity.hlo_metadata import (
+  read_frame as read_frame,
+  read_op_name as read_op_name,
+  stack_frames as stack_frames,
+)
 
 _ITEMSIZE = {
   'pred': 1,
@@ -50,6 +59,9 @@ _ITEMSIZE = {
 
 _ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
 _HEADER = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$')
+# A computation run by another execution thread than the main one (a TPU's
+# SparseCore, an async wrapper's) closes with the thread's name.
+_FOOTER = re.compile(r'^\}(?:,\s*execution_thread="([^"]*)")?$')
 _INSTRUCTION = re.compile(r'^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$')
 _OPERAND = re.compile(r'%([\w.\-]+)')
 # Attributes print as `, key=value` after the operands; metadata's own fields
@@ -61,11 +73,6 @@ _CALL_ROLES = (
   'body',
   'true_computation',
   'false_computation',
-)
-_OP_NAME = re.compile(r'metadata=\{[^}]*?\bop_name="([^"]*)"')
-_FRAME_ID = re.compile(r'metadata=\{[^}]*?\bstack_frame_id=(\d+)')
-_SOURCE = re.compile(
-  r'metadata=\{[^}]*?\bsource_file="([^"]*)"[^}]*?\bsource_line=(\d+)'
 )
 _CALLED = re.compile(rf'(?:^|, )({"|".join(_CALL_ROLES)})=%?([\w.\-]+)')
 
@@ -154,18 +161,13 @@ class Instruction:
 
   def op_name(self) -> str:
     """The jax name stack XLA kept in the metadata (``'jit(step)/jvp(Model)/
-    layers/dot_general'``), or ``''``."""
-    m = _OP_NAME.search(self.attributes)
-    return m.group(1) if m else ''
+    layers/dot_general'``), or ``''`` (``hlo_metadata`` reads it)."""
+    return read_op_name(self.attributes)
 
   def frame(self) -> int | str | None:
     """Where the user's code made it: a stack frame id (newer XLA) or
     ``'file:line'`` (older), or None."""
-    m = _FRAME_ID.search(self.attributes)
-    if m:
-      return int(m.group(1))
-    m = _SOURCE.search(self.attributes)
-    return f'{m.group(1)}:{m.group(2)}' if m else None
+    return read_frame(self.attributes)
 
   def known_trip_count(self) -> int | None:
     """The trip count XLA recorded for a ``while`` in its backend config."""
@@ -211,6 +213,7 @@ class Computation:
   is_entry: bool
   instructions: list[Instruction]
   shapes: dict[str, str]  # name -> result shape, parameters included
+  thread: str = 'main'  # the execution thread: 'sparsecore' for a TPU's SparseCore
 
 
 def _split_top(text: str, open_: str, close: str) -> tuple[str, str]:
@@ -270,12 +273,16 @@ def parse(text: str) -> dict[str, Computation]:
 
   Example:
     >>> text = '''
+    ... %sc (a: f32[]) -> f32[] {
+    ...   ROOT %a = f32[] parameter(0)
+    ... }, execution_thread="sparsecore"
+    ...
     ... ENTRY %main (p: f32[4]) -> f32[4] {
     ...   %p = f32[4]{0} parameter(0)
     ...   ROOT %n = f32[4]{0} negate(%p)
     ... }'''
-    >>> [i.opcode for i in parse(text)['main'].instructions]
-    ['parameter', 'negate']
+    >>> [i.opcode for i in parse(text)['main'].instructions], parse(text)['sc'].thread
+    (['parameter', 'negate'], 'sparsecore')
   """
   computations: dict[str, Computation] = {}
   current: Computation | None = None
@@ -286,7 +293,8 @@ def parse(text: str) -> dict[str, Computation]:
       if m:
         current = Computation(m.group(2), bool(m.group(1)), [], _parameters(stripped))
       continue
-    if stripped == '}':
+    if (closed := _FOOTER.match(stripped)) is not None:
+      current.thread = closed.group(1) or current.thread
       computations[current.name] = current
       current = None
       continue
@@ -295,49 +303,6 @@ def parse(text: str) -> dict[str, Computation]:
       current.instructions.append(inst)
       current.shapes[inst.name] = inst.shape
   return computations
-
-
-def stack_frames(text: str) -> dict[int, list[tuple[str, int]]]:
-  r"""Each stack frame id of a module's text -> its ``(file, line)`` chain,
-  innermost first (the tables XLA prints after the module header).
-
-  Example:
-    >>> text = '\n'.join([
-    ...   'FileNames', '1 "model.py"', '', 'FileLocations',
-    ...   '1 {file_name_id=1 function_name_id=1 line=7 end_line=7}',
-    ...   '2 {file_name_id=1 function_name_id=1 line=9 end_line=9}', '',
-    ...   'StackFrames', '1 {file_location_id=1 parent_frame_id=1}',
-    ...   '2 {file_location_id=2 parent_frame_id=1}'])
-    >>> stack_frames(text)[2]
-    [('model.py', 9), ('model.py', 7)]
-  """
-  files: dict[int, str] = {}
-  places: dict[int, tuple[int, int]] = {}
-  parents: dict[int, tuple[int, int]] = {}
-  section = ''
-  for line in text.splitlines():
-    if line in ('FileNames', 'FunctionNames', 'FileLocations', 'StackFrames'):
-      section = line
-      continue
-    if section == 'FileNames' and (m := _FILE_NAME.match(line)):
-      files[int(m.group(1))] = m.group(2)
-    elif section == 'FileLocations' and (m := _FILE_LOCATION.match(line)):
-      places[int(m.group(1))] = (int(m.group(2)), int(m.group(3)))
-    elif section == 'StackFrames' and (m := _STACK_FRAME.match(line)):
-      parents[int(m.group(1))] = (int(m.group(2)), int(m.group(3)))
-    elif line.startswith(('%', 'ENTRY')):
-      section = ''
-  out: dict[int, list[tuple[str, int]]] = {}
-  for frame in parents:
-    chain, seen, at = [], set(), frame
-    while at in parents and at not in seen:  # a root frame is its own parent
-      seen.add(at)
-      location, parent = parents[at]
-      file_id, line_no = places.get(location, (0, 0))
-      chain.append((files.get(file_id, '?'), line_no))
-      at = parent
-    out[frame] = chain
-  return out
 
 
 def output_aliases(text: str) -> dict[int, int]:
@@ -353,11 +318,6 @@ def output_aliases(text: str) -> dict[int, int]:
 
 
 _ALIAS = re.compile(r'\{(\d+)\}: \((\d+), \{\}')
-_FILE_NAME = re.compile(r'(\d+) "(.*)"$')
-_FILE_LOCATION = re.compile(
-  r'(\d+) \{file_name_id=(\d+) function_name_id=\d+ line=(\d+)'
-)
-_STACK_FRAME = re.compile(r'(\d+) \{file_location_id=(\d+) parent_frame_id=(\d+)')
 
 
 def entry(computations: dict[str, Computation]) -> Computation | None:
@@ -456,6 +416,19 @@ def _opcode_text(opcode: Any) -> str:
   return re.sub(r'(?<!^)(?=[A-Z])', '-', name).lower()
 
 
+def _printed_opcode(inst: Any, opcode: str) -> str:
+  """How the text prints an XLA async op: by the op it wraps (an
+  ``async-start`` around an all-reduce prints as ``all-reduce-start``, as
+  GPU programs of jax 0.12 hold them; one around a call as ``call-start``)."""
+  if opcode not in ('async-start', 'async-update', 'async-done'):
+    return opcode
+  try:
+    wrapped = _opcode_text(inst.async_wrapped_root().opcode)
+  except Exception:  # an older jaxlib, or nothing wrapped
+    return opcode
+  return f'{wrapped}-{opcode.removeprefix("async-")}'
+
+
 def disagreements(computations: dict[str, Computation], compiled: Any) -> list[str]:
   """Where :func:`parse` read ``compiled``'s text differently from XLA's own
   module objects: computations, instruction names, the opcodes this layer
@@ -479,9 +452,9 @@ def disagreements(computations: dict[str, Computation], compiled: Any) -> list[s
     for i in c.instructions
     for _, callee in i.called()
   }
-  # XLA's GPU modules hold a computation for each async collective that the
-  # text prints as the op itself (all-gather-start(...)); nothing read calls
-  # it, so nothing read is missing it.
+  # XLA's modules hold a computation for each async op that the text prints
+  # as the op itself (a GPU's all-gather-start(...), a TPU's SparseCore
+  # call-start(...)); nothing read calls it, so nothing read is missing it.
   missing = sorted(
     n
     for n in set(structured) ^ set(computations)
@@ -498,8 +471,9 @@ def disagreements(computations: dict[str, Computation], compiled: Any) -> list[s
     for inst_name, inst in ours.items():
       other = theirs[inst_name]
       opcode = _opcode_text(other.opcode)
-      if (inst.opcode in _CHECKED_OPCODES or opcode in _CHECKED_OPCODES) and (
-        opcode != inst.opcode
+      printed = _printed_opcode(other, opcode)
+      if (inst.opcode in _CHECKED_OPCODES or printed in _CHECKED_OPCODES) and (
+        inst.opcode not in (opcode, printed)
       ):
         found.append(f'{name}/{inst_name}: opcode {inst.opcode!r}, XLA {opcode!r}')
       elif [o.name for o in other.operands()] != inst.operands:

@@ -24,8 +24,8 @@ from flax_shardmeta._capacity.propagate import (
   aval_spec,
   backward,
   inner_specs,
+  outer_specs,
   propagate,
-  scan_split,
   sub_jaxprs,
 )
 from flax_shardmeta._capacity.unplaced import Found, Key
@@ -214,14 +214,7 @@ def _forward(
       inner_peak, inner_unplaced = inner_live, unplaced
     if how == 'call' and len(inner_virtual) == len(out_virtual):
       out_virtual = inner_virtual
-    if how in ('call', 'while') and len(inner_outs) == len(outs):
-      outs = [o or s for o, s in zip(outs, inner_outs)]
-    elif how == 'scan':
-      carry = scan_split(eqn.params)[1]
-      outs = [
-        o or (s if j < carry or s is None else (None, *s))
-        for j, (o, s) in enumerate(zip(outs, inner_outs))
-      ]
+    outs = outer_specs(eqn, how, outs, inner_outs)
   if not subs:
     outs = [o or d for o, d in zip(outs, propagate(eqn, ins, w.sizes))]
     if eqn.primitive.name in _FUSED or (

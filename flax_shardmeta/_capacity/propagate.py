@@ -196,6 +196,23 @@ def inner_specs(eqn: Any, how: str, ins: list[Spec], inner: Any) -> list[Spec]:
   return ins[:n] if len(ins) == n else [None] * n
 
 
+def outer_specs(
+  eqn: Any, how: str, outs: list[Spec], inner_outs: Sequence[Spec]
+) -> list[Spec]:
+  """An equation's output layouts, where its own are unknown, from its
+  sub-program's (``how`` as :func:`sub_jaxprs` says): a call's and a loop's
+  as they are, a scan's stacked outputs with the stacking dimension whole."""
+  if how in ('call', 'while') and len(inner_outs) == len(outs):
+    return [o or s for o, s in zip(outs, inner_outs)]
+  if how == 'scan':
+    carry = scan_split(eqn.params)[1]
+    return [
+      o or (s if j < carry or s is None else (None, *s))
+      for j, (o, s) in enumerate(zip(outs, inner_outs))
+    ]
+  return outs
+
+
 def backward(
   jaxpr: Any,
   spec_of: dict[Any, Spec],

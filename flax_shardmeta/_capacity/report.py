@@ -12,7 +12,7 @@ from flax_shardmeta._capacity.fit_format import format_seconds, signed_bytes, ta
 from flax_shardmeta._capacity.roofline import CollectiveRow, Roofline, by_link
 from flax_shardmeta._capacity.unplaced import UnplacedValue, report_lines
 from flax_shardmeta._capacity.usable import FRACTION_VARIABLES, UsableMemory
-from flax_shardmeta._capacity.why import format_why
+from flax_shardmeta._capacity.why import format_unknown_why, format_why
 
 PARAMETERS = 'parameters'
 OPTIMIZER = 'optimizer state'
@@ -277,7 +277,10 @@ class FitReport:
   def why(self, top: int = 8) -> str:
     """Why each collective is there, grouped by reason, largest bytes first,
     ending with what looks unexpected (see ``FitReport.collectives``' rows:
-    reason, parameters, sources)."""
+    reason, parameters, sources). An estimate compiled nothing: it says
+    its collectives are unknown, and how to get them."""
+    if self.source == 'estimate':
+      return format_unknown_why(self.replicated)
     return format_why(self.collectives, self.replicated, top)
 
   @property

@@ -48,8 +48,9 @@ class CollectiveRow:
       ``'network'`` on GPUs, None on CPUs or when it cannot be told.
     reason: why they run: ``'parameter'`` (gathering a parameter for use),
       ``'gradient'`` (reducing a parameter's gradient), ``'activation'``
-      (resharding a value computed in the step) or ``'other'`` (scalars:
-      loss, metrics, norms); ``''`` when not attributed.
+      (resharding a value computed in the step), ``'other'`` (scalars, the
+      loss and metrics) or ``'unknown'`` (the data flow does not tell);
+      ``''`` when not attributed.
     parameters: the plan paths involved (``'parameter'``, ``'gradient'``).
     sources: the user's lines (``'file:line'``).
     scope: the module scope from the jax name stack.

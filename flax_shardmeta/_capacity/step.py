@@ -89,6 +89,12 @@ class Step:
   def trace(self, *args: Any) -> Any:
     return self._stage('trace', args)
 
+  def trace_and_lower(self, *args: Any) -> tuple[Any, Any]:
+    """The traced step (its jaxpr) and its lowering, from one trace."""
+    traced = self.trace(*args)
+    with _mesh_context(self.mesh):
+      return traced, traced.lower()
+
   def _stage(self, method: str, args: tuple[Any, ...]) -> Any:
     # fsm.jit enters its own mesh and rules, and explains jax's sharding type
     # errors from inside the trace; for a jax.jit function fit does both.

@@ -24,7 +24,8 @@ _MEANING = {
   'parameter': 'gathering parameters for use (FSDP, or a layout the matmul wants)',
   'gradient': "reducing or scattering parameters' gradients",
   'activation': 'resharding values computed in the step',
-  'other': 'scalars: loss, metrics, norms, counters',
+  'other': 'scalars, the loss and metrics',
+  'unknown': 'the data flow does not tell',
   '': 'not attributed',
 }
 
@@ -83,6 +84,31 @@ def format_why(
   return '\n'.join(lines)
 
 
+def format_unknown_why(replicated: Sequence[str] = ()) -> str:
+  """What :meth:`FitReport.why` says of an estimate: no program was compiled,
+  so which collectives run is unknown.
+
+  Example:
+    >>> format_unknown_why().splitlines()[0]
+    'Why each collective is there: unknown without compiling.'
+  """
+  lines = [
+    'Why each collective is there: unknown without compiling.',
+    'This report is an estimate (no compiler for the mesh): which collectives '
+    'XLA inserts, and why, is only known once the step is compiled. Compile it '
+    'for the devices: fsm.fit on a mesh of real devices, or of a TPU topology '
+    "(topology='v5p:4x4x4', the tpu extra) or a GPU cluster "
+    "(topology='h100:4x8', the gpu extra); then report.why().",
+  ]
+  lines = [w for line in lines for w in textwrap.wrap(line, 100)]
+  if replicated:
+    lines += ['', 'What looks unexpected:']
+    lines += [
+      f'- replicated because a dimension does not divide: {t}' for t in replicated
+    ]
+  return '\n'.join(lines)
+
+
 def unexpected(
   collectives: Sequence[CollectiveRow], replicated: Sequence[str] = ()
 ) -> list[str]:
@@ -106,6 +132,14 @@ def unexpected(
       f'made at {_where(r)} ({r.change or "layout change"}, for {r.asked_by or "?"}) '
       'that no constraint asked for: a constraint on that value '
       '(fsm.with_logical_constraint) fixes its layout where you choose'
+    )
+  unknown = [r for r in collectives if r.reason == 'unknown']
+  if unknown:
+    total = sum(r.bytes for r in unknown)
+    found.append(
+      f'{format_bytes(int(total))}/step in {len(unknown)} rows moves values whose '
+      'use the data flow does not tell (no parameter, output or computation '
+      'reached): they are listed as unknown rather than guessed'
     )
   for text in replicated:
     found.append(
