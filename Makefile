@@ -22,14 +22,14 @@ LATEST_EXTRAS := test,notebooks,tpu,gpu
 
 .PHONY: demo test test-slow test-latest lint bench versions clean
 
-$(STAMP): pyproject.toml .ci/floor.txt dev/quiet_libtpu.pth dev/quiet_cuda.pth dev/quiet_cuda.py
+$(STAMP): pyproject.toml .ci/floor.txt dev/quiet_libtpu.pth dev/quiet_libtpu.py dev/quiet_cuda.pth dev/quiet_cuda.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c .ci/floor.txt -e '.[$(FLOOR_EXTRAS)]'
 	$(BIN)/python dev/install_pth.py
 	touch $(STAMP)
 
-$(LATEST_STAMP): pyproject.toml dev/quiet_libtpu.pth dev/quiet_cuda.pth dev/quiet_cuda.py
+$(LATEST_STAMP): pyproject.toml dev/quiet_libtpu.pth dev/quiet_libtpu.py dev/quiet_cuda.pth dev/quiet_cuda.py
 	$(LATEST_PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_BIN)/pip install --quiet --upgrade pip
 	$(LATEST_BIN)/pip install --quiet --upgrade --upgrade-strategy eager -e '.[$(LATEST_EXTRAS)]'

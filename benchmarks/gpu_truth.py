@@ -448,7 +448,7 @@ def _measure(spec: dict[str, Any], result: dict[str, Any], stage: Any) -> None:
     stage('done')
     return
   if spec['kind'] == 'probe':
-    from flax_shardmeta._capacity.chips import chip_named
+    from flax_shardmeta._devices.chips import chip_named
 
     chip = chip_named(device.device_kind)
     result['gpu'] = chip.name if chip is not None else None
@@ -786,7 +786,7 @@ def markdown(record: dict[str, Any]) -> list[str]:
 def _kind(record: dict[str, Any], gpu: str) -> str:
   if record.get('device_kind'):
     return record['device_kind']
-  from flax_shardmeta._capacity.chips import chip_named
+  from flax_shardmeta._devices.chips import chip_named
 
   chip = chip_named(gpu)
   return f'compile-only, {chip.device_kind}' if chip else 'compile-only'

@@ -1,5 +1,5 @@
-"""Copies the quiet_*.pth files (and the module quiet_cuda.pth imports) into
-this interpreter's site-packages (see README.md)."""
+"""Copies the quiet_*.pth files (and the modules they import) into this
+interpreter's site-packages (see README.md)."""
 
 import pathlib
 import shutil
@@ -10,3 +10,4 @@ site = pathlib.Path(sysconfig.get_paths()['purelib'])
 shutil.copy(here / 'quiet_libtpu.pth', site)
 shutil.copy(here / 'quiet_cuda.pth', site)
 shutil.copy(here / 'quiet_cuda.py', site / '_fsm_quiet_cuda.py')
+shutil.copy(here / 'quiet_libtpu.py', site / '_fsm_quiet_libtpu.py')

@@ -1,61 +1,20 @@
-"""Keeps jax's CUDA plugin quiet where no NVIDIA GPU is attached (see README.md)."""
+"""Keeps jax's CUDA plugin quiet where no NVIDIA GPU is attached (see README.md).
 
-import glob
-import importlib.abc
+Installed as ``_fsm_quiet_cuda.py`` beside ``quiet_cuda.pth``, which imports it
+at every start of the venv's Python. The work is flax_shardmeta's own
+(``_devices/quiet.py``), loaded from its file so that the package itself is
+not imported at every start.
+"""
+
+import importlib.util
 import os
-import sys
 
-_LOUD = ('jax._src.lib', 'jax_plugins.xla_cuda12', 'jax_plugins.xla_cuda13')
-
-
-class _Silenced:
-  """Standard error (the file descriptor: the messages come from C++) to
-  /dev/null while the plugin's libraries load."""
-
-  def __enter__(self):
-    sys.stderr.flush()
-    self.saved = os.dup(2)
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    os.close(null)
-
-  def __exit__(self, *exc):
-    os.dup2(self.saved, 2)
-    os.close(self.saved)
-
-
-class _Loader(importlib.abc.Loader):
-  def __init__(self, loader):
-    self.loader = loader
-
-  def create_module(self, spec):
-    return self.loader.create_module(spec)
-
-  def exec_module(self, module):
-    with _Silenced():
-      self.loader.exec_module(module)
-    start = getattr(module, 'initialize', None)
-    if module.__name__.startswith('jax_plugins.') and callable(start):
-      def initialize():
-        with _Silenced():
-          return start()
-      module.initialize = initialize
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-  def find_spec(self, name, path, target=None):
-    if name not in _LOUD:
-      return None
-    for finder in sys.meta_path:
-      if finder is self or not hasattr(finder, 'find_spec'):
-        continue
-      spec = finder.find_spec(name, path, target)
-      if spec is not None and spec.loader is not None:
-        spec.loader = _Loader(spec.loader)
-        return spec
-    return None
-
-
-if not glob.glob('/dev/nvidia[0-9]*'):
-  os.environ.setdefault('JAX_SKIP_CUDA_CONSTRAINTS_CHECK', '1')
-  sys.meta_path.insert(0, _Finder())
+_spec = importlib.util.find_spec('flax_shardmeta')  # finds, runs nothing
+for _root in (_spec.submodule_search_locations or []) if _spec else []:
+  _path = os.path.join(_root, '_devices', 'quiet.py')
+  if os.path.exists(_path):
+    _quiet = importlib.util.spec_from_file_location('_fsm_quiet', _path)
+    _module = importlib.util.module_from_spec(_quiet)
+    _quiet.loader.exec_module(_module)
+    _module.quiet_cuda_plugin()
+    break

@@ -34,15 +34,15 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     with_partitioning as with_partitioning,
   )
   from flax_shardmeta._caches import clear_caches as clear_caches
-  from flax_shardmeta._capacity.fit import fit as fit
-  from flax_shardmeta._capacity.presets import (
+  from flax_shardmeta._capacity.fit.will_it_fit import fit as fit
+  from flax_shardmeta._capacity.report import FitReport as FitReport
+  from flax_shardmeta._capacity.snapshot.compare import snapshot_diff as snapshot_diff
+  from flax_shardmeta._capacity.snapshot.record import snapshot as snapshot
+  from flax_shardmeta._capacity.suggest.presets import (
     RULE_PRESETS as RULE_PRESETS,
     RulePreset as RulePreset,
   )
-  from flax_shardmeta._capacity.report import FitReport as FitReport
-  from flax_shardmeta._capacity.snapshot import snapshot as snapshot
-  from flax_shardmeta._capacity.snapshot_diff import snapshot_diff as snapshot_diff
-  from flax_shardmeta._capacity.suggest import (
+  from flax_shardmeta._capacity.suggest.suggestions import (
     Candidate as Candidate,
     Suggestions as Suggestions,
     suggest as suggest,
@@ -151,8 +151,9 @@ if not TYPE_CHECKING:  # Type checkers take the `X as X` imports as the exports.
   __all__ = sorted([*_EXPORTS, '__version__'])
 
 
-# Former public names, kept one release: each use warns (never cached here).
-_DEPRECATED = {'ShardingFitWarning': 'IndivisibleDimensionWarning'}
+# Former public names, kept one release (the table is the errors module's):
+# each use warns (never cached here).
+from flax_shardmeta._errors import DEPRECATED_NAMES as _DEPRECATED  # noqa: E402
 
 
 def __getattr__(name: str) -> Any:

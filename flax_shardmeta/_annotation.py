@@ -22,11 +22,9 @@ from flax_shardmeta._boxes import Partitioned
 from flax_shardmeta._paths import (  # `X as X`: read from here by the modules above
   JoinedPrefix,
   KeyPaths as _KeyPaths,
-  Leaf as Leaf,
   Prefix,
   key_str as key_str,
   path_str as path_str,
-  paths_of as paths_of,
 )
 from flax_shardmeta._typing import AnyMesh, PyTree
 
@@ -83,6 +81,59 @@ class Annotation:
 
   def __hash__(self) -> int:
     return self._hash
+
+
+class Leaf:
+  """One leaf met by a walk (``_annotation.walk``); its text path is made
+  only when asked for."""
+
+  __slots__ = ('_paths', '_index', 'leaf', 'value', 'annotation', '_prefix')
+
+  def __init__(
+    self,
+    paths: Any,
+    index: int,
+    leaf: Any,
+    value: Any,
+    annotation: Annotation | None,
+    prefix: Any = '',
+  ):
+    self._paths = paths
+    self._index = index
+    self.leaf = leaf
+    self.value = value
+    self.annotation = annotation
+    self._prefix = prefix
+
+  @property
+  def keys(self) -> tuple[Any, ...]:
+    """The jax key path (below the optimizer-state prefix, if any)."""
+    return self._paths[self._index]
+
+  @property
+  def path(self) -> str:
+    """'/'-joined key path, e.g. ``params/Dense_0/kernel``."""
+    rest = self._paths.text(self._index)
+    prefix = str(self._prefix) if self._prefix else ''
+    if prefix:
+      return f'{prefix}/{rest}' if rest else prefix
+    return rest
+
+  def __repr__(self) -> str:
+    return f'Leaf({self.path!r}, annotation={self.annotation!r})'
+
+
+def paths_of(leaves: list[Leaf]) -> list[str]:
+  """Every leaf's text path, as :attr:`Leaf.path` gives it, made in one pass.
+
+  For callers that need all paths of a walk made without ``every_path``.
+  """
+  seen: set[int] = set()
+  for lf in leaves:
+    if id(lf._paths) not in seen:
+      seen.add(id(lf._paths))
+      lf._paths.every_text()
+  return [lf.path for lf in leaves]
 
 
 @functools.lru_cache(maxsize=65536)

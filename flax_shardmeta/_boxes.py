@@ -25,7 +25,7 @@ from flax_shardmeta._errors import (
   ShardingProblem,
 )
 from flax_shardmeta._init.generate import generate
-from flax_shardmeta._names import as_names as rules_as_names
+from flax_shardmeta._names import annotation_names as as_names
 from flax_shardmeta._nnx.rules import FsmRules, local_rules_of
 from flax_shardmeta._placement import apply_spec, context_mesh
 from flax_shardmeta._resolution import resolve
@@ -34,7 +34,7 @@ from flax_shardmeta._rules import (
   get_logical_axis_rules,
   normalize_rules,
 )
-from flax_shardmeta._specs import format_spec, spec_sets, unassigned_to_none
+from flax_shardmeta._specs import format_spec, unassigned_to_none
 from flax_shardmeta._typing import (
   AnyMesh,
   BoxingInitializer,
@@ -297,19 +297,6 @@ def reshaping(box: B) -> B:
   if shape is not None and len(shape) != len(box.names):
     object.__setattr__(box, '_reshaping', True)
   return box
-
-
-def as_names(names: Any) -> tuple[Any, ...]:
-  """Names as a tuple (lists become tuples); a bare string, an integer or a
-  nested tuple is refused with an InvalidNamesError, and so are unreduced /
-  reduced axes, which one name per dimension cannot hold."""
-  if not isinstance(names, str) and any(spec_sets(names)):
-    raise InvalidNamesError(
-      f'names {format_spec(names)} have unreduced / reduced axes, which an '
-      'annotation of one name per dimension cannot hold; give them in an NNX '
-      "Variable's out_sharding or in match_partition_rules specs."
-    )
-  return rules_as_names(names)
 
 
 def _flatten_with_keys(box: Partitioned[Any]):

@@ -419,13 +419,14 @@ def unmapped_hint(name: str) -> str:
   )
 
 
-_DEPRECATED = {'ShardingFitWarning': 'IndivisibleDimensionWarning'}
-"""Former names kept for one release: old name -> current name."""
+DEPRECATED_NAMES = {'ShardingFitWarning': 'IndivisibleDimensionWarning'}
+"""Former names kept for one release: old name -> current name (read by
+``fsm.__getattr__`` too)."""
 
 
 def __getattr__(name: str) -> Any:
   """Former names of this module's classes, with a DeprecationWarning (PEP 562)."""
-  new = _DEPRECATED.get(name)
+  new = DEPRECATED_NAMES.get(name)
   if new is None:
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
   warnings.warn(

@@ -9,6 +9,7 @@ machine and from every working directory.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
@@ -197,20 +198,44 @@ with its version, and points the user nowhere useful."""
 
 
 def source_line(source_info: Any) -> str:
-  """The user's ``file:line`` of a traced equation (``eqn.source_info``): its
-  innermost frame outside the libraries, the file named from its import root;
-  ``NO_USER_LINE`` when every frame is a library's.
+  """The user's ``file:line`` of a traced equation (``eqn.source_info``):
+  :func:`user_line` of its traceback; ``NO_USER_LINE`` when every frame is a
+  library's, ``'?'`` when jax's tracebacks cannot be read."""
+  try:
+    from jax._src import source_info_util  # noqa: F401 (the reader user_line needs)
+  except ImportError:
+    return '?'
+  return user_line(getattr(source_info, 'traceback', None)) or NO_USER_LINE
 
-  jax records the traceback of each equation, but reads it only through its
-  private ``source_info_util``; without it the line is ``'?'``.
+
+def user_line(traceback: Any) -> str:
+  """``'pkg/model.py:22'``: :func:`user_frame` of a jax traceback, the file
+  named from its import root; ``''`` when there is none.
+
+  Example:
+    >>> user_line(None)
+    ''
   """
+  found = user_frame(traceback)
+  return f'{import_path(found[0])}:{found[1]}' if found else ''
+
+
+@functools.lru_cache(maxsize=4096)
+def user_frame(traceback: Any) -> tuple[str, int] | None:
+  """``(file, line)`` of the innermost frame of a jax traceback that is the
+  user's own code (outside jax, flax, optax and this package; the example
+  models count as the user's); None when there is none.
+
+  jax records the traceback of each traced equation but reads it only through
+  its private ``source_info_util``; without it there is no frame.
+  """
+  if traceback is None:
+    return None
   try:
     from jax._src import source_info_util
 
-    frames = list(source_info_util.user_frames(source_info.traceback))
-  except (ImportError, AttributeError):
-    return '?'
+    frames = list(source_info_util.user_frames(traceback))
+  except Exception:  # noqa: BLE001 - a changed private API costs only the line
+    return None
   frame = next((f for f in frames if not is_library_file(f.file_name)), None)
-  if frame is None:
-    return NO_USER_LINE
-  return f'{import_path(frame.file_name)}:{frame.start_line}'
+  return None if frame is None else (frame.file_name, frame.start_line)

@@ -104,3 +104,20 @@ def check_names(names: tuple[Any, ...]) -> None:
           'only. Rename one of them.'
         )
       seen.add(n)
+
+
+def annotation_names(names: Any) -> tuple[Any, ...]:
+  """:func:`as_names` for an annotation (a box's, an NNX Variable's): one
+  name per dimension, so unreduced / reduced axes are refused too.
+
+  Example:
+    >>> annotation_names(['embed', None])
+    ('embed', None)
+  """
+  if not isinstance(names, str) and any(spec_sets(names)):
+    raise InvalidNamesError(
+      f'names {format_spec(names)} have unreduced / reduced axes, which an '
+      'annotation of one name per dimension cannot hold; give them in an NNX '
+      "Variable's out_sharding or in match_partition_rules specs."
+    )
+  return as_names(names)

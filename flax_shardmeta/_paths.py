@@ -2,20 +2,17 @@
 
 A walk (``_annotation.walk``) meets every leaf of a tree; most callers never
 read a path, errors and plans read a few or all. :class:`KeyPaths` makes them
-on demand, :class:`Leaf` is one leaf met with its path.
+on demand; ``_annotation.Leaf`` is one leaf met with its path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
 from flax_shardmeta._typing import PyTree
-
-if TYPE_CHECKING:
-  from flax_shardmeta._annotation import Annotation
 
 
 def key_str(key: Any) -> str:
@@ -150,59 +147,6 @@ class KeyPaths:
         kids = []
       self._kids[id(node)] = kids
     return kids
-
-
-class Leaf:
-  """One leaf met by a walk (``_annotation.walk``); its text path is made
-  only when asked for."""
-
-  __slots__ = ('_paths', '_index', 'leaf', 'value', 'annotation', '_prefix')
-
-  def __init__(
-    self,
-    paths: Any,
-    index: int,
-    leaf: Any,
-    value: Any,
-    annotation: Annotation | None,
-    prefix: Any = '',
-  ):
-    self._paths = paths
-    self._index = index
-    self.leaf = leaf
-    self.value = value
-    self.annotation = annotation
-    self._prefix = prefix
-
-  @property
-  def keys(self) -> tuple[Any, ...]:
-    """The jax key path (below the optimizer-state prefix, if any)."""
-    return self._paths[self._index]
-
-  @property
-  def path(self) -> str:
-    """'/'-joined key path, e.g. ``params/Dense_0/kernel``."""
-    rest = self._paths.text(self._index)
-    prefix = str(self._prefix) if self._prefix else ''
-    if prefix:
-      return f'{prefix}/{rest}' if rest else prefix
-    return rest
-
-  def __repr__(self) -> str:
-    return f'Leaf({self.path!r}, annotation={self.annotation!r})'
-
-
-def paths_of(leaves: list[Leaf]) -> list[str]:
-  """Every leaf's text path, as :attr:`Leaf.path` gives it, made in one pass.
-
-  For callers that need all paths of a walk made without ``every_path``.
-  """
-  seen: set[int] = set()
-  for lf in leaves:
-    if id(lf._paths) not in seen:
-      seen.add(id(lf._paths))
-      lf._paths.every_text()
-  return [lf.path for lf in leaves]
 
 
 class Prefix:

@@ -14,7 +14,7 @@ import os
 import pathlib
 from typing import Any
 
-from flax_shardmeta._capacity.snapshot_diff import VERSION, outdated, snapshot_diff
+from flax_shardmeta._capacity.snapshot.compare import VERSION, outdated, snapshot_diff
 from flax_shardmeta._errors import FitError
 
 UPDATE_VARIABLE = 'FLAX_SHARDMETA_UPDATE_SNAPSHOTS'

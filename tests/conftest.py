@@ -71,7 +71,7 @@ def nnx_reading(request):
 def pytest_runtest_setup(item):
   # TPU topologies come from libtpu: the `tpu` extra, which CI installs.
   if item.get_closest_marker('cuda'):
-    from flax_shardmeta._capacity import gpu
+    from flax_shardmeta._devices import gpu
 
     if not gpu.cuda_plugin_available():
       pytest.skip(
@@ -79,7 +79,7 @@ def pytest_runtest_setup(item):
         "(pip install 'flax_shardmeta[gpu]'; CI has it)"
       )
   if item.get_closest_marker('libtpu'):
-    from flax_shardmeta._capacity import topology
+    from flax_shardmeta._devices import topology
 
     if not topology.libtpu_available():
       pytest.skip(

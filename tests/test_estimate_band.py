@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 import flax_shardmeta as fsm
-from flax_shardmeta._capacity.estimate import ERROR_BANDS
+from flax_shardmeta._capacity.estimate.estimator import ERROR_BANDS
 
 MESH = AbstractMesh((2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2)
 

@@ -16,8 +16,8 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta._capacity.fit_format import signed_bytes
-from flax_shardmeta._capacity.unplaced import UnplacedValue, report_lines
+from flax_shardmeta._capacity.estimate.unplaced import UnplacedValue, report_lines
+from flax_shardmeta._units import signed_bytes
 
 AUTO = (AxisType.Auto,) * 2
 MESH = AbstractMesh((2, 4), ('data', 'model'), axis_types=AUTO)

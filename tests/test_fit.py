@@ -15,13 +15,13 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as
 
 import flax_shardmeta as fsm
 from flax_shardmeta import examples
-from flax_shardmeta._capacity import (
-  cache as cache_lib,
+from flax_shardmeta._capacity.fit import (
   compiled as compiled_lib,
-  step as step_lib,
-  topology,
+  figure_cache as cache_lib,
+  traced_step as step_lib,
 )
-from flax_shardmeta._capacity.chips import chip_named, parse_bytes
+from flax_shardmeta._devices import topology
+from flax_shardmeta._devices.chips import chip_named, parse_bytes
 from flax_shardmeta.examples import train
 
 AUTO = (AxisType.Auto,) * 2

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta._capacity import cache as cache_lib, source_map
+from flax_shardmeta._capacity.fit import figure_cache as cache_lib, source_map
 
 S = jax.ShapeDtypeStruct
 

@@ -14,8 +14,8 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta._capacity import cache as cache_lib
-from flax_shardmeta._capacity.step import Step, prepare
+from flax_shardmeta._capacity.fit import figure_cache as cache_lib
+from flax_shardmeta._capacity.fit.traced_step import Step, prepare
 
 AUTO = (AxisType.Auto,) * 2
 KEY = jax.random.key(0).dtype

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 import flax_shardmeta as fsm
-from flax_shardmeta._capacity import extrapolate as ex
+from flax_shardmeta._capacity.fit import extrapolate as ex
 from flax_shardmeta.examples import linen, train
 
 AUTO = (AxisType.Auto,) * 2

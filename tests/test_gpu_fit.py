@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta._capacity import gpu
+from flax_shardmeta._devices import gpu
 
 pytestmark = pytest.mark.cuda
 

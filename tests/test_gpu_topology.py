@@ -14,9 +14,10 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta._capacity import gpu, roofline
-from flax_shardmeta._capacity.chips import CHIPS, chip_named
-from flax_shardmeta._capacity.hlo_collectives import CollectiveOp
+from flax_shardmeta._capacity.hlo import roofline
+from flax_shardmeta._capacity.hlo.collectives import CollectiveOp
+from flax_shardmeta._devices import gpu
+from flax_shardmeta._devices.chips import CHIPS, chip_named
 
 AUTO = (AxisType.Auto,) * 2
 

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta._capacity import usable
+from flax_shardmeta._capacity.fit import usable
 
 pytestmark = pytest.mark.cuda
 

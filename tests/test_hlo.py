@@ -8,7 +8,12 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta._capacity import hlo, hlo_collectives, hlo_text, hlo_work
+from flax_shardmeta._capacity.hlo import (
+  collectives as hlo_collectives,
+  summary as hlo,
+  text as hlo_text,
+  work as hlo_work,
+)
 
 ADD = """
 %add (a: f32[], b: f32[]) -> f32[] {

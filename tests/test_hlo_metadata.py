@@ -16,7 +16,11 @@ from flax import linen as nn
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta._capacity import hlo_collectives, hlo_metadata, hlo_text
+from flax_shardmeta._capacity.hlo import (
+  collectives as hlo_collectives,
+  name_stacks as hlo_metadata,
+  text as hlo_text,
+)
 
 # (op_name, scope, primitive)
 REAL = [

@@ -17,7 +17,7 @@ PACKAGE = pathlib.Path(flax_shardmeta.__file__).parent
 # own layer when listed before it.
 LAYERS = [
   # The core: vocabulary -> rules -> placement -> boxes -> shardings -> constraints.
-  ['_typing', '_specs', '_caches', '_frames', '_arrays'],
+  ['_typing', '_specs', '_caches', '_frames', '_units', '_arrays'],
   ['_errors'],
   # How the rules enter jax.jit's cache key (the rule context sets it).
   ['_jit_key'],
@@ -45,52 +45,56 @@ LAYERS = [
   # _planning: whole-layout plans.
   ['_planning.explain', '_planning.format', '_planning.entry'],
   ['_planning.plan', '_planning.verify'],
-  # _capacity: what a whole step costs.
+  # _devices: what the chips are, GPU clusters and TPU topologies, meshes over
+  # their devices; below both _hosts and _capacity.
+  ['_devices.quiet', '_devices.chips', '_devices.gpu', '_devices.topology'],
+  # _capacity: what a whole step costs, in its vocabulary.
   [
-    '_capacity.chips',
-    '_capacity.gpu',
-    '_capacity.topology',
-    '_capacity.source_map',
-    '_capacity.cache',
+    '_capacity.vocabulary',
+    '_capacity.fit.source_map',
+    '_capacity.fit.figure_cache',
   ],
   # The memory a GPU run gives XLA, and compiling for it.
-  ['_capacity.usable'],
+  ['_capacity.fit.usable'],
   # Layouts inside a traced step, and the layout changes its constraints ask for.
-  ['_capacity.propagate', '_capacity.constraint_changes'],
+  ['_capacity.estimate.propagate', '_capacity.why.layout_changes'],
   # The compiled program's text: read, its data flow, why each collective is
   # there, then its loops, collectives and work.
   [
-    '_capacity.hlo_metadata',
-    '_capacity.hlo_text',
-    '_capacity.hlo_flow',
-    '_capacity.hlo_attribution',
-    '_capacity.hlo_loops',
-    '_capacity.hlo_collectives',
-    '_capacity.hlo_work',
-    '_capacity.hlo',
+    '_capacity.hlo.name_stacks',
+    '_capacity.hlo.text',
+    '_capacity.hlo.flow',
+    '_capacity.hlo.attribution',
+    '_capacity.hlo.trip_counts',
+    '_capacity.hlo.collectives',
+    '_capacity.hlo.work',
+    '_capacity.hlo.summary',
   ],
   [
-    '_capacity.roofline',
-    '_capacity.fit_format',
-    '_capacity.why',
-    '_capacity.unplaced',
+    '_capacity.hlo.roofline',
+    '_capacity.why.readable',
+    '_capacity.estimate.unplaced',
     '_capacity.report',
-    '_capacity.snapshot_diff',
+    '_capacity.snapshot.compare',
   ],
-  ['_capacity.presets'],
+  ['_capacity.suggest.presets'],
   # The step, the estimate without a compiler, the compiled figures, fit.
-  ['_capacity.step', '_capacity.liveness', '_capacity.estimate'],
   [
-    '_capacity.compiled',
-    '_capacity.extrapolate',
-    '_capacity.gpu_verdict',
-    '_capacity.fit',
+    '_capacity.fit.traced_step',
+    '_capacity.estimate.liveness',
+    '_capacity.estimate.estimator',
   ],
   [
-    '_capacity.candidate',
-    '_capacity.ranking',
-    '_capacity.suggest',
-    '_capacity.snapshot',
+    '_capacity.fit.compiled',
+    '_capacity.fit.extrapolate',
+    '_capacity.fit.gpu_verdict',
+    '_capacity.fit.will_it_fit',
+  ],
+  [
+    '_capacity.suggest.candidate',
+    '_capacity.suggest.ranking',
+    '_capacity.suggest.suggestions',
+    '_capacity.snapshot.record',
   ],
   # _hosts: devices, processes, data and transfers.
   ['_hosts.launch', '_hosts.mesh', '_hosts.data'],
@@ -128,8 +132,13 @@ LAYERS = [
   ],
 ]
 ORDER = {m: i for i, m in enumerate(m for layer in LAYERS for m in layer)}
-SUBPACKAGES = ('_init', '_jit', '_planning', '_capacity', '_hosts', '_nnx')
-PACKAGES = {'', 'examples', *SUBPACKAGES}
+SUBPACKAGES = ('_init', '_jit', '_planning', '_devices', '_capacity', '_hosts', '_nnx')
+# The capacity layer's rooms, one concept each.
+ROOMS = tuple(
+  f'_capacity.{room}'
+  for room in ('hlo', 'estimate', 'why', 'fit', 'suggest', 'snapshot')
+)
+PACKAGES = {'', 'examples', *SUBPACKAGES, *ROOMS}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -214,15 +223,53 @@ def test_subpackages_say_what_they_may_import():
 # What each part of the package never imports, whatever the layer order says.
 NEVER = {
   # The core builds no plans and costs no steps.
-  '': ('_planning', '_capacity', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
-  # Creating values knows nothing of plans, steps, hosts or adapters.
-  '_init': ('_planning', '_capacity', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
+  '': (
+    '_planning',
+    '_devices',
+    '_capacity',
+    '_hosts',
+    '_jit',
+    'nnx',
+    'examples',
+    'cli',
+  ),
+  # Creating values knows nothing of plans, devices, steps, hosts or adapters.
+  '_init': (
+    '_planning',
+    '_devices',
+    '_capacity',
+    '_hosts',
+    '_jit',
+    'nnx',
+    'examples',
+    'cli',
+  ),
   # Planning and capacity run on abstract meshes with no processes.
-  '_planning': ('_capacity', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
+  '_planning': ('_devices', '_capacity', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
   '_capacity': ('_hosts', '_jit', 'nnx', 'examples', 'cli'),
-  '_jit': ('_planning', '_capacity', '_hosts', 'nnx', 'examples', 'cli'),
+  # Devices are described, not used: nothing of layouts, plans or steps.
+  '_devices': (
+    '_init',
+    '_planning',
+    '_capacity',
+    '_hosts',
+    '_jit',
+    'nnx',
+    'examples',
+    'cli',
+  ),
+  '_jit': ('_planning', '_devices', '_capacity', '_hosts', 'nnx', 'examples', 'cli'),
   # The NNX adapter's implementation serves the public nnx module, not a plan.
-  '_nnx': ('_planning', '_capacity', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
+  '_nnx': (
+    '_planning',
+    '_devices',
+    '_capacity',
+    '_hosts',
+    '_jit',
+    'nnx',
+    'examples',
+    'cli',
+  ),
 }
 
 

@@ -17,7 +17,10 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 import flax_shardmeta as fsm
 from flax_shardmeta import cli, examples
-from flax_shardmeta._capacity import presets as presets_lib, suggest as _suggest
+from flax_shardmeta._capacity.suggest import (
+  presets as presets_lib,
+  suggestions as _suggest,
+)
 from flax_shardmeta.examples import linen, moe, train
 
 

@@ -12,7 +12,7 @@ import json
 import pytest
 
 import flax_shardmeta as fsm
-from flax_shardmeta._capacity import ranking
+from flax_shardmeta._capacity.suggest import ranking
 from flax_shardmeta.examples import train
 
 pytestmark = pytest.mark.cuda

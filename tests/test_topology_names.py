@@ -13,7 +13,7 @@ import pytest
 
 import flax_shardmeta as fsm
 from flax_shardmeta import cli
-from flax_shardmeta._capacity import gpu, topology
+from flax_shardmeta._devices import gpu, topology
 
 H900 = (
   "unknown accelerator 'h900' in topology 'h900:1x8': did you mean h100 or h200? "

@@ -207,7 +207,7 @@ def test_fit_why_from_the_command_line():
 
 
 def _has_libtpu():
-  from flax_shardmeta._capacity import topology
+  from flax_shardmeta._devices import topology
 
   return topology.libtpu_available()
 
@@ -245,7 +245,7 @@ def _mlp(mesh):
 @pytest.fixture
 def program_texts(monkeypatch):
   """The optimised HLO text of every program fit compiles in the test."""
-  from flax_shardmeta._capacity import compiled
+  from flax_shardmeta._capacity.fit import compiled
 
   texts = []
   real = compiled._compiled_figures
@@ -260,7 +260,7 @@ def program_texts(monkeypatch):
 
 
 def _check_combined(report, text):
-  from flax_shardmeta._capacity import hlo_text
+  from flax_shardmeta._capacity.hlo import text as hlo_text
 
   rows = report.collectives
   grads = [r for r in rows if r.reason == 'gradient']

@@ -1,20 +1,29 @@
 """Capacity: what a whole training step costs, per chip, before launch.
 
-``fit`` compiles a step for its mesh and reads XLA's own figures (``compiled``;
-``extrapolate`` for deep scanned models), or estimates them where nothing can
-compile for the target (``estimate``, over ``propagate``d layouts and a
-``liveness`` walk). The compiled program's HLO text is read in one place
-(``hlo_text``), then its loops, collectives and work (``hlo_loops``,
-``hlo_collectives``, ``hlo_work``, summed up by ``hlo``). Beside them: the
-roofline, chip figures, TPU topologies and meshes over devices (``topology``),
-byte counts of abstract arrays (``arrays``), rule presets, the fit cache, the
-step's arguments and their layouts (``step``), the report with its table, and
-``suggest`` ranking meshes, presets and remat (its ``candidate``s).
+In rooms by concept:
 
-Modules here may import the core, ``_init`` and ``_planning``; never
-``_hosts``, ``_jit``, the NNX adapter (``nnx``), the examples or the CLI,
-which sit above (``_hosts.mesh.make_mesh`` lays its meshes out with
-``topology.device_mesh``; ``suggest`` takes a model as a factory, and the
-built-in models' factories live in ``examples.train``). The core never
-imports this layer.
+- ``fit/``: ``fsm.fit``. The step and its arguments (``traced_step``), the
+  program compiled for the memory a run will have (``usable``,
+  ``compiled``) or read from the cache (``figure_cache``, keyed without
+  source lines: ``source_map``), extrapolated over layers for deep scanned
+  models (``extrapolate``), the GPU verdict (``gpu_verdict``) and ``fit``
+  itself (``will_it_fit``);
+- ``hlo/``: the compiled program's optimised HLO, read in one place
+  (``text``, XLA's metadata in ``name_stacks``), its data flow (``flow``),
+  why each collective is there (``attribution``), its loops, collectives and
+  work, a step's summary of them and the roofline;
+- ``estimate/``: the estimate where nothing can compile for the target
+  (layouts ``propagate``d through the traced step, a ``liveness`` walk, the
+  ``unplaced`` values, the ``estimator``);
+- ``why/``: the layout changes a step's constraints ask for, and
+  ``report.why()``'s text;
+- ``suggest/``: rule presets, candidates, how they rank, ``fsm.suggest``;
+- ``snapshot/``: ``fsm.snapshot`` and ``fsm.snapshot_diff``;
+- ``report``: ``FitReport`` and its table.
+
+Modules here may import the core, ``_init``, ``_planning`` and ``_devices``
+(chip figures, GPU and TPU topologies); never ``_hosts``, ``_jit``, the NNX
+adapter (``nnx``), the examples or the CLI, which sit above (``suggest``
+takes a model as a factory, and the built-in models' factories live in
+``examples.train``). The core never imports this layer.
 """

@@ -16,8 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from flax_shardmeta._capacity.gpu import is_gpu_topology, node_local_check
-from flax_shardmeta._capacity.topology import (
+from flax_shardmeta._devices.gpu import is_gpu_topology, node_local_check
+from flax_shardmeta._devices.topology import (
   device_mesh,
   platform_of,
   topology_devices,

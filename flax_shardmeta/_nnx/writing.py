@@ -15,10 +15,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib, _sharding as sharding_lib
-from flax_shardmeta._boxes import as_names
 from flax_shardmeta._errors import ShardingError, ShardingProblem, UnmappedNameWarning
 from flax_shardmeta._frames import warn_at_user_code
 from flax_shardmeta._init.generate import generate
+from flax_shardmeta._names import annotation_names as as_names
 from flax_shardmeta._nnx.metadata import FSM_LOGICAL, OPTIMIZER_NAMES
 from flax_shardmeta._nnx.rules import FsmRules
 from flax_shardmeta._placement import apply_spec, context_mesh

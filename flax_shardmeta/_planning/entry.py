@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._arrays import array_bytes
 from flax_shardmeta._planning.explain import explain_entry
-from flax_shardmeta._planning.format import format_bytes
 from flax_shardmeta._resolution import Explanation
 from flax_shardmeta._sharding import LeafLayout
 from flax_shardmeta._specs import (
@@ -28,6 +27,7 @@ from flax_shardmeta._specs import (
   spec_sets,
 )
 from flax_shardmeta._typing import AnyMesh
+from flax_shardmeta._units import format_bytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from flax_shardmeta._specs import format_spec
+from flax_shardmeta._units import format_bytes, format_count
 
 
 class EntryView(Protocol):
@@ -61,26 +62,6 @@ class PlanView(Protocol):
 _INDEX = re.compile(r'(?<=_)\d+$|^\d+$')
 _MIN_STACK = 3
 """Fewer identical copies than this are listed one by one."""
-
-
-def format_bytes(n: int) -> str:
-  """Bytes in binary units, e.g. ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
-  if n < 1024:
-    return f'{n} B'
-  value = float(n)
-  for unit in ('KiB', 'MiB', 'GiB'):
-    value /= 1024
-    if value < 1024:
-      return f'{value:.2f} {unit}'
-  return f'{value / 1024:.2f} TiB'
-
-
-def format_count(n: int) -> str:
-  """Element counts with a short suffix, e.g. ``70.55 B`` for 70,553,706,496."""
-  for div, unit in ((10**12, 'T'), (10**9, 'B'), (10**6, 'M'), (10**3, 'K')):
-    if n >= div:
-      return f'{n / div:.2f} {unit}'
-  return str(n)
 
 
 def _split(path: str) -> tuple[str, str]:

@@ -26,7 +26,7 @@ from flax_shardmeta._planning.entry import (
   nbytes,
   shard_shape,
 )
-from flax_shardmeta._planning.format import format_bytes, format_table
+from flax_shardmeta._planning.format import format_table
 from flax_shardmeta._rules import SOURCE_NONE, rules_and_source
 from flax_shardmeta._sharding import (
   LeafLayout,
@@ -36,6 +36,7 @@ from flax_shardmeta._sharding import (
 )
 from flax_shardmeta._specs import json_entry
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
+from flax_shardmeta._units import format_bytes
 from flax_shardmeta._unmapped import Unmapped, report as report_unmapped
 from flax_shardmeta._validate import replicate_option, warn_replicated
 

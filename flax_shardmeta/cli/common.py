@@ -270,7 +270,7 @@ def check_hbm(text: str | None, flag: str = '--hbm') -> None:
   """``--hbm`` (or another size ``flag``), when given, is a size (``95GiB``)."""
   if text is None:
     return
-  from flax_shardmeta._capacity.chips import parse_bytes
+  from flax_shardmeta._devices.chips import parse_bytes
   from flax_shardmeta._errors import FitError
 
   try:

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
   """The ``diff`` subcommand; returns the exit code."""
   old, new = _read(args.old), _read(args.new)
-  from flax_shardmeta._capacity.snapshot_diff import snapshot_diff
+  from flax_shardmeta._capacity.snapshot.compare import snapshot_diff
 
   lines = snapshot_diff(old, new)
   for line in lines:

@@ -182,7 +182,7 @@ def _step_arguments(
   parameter names (``state/params/...``, as ``fit`` names them), and the names
   of the others."""
   from flax_shardmeta import _annotation as ann_lib
-  from flax_shardmeta._capacity.step import argument_names
+  from flax_shardmeta._capacity.fit.traced_step import argument_names
 
   step, *args = made
   names = argument_names(step, len(args))

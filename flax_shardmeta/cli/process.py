@@ -6,14 +6,12 @@ Nothing here imports jax at module level.
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
-from typing import Any
+
+from flax_shardmeta._devices import quiet
 
 
 def local_jax_on_cpu() -> None:
@@ -24,9 +22,8 @@ def local_jax_on_cpu() -> None:
   would otherwise try to start a local TPU first and print several lines of
   warnings about this machine's missing TPU.
   """
-  if glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'):
-    return
-  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  if not quiet.on_a_tpu_vm():
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 
 def start_jax_quietly() -> None:
@@ -41,17 +38,17 @@ def start_jax_quietly() -> None:
   come first); the plugin's own start is closed off the same way. Anywhere
   else this does nothing.
   """
-  if glob.glob('/dev/nvidia[0-9]*') or 'jax' in sys.modules:
+  if quiet.on_an_nvidia_machine() or 'jax' in sys.modules:
     return
   plugins = [name for name in _CUDA_PLUGINS if _found(name)]
   if not plugins:
     return
-  with _stderr_closed():
+  with quiet.stderr_closed():
     import jax  # noqa: F401
 
     for name in plugins:
       module = importlib.import_module(name)
-      setattr(module, 'initialize', _closed(module.initialize))  # noqa: B010
+      setattr(module, 'initialize', quiet.closed(module.initialize))  # noqa: B010
 
 
 _CUDA_PLUGINS = ('jax_plugins.xla_cuda12', 'jax_plugins.xla_cuda13')
@@ -62,26 +59,3 @@ def _found(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
   except ModuleNotFoundError:  # no jax_plugins namespace at all
     return False
-
-
-def _closed(start: Any) -> Any:
-  def initialize() -> Any:
-    with _stderr_closed():
-      return start()
-
-  return initialize
-
-
-@contextlib.contextmanager
-def _stderr_closed() -> Iterator[None]:
-  """File descriptor 2 to /dev/null: the messages come from C++."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  null = os.open(os.devnull, os.O_WRONLY)
-  os.dup2(null, 2)
-  os.close(null)
-  try:
-    yield
-  finally:
-    os.dup2(saved, 2)
-    os.close(saved)

@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     closest = found.closest
     report = closest.report if closest is not None else None
     if raised and raised[0].report is not None:
-      from flax_shardmeta._capacity.candidate import verdict_words
+      from flax_shardmeta._capacity.suggest.candidate import verdict_words
 
       print(
         "flax-shardmeta suggest: nothing fits at the run's fraction; best with a "
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
       )
     elif closest is not None and report is not None and report.hbm_bytes is not None:
-      from flax_shardmeta._planning.format import format_bytes
+      from flax_shardmeta._units import format_bytes
 
       what = 'the usable memory' if report.usable is not None else 'the HBM'
       short = (closest.total_bytes or 0) - report.hbm_bytes
@@ -181,7 +181,7 @@ def _user_build(factory: Factory, args: argparse.Namespace) -> Any:
 def _presets(text: str) -> list[Any]:
   """``--presets``: built-in names and presets files, in order."""
   import flax_shardmeta as fsm
-  from flax_shardmeta._capacity import presets as presets_lib
+  from flax_shardmeta._capacity.suggest import presets as presets_lib
 
   presets: list[Any] = []
   for item in (x.strip() for x in text.split(',') if x.strip()):

@@ -1,0 +1,6 @@
+"""``fsm.fit``: the step and its arguments (``traced_step``), compiling it
+for the memory a run will have (``usable``, ``compiled``), the cache of
+compiled figures (``figure_cache``, keyed without source lines:
+``source_map``), deep scanned models (``extrapolate``), the GPU verdict
+(``gpu_verdict``) and ``fit`` itself (``will_it_fit``).
+"""

@@ -1,0 +1,432 @@
+"""``fit``: does a whole training step fit each chip, and what does it cost?
+
+A step is lowered and compiled for its mesh, which may be the devices of a
+TPU pod this machine does not have (``make_mesh(..., topology=...)``); nothing
+is allocated. XLA's own memory analysis gives the peak per chip, the compiled
+program's inputs what the argument bytes are (parameters, optimizer state, RNG
+state, batch: each leaf's category from its plan), and the optimised HLO the
+collectives and the work per step (``_capacity.fit.compiled``). When the compiler
+refuses the program for lack of memory, that refusal is the verdict. With no
+compiler for the target (an ``AbstractMesh``), the figures are estimated from
+the layouts and the traced program (``_capacity.estimate.estimator``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax.sharding import AbstractMesh
+
+from flax_shardmeta._capacity import report as rep
+from flax_shardmeta._capacity.estimate.estimator import estimate
+from flax_shardmeta._capacity.fit import gpu_verdict as gv, usable as usable_lib
+from flax_shardmeta._capacity.fit.compiled import figures
+from flax_shardmeta._capacity.fit.extrapolate import fit_layers
+from flax_shardmeta._capacity.fit.traced_step import (
+  Arguments,
+  Step,
+  path_category,
+  prepare,
+)
+from flax_shardmeta._capacity.hlo import summary as hlo
+from flax_shardmeta._capacity.hlo.roofline import group, roofline
+from flax_shardmeta._devices import gpu
+from flax_shardmeta._devices.chips import CHIPS, Chip, chip_named, chip_of, parse_bytes
+from flax_shardmeta._devices.topology import describe
+from flax_shardmeta._errors import FitError
+
+
+def fit(
+  step: Callable[..., Any],
+  *args: Any,
+  hbm: int | str | None = None,
+  chip: str | None = None,
+  layers: int | None = None,
+  exact: bool = False,
+  cache: bool = True,
+  mem_fraction: float | None = None,
+  reserve: int | str | None = None,
+) -> rep.FitReport:
+  """Compiles ``step`` for its mesh and reports what each chip must hold.
+
+  Nothing is allocated and nothing runs: the arguments are abstract
+  (``jax.eval_shape`` trees, annotated or not, or ``ShapeDtypeStruct``s) and
+  the mesh may be a TPU pod described by libtpu (``fsm.make_mesh(...,
+  topology='v5p:8x8x16')``). Annotated arguments are laid out by their plan
+  (a layout problem raises the plan's :class:`ShardingError`, not an XLA
+  error); an argument that is itself a box (e.g. ``fsm.LogicalPartitioned(
+  batch, ('batch', None))``) is passed unboxed, laid out by its annotation.
+
+  See :class:`FitReport` for what is reported; ``report.total_bytes`` is
+  ``argument + output - alias + temporaries + generated code``, and every
+  row comes from the compiled program: each argument as it holds it (one
+  the step never reads, which jax drops, holds nothing). When the
+  compiler refuses the program for lack of HBM, the report says so
+  (``fits=False``, with the compiler's required and available figures).
+
+  On GPUs the verdict is against the memory a real jax run gives XLA
+  (``report.usable``): ``min(fraction x GPU memory, GPU memory - reserve)``,
+  where the fraction is the allocator's (``mem_fraction=``, else
+  ``XLA_CLIENT_MEM_FRACTION`` / ``XLA_PYTHON_CLIENT_MEM_FRACTION``, else
+  jax's 0.75) and the reserve what the run holds outside XLA's pool (the
+  CUDA context, NCCL's communicators; ``_capacity.fit.usable``). The program is
+  compiled as that run's compiler would plan it, for the pool. A step that
+  does not fit there but whose program, compiled for a larger fraction (at
+  most 0.95), fits at it is "FITS ONLY WITH XLA_CLIENT_MEM_FRACTION=x"
+  (``report.needed_fraction``; ``fits`` stays False at the run's fraction).
+
+  Args:
+    step: a function from :func:`flax_shardmeta.jit` (it brings its mesh,
+      rules and shardings), a ``jax.jit`` function or plain function called
+      under ``jax.set_mesh(mesh)``. With ``layers``, a builder instead (below).
+    *args: the step's arguments, abstract.
+    hbm: the memory per chip to judge against (bytes, or text like
+      ``'95GiB'``); default: the chip's, when the devices are known. On GPUs,
+      the GPU's memory, of which the allocator takes its fraction.
+    chip: figures for the verdict and the roofline when the devices do not
+      say (an ``AbstractMesh``, CPU devices): ``'v5p'``, ``'h100'``, ...
+    layers: with a builder ``step(num_layers) -> (jitted, *args)``, the depth
+      to report on. Where the model's program grows with depth (layers
+      unrolled in Python) enough for it to be clearly faster, the model is
+      compiled at 2 and 4 layers and every figure extrapolated linearly;
+      otherwise (layers stacked by ``nn.scan`` / ``nnx.scan``: one compile of
+      all of them costs about one of 2) it is compiled whole, once. The
+      report's notes say which, and why.
+    exact: with ``layers``, compile all of them whatever the programs' sizes.
+    cache: reuse figures of the very same program and target (in memory and
+      in ``~/.cache/flax_shardmeta/fit``, see ``FLAX_SHARDMETA_CACHE``);
+      ``False`` compiles afresh and keeps nothing.
+    mem_fraction: GPUs: the allocator fraction the run will use (default: the
+      environment's, as jaxlib reads it, else 0.75).
+    reserve: GPUs: bytes (or text like ``'3GiB'``) the run holds outside
+      XLA's pool per GPU; default: the project's table by the program's
+      NCCL communicators.
+
+  Returns:
+    The :class:`FitReport`.
+
+  Raises:
+    ShardingError: an argument's annotations cannot be laid out on the mesh.
+    NoMeshError: no mesh: ``step`` is not an ``fsm.jit`` function and no
+      ``jax.set_mesh`` is active.
+    FitError: a malformed ``hbm`` or ``chip``, or a compiler error other
+      than running out of memory.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> mesh = jax.make_mesh((2, 4), ('data', 'model'))
+    >>> params = {'w': fsm.Partitioned(
+    ...     jax.ShapeDtypeStruct((512, 256), jnp.float32), (None, 'model'))}
+    >>> def step(params, x):
+    ...   return jnp.tanh(x @ fsm.unbox(params)['w']).sum()
+    >>> batch = fsm.Partitioned(jax.ShapeDtypeStruct((64, 512), jnp.float32),
+    ...                         ('data', None))
+    >>> with jax.set_mesh(mesh):
+    ...   report = fsm.fit(jax.jit(step), params, batch, hbm='16MiB', cache=False)
+    >>> report.row('parameters'), report.row('batch and other inputs'), report.fits
+    (131072, 65536, True)
+  """
+  capacity = _capacity(hbm)
+  chip_spec = _chip(chip)
+  run = gv.RunMemory(mem_fraction, reserve)
+  if mem_fraction is not None:
+    usable_lib.run_fraction(mem_fraction)  # a bad one is refused at once
+  if layers is not None:
+    return _fit_layers(step, layers, capacity, chip_spec, exact, cache, run)
+  target = Step.of(step, len(args))
+  if isinstance(target.mesh, AbstractMesh):
+    return gv.judged_estimate(estimate(target, args, capacity, chip_spec), run)
+  return _compiled_report(target, args, capacity, chip_spec, cache, run)
+
+
+def _capacity(hbm: int | str | None) -> int | None:
+  if hbm is None:
+    return None
+  try:
+    value = parse_bytes(hbm)
+  except FitError as e:
+    raise FitError(f'hbm={hbm!r}: {e}') from None
+  if value <= 0:
+    raise FitError(f'hbm={hbm!r}: the memory per chip must be positive.')
+  return value
+
+
+def _chip(name: str | None) -> Chip | None:
+  if name is None:
+    return None
+  found = chip_named(name)
+  if found is None:
+    known = ', '.join(c.name for c in CHIPS)
+    raise FitError(f'chip={name!r} is not one fit knows; choose from {known}.')
+  return found
+
+
+# The compiled report
+# ------------------------------------------------------------------------------
+
+
+def _compiled_report(
+  target: Step,
+  args: Sequence[Any],
+  capacity: int | None,
+  chip_spec: Chip | None,
+  use_cache: bool,
+  run: gv.RunMemory,
+) -> rep.FitReport:
+  arguments = prepare(target, args)
+  mesh = target.mesh
+  chip = chip_spec or chip_of(mesh.devices)
+  hbm = capacity if capacity is not None else (chip.hbm_bytes if chip else None)
+  if hbm is None:  # a custom GPU: its own description's memory
+    hbm = gpu.described_memory(mesh.devices)
+  on_gpu = _platform(mesh) == 'gpu' and hbm is not None
+  # A real GPU run hands XLA its allocator's pool; so does this compile.
+  pool = run.memory(hbm, ()).compile_limit_bytes if on_gpu and hbm else None
+  found = figures(target, arguments, use_cache, pool)
+  common = {
+    'mesh': dict(zip(mesh.axis_names, mesh.axis_sizes)),
+    'devices': describe(mesh.devices),
+    'chip': chip,
+    'compile_seconds': found['compile_seconds'],
+    'cached': found['cached'],
+  }
+  if 'refusal' in found:
+    refusal = rep.Refusal(**found['refusal'])
+    by_category = _sum_by_category(arguments.categories, arguments.layout_bytes)
+    return _refused_report(refusal, by_category, capacity, common)
+  plan = rep.CompilerPlan.from_found(found.get('planned'))
+  memory = found['memory']
+  summary = hlo.ProgramSummary.from_dict(found['summary'])
+  by_category, told_by_path = _compiled_categories(arguments, found['input_bytes'])
+  rows = memory_rows(memory, by_category)
+  cost = found['cost']
+  flops = cost['flops'] + summary.extra_flops if 'flops' in cost else None
+  traffic = cost.get('bytes accessed')
+  traffic = traffic + summary.extra_bytes if traffic is not None else None
+  collectives = group(summary.collectives, chip)
+  total = sum(r.bytes for r in rows)
+  notes = _notes(mesh, chip, summary, hbm)
+  notes += _argument_notes(memory, by_category, told_by_path, found['reader'])
+  memory_at_run, needed = None, None
+  if on_gpu and hbm:
+    memory_at_run = run.memory(hbm, collectives)
+    hbm = memory_at_run.usable_bytes
+    needed, tried = gv.needed_fraction(
+      target, arguments, use_cache, memory_at_run, total
+    )
+    notes += gv.gpu_notes(memory_at_run, plan, tried, cost)
+  notes += gv.remat_notes(plan)
+  return rep.FitReport(
+    source='compiled',
+    method='compiled for the mesh; figures from XLA (memory_analysis, '
+    'cost_analysis) and the optimised HLO',
+    rows=rows,
+    total_bytes=sum(r.bytes for r in rows),
+    hbm_bytes=hbm,
+    memory_analysis=memory,
+    donated_bytes=memory['alias_size_in_bytes'],
+    collectives=collectives,
+    flops=flops,
+    bytes_accessed=traffic,
+    cost_analysis=cost or None,
+    roofline=roofline(chip, flops or 0.0, traffic or 0.0, collectives)
+    if flops is not None
+    else None,
+    loops=summary.loops,
+    notes=notes,
+    replicated=tuple(found.get('replicated', ())),
+    usable=memory_at_run,
+    needed_fraction=needed,
+    plan=plan,
+    **common,
+  )
+
+
+def _sum_by_category(categories: Sequence[str], sizes: Sequence[int]) -> dict[str, int]:
+  out = {rep.PARAMETERS: 0, rep.OPTIMIZER: 0, rep.RNG: 0, rep.INPUTS: 0}
+  for c, b in zip(categories, sizes):
+    out[c] = out.get(c, 0) + int(b)
+  return out
+
+
+def _compiled_categories(
+  arguments: Arguments, inputs: list[list[Any]]
+) -> tuple[dict[str, int], bool]:
+  """Bytes by category of the compiled program's inputs, and whether the
+  categories had to be told from the inputs' paths (when its leaves are not
+  the arguments' one for one)."""
+  sizes = [int(leaf[1]) for leaf in inputs]
+  if len(inputs) == len(arguments.categories):
+    return _sum_by_category(arguments.categories, sizes), False
+  categories = [path_category(leaf[0], leaf[2]) for leaf in inputs]
+  return _sum_by_category(categories, sizes), True
+
+
+def memory_rows(
+  memory: dict[str, int], by_category: dict[str, int]
+) -> tuple[rep.Row, ...]:
+  """The breakdown: argument categories (adding up to XLA's argument bytes),
+  outputs not donated, temporaries and generated code."""
+  args = memory['argument_size_in_bytes']
+  known = sum(by_category.values())
+  rng = by_category.get(rep.RNG, 0)
+  held = 'arguments, as the compiled program holds them'
+  return (
+    rep.Row(rep.PARAMETERS, by_category[rep.PARAMETERS], held),
+    rep.Row(rep.OPTIMIZER, by_category[rep.OPTIMIZER], held),
+    *((rep.Row(rep.RNG, rng, held),) if rng else ()),
+    rep.Row(rep.INPUTS, by_category[rep.INPUTS], held),
+    rep.Row(
+      rep.PADDING, max(args - known, 0), 'argument bytes XLA adds (padding, layout)'
+    ),
+    rep.Row(
+      rep.OUTPUTS,
+      memory['output_size_in_bytes'] - memory['alias_size_in_bytes'],
+      'outputs minus donated (aliased) arguments',
+    ),
+    rep.Row(
+      rep.TEMPORARIES,
+      memory['temp_size_in_bytes'],
+      'activations for the backward pass, gradients, workspace',
+    ),
+    rep.Row(rep.CODE, memory['generated_code_size_in_bytes'], 'the program itself'),
+  )
+
+
+def _argument_notes(
+  memory: dict[str, int],
+  by_category: dict[str, int],
+  told_by_path: bool,
+  reader: list[str],
+) -> tuple[str, ...]:
+  notes = []
+  over = sum(by_category.values()) - memory['argument_size_in_bytes']
+  if over > 0:  # the argument rows then add up to more than XLA's figure
+    notes.append(
+      f"the arguments as laid out come to {over:,} bytes more than XLA's "
+      'argument figure; argument padding reads 0'
+    )
+  if told_by_path:
+    notes.append(
+      "the compiled program's inputs are not the arguments leaf for leaf; "
+      'their categories were told from their paths'
+    )
+  if reader:
+    notes.append(
+      "the HLO text reader disagrees with XLA's own module ("
+      + '; '.join(reader)
+      + '): collectives, loops and flops may be wrong; please report it'
+    )
+  return tuple(notes)
+
+
+def _refused_report(
+  refusal: rep.Refusal,
+  by_category: dict[str, int],
+  capacity: int | None,
+  common: dict[str, Any],
+) -> rep.FitReport:
+  known = sum(by_category.values())
+  laid_out = 'arguments as laid out (the compiler refused: no program to ask)'
+  rng = by_category.get(rep.RNG, 0)
+  rows = (
+    rep.Row(rep.PARAMETERS, by_category[rep.PARAMETERS], laid_out),
+    rep.Row(rep.OPTIMIZER, by_category[rep.OPTIMIZER], laid_out),
+    *((rep.Row(rep.RNG, rng, laid_out),) if rng else ()),
+    rep.Row(rep.INPUTS, by_category[rep.INPUTS], laid_out),
+    rep.Row(
+      rep.TEMPORARIES,
+      max(refusal.required_bytes - known, 0),
+      'the rest of what the compiler requires',
+    ),
+  )
+  return rep.FitReport(
+    source='compiled',
+    method='the compiler refused the program for lack of memory; arguments '
+    'as laid out, the rest from its message',
+    rows=rows,
+    total_bytes=max(refusal.required_bytes, known),
+    hbm_bytes=capacity if capacity is not None else refusal.available_bytes,
+    memory_analysis=None,
+    donated_bytes=0,
+    collectives=(),
+    flops=None,
+    bytes_accessed=None,
+    cost_analysis=None,
+    roofline=None,
+    refusal=refusal,
+    notes=(f'compiler: {refusal.message}',),
+    **common,
+  )
+
+
+def _platform(mesh: Any) -> str:
+  return getattr(next(iter(mesh.devices.flat)), 'platform', '')
+
+
+def _notes(
+  mesh: Any, chip: Chip | None, summary: hlo.ProgramSummary, capacity: int | None
+) -> tuple[str, ...]:
+  notes = []
+  unknown = [name for name, n in summary.loops if n is None]
+  if unknown:
+    notes.append(
+      f'{len(unknown)} loop(s) with a trip count the HLO does not tell were '
+      'counted once: collectives and flops inside them are a lower bound'
+    )
+  platform = _platform(mesh)
+  if chip is None and platform == 'cpu':
+    notes.append(
+      "compiled for CPU devices: XLA's CPU figures; pass hbm= for a verdict "
+      "and chip= (e.g. 'v5p') for a roofline, or use a TPU topology"
+    )
+  if chip is None and capacity is None and platform != 'cpu':
+    notes.append('unknown device kind: pass hbm= for a verdict')
+  elif chip is None and platform != 'cpu':
+    notes.append("unknown device kind: pass chip= (e.g. 'h100') for a roofline")
+  return tuple(notes)
+
+
+# Deep scanned models: compile two depths, extrapolate
+# ------------------------------------------------------------------------------
+
+
+def _fit_layers(
+  build: Callable[[int], Any],
+  layers: int,
+  capacity: int | None,
+  chip_spec: Chip | None,
+  exact: bool,
+  use_cache: bool,
+  run: gv.RunMemory,
+) -> rep.FitReport:
+  hbm: Any = capacity
+  chip_name = chip_spec.name if chip_spec else None
+
+  def at_depth(made: tuple[Any, ...]) -> rep.FitReport:
+    step, *args = made
+    return fit(
+      step,
+      *args,
+      hbm=hbm,
+      chip=chip_name,
+      cache=use_cache,
+      mem_fraction=run.mem_fraction,
+      reserve=run.reserve,
+    )
+
+  report, extrapolated = fit_layers(build, layers, at_depth, exact=exact)
+  if not extrapolated or report.usable is None:
+    return report
+  # The fraction the deeper model needs was never compiled for: say what it
+  # would be, not that it fits there.
+  need = report.usable.needed_fraction(report.total_bytes)
+  notes = tuple(n for n in report.notes if not n.startswith('compiled again'))
+  if need is not None and not report.fits:
+    notes += (
+      f'extrapolated: about {usable_lib.FRACTION_VARIABLES[0]}={need:.2f} would '
+      'hold it; fit with exact=True to compile for it',
+    )
+  return dataclasses.replace(report, needed_fraction=None, notes=notes)

@@ -1,0 +1,483 @@
+"""Reading a compiled program's optimised HLO text: the one place that parses it.
+
+Why text: jax gives a compiled program as text (``Compiled.as_text()``) and,
+through jaxlib, as ``HloModule`` objects whose instructions expose only their
+name, opcode and operands (jax 0.10 and 0.12 alike). What the capacity layer
+needs besides (result shapes, which computations a loop runs, replica groups,
+trip counts the compiler recorded, contracting dimensions, convolution
+windows) is only in the text; the serialized ``HloModuleProto`` has it all,
+but no protobuf schema for it ships with jax or jaxlib. So the text is read
+here, by regular expressions, and nowhere else: :func:`parse` and the
+:class:`Instruction` accessors own every detail of the format (the fields of
+an instruction's metadata, jax's name stack among them: ``hlo_metadata``).
+
+Why it is fragile: XLA's text form is for people, not a stable interface; a
+release can rename an attribute, change how replica groups print or how
+layouts annotate a shape. Two guards make such a change loud rather than
+silently wrong: :func:`disagreements` checks every parse against XLA's own
+module objects (names, opcodes, operands), and ``tests/test_hlo.py`` compiles
+a program with a known loop and collective and expects to find both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+# The metadata readers live in hlo_metadata; read_frame, read_op_name and
+# stack_frames stay importable from here.
+from flax_shardmeta._capacity.hlo.name_stacks import (
+  read_frame as read_frame,
+  read_op_name as read_op_name,
+  stack_frames as stack_frames,
+)
+
+_ITEMSIZE = {
+  'pred': 1,
+  's4': 0.5,
+  'u4': 0.5,
+  's8': 1,
+  'u8': 1,
+  's16': 2,
+  'u16': 2,
+  'f16': 2,
+  'bf16': 2,
+  's32': 4,
+  'u32': 4,
+  'f32': 4,
+  's64': 8,
+  'u64': 8,
+  'f64': 8,
+  'c64': 8,
+  'c128': 16,
+}
+
+_ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
+_HEADER = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$')
+# A computation run by another execution thread than the main one (a TPU's
+# SparseCore, an async wrapper's) closes with the thread's name.
+_FOOTER = re.compile(r'^\}(?:,\s*execution_thread="([^"]*)")?$')
+_INSTRUCTION = re.compile(r'^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$')
+_OPERAND = re.compile(r'%([\w.\-]+)')
+# Attributes print as `, key=value` after the operands; metadata's own fields
+# are space-separated inside braces, so anchoring on ', ' never reads them.
+_CALL_ROLES = (
+  'calls',
+  'to_apply',
+  'condition',
+  'body',
+  'true_computation',
+  'false_computation',
+)
+_CALLED = re.compile(rf'(?:^|, )({"|".join(_CALL_ROLES)})=%?([\w.\-]+)')
+
+
+def itemsize(dtype: str) -> float:
+  """Bytes of one element of an HLO element type (``'bf16'`` -> 2)."""
+  if dtype.startswith('f8') or dtype.startswith('f4'):
+    return 1 if dtype.startswith('f8') else 0.5
+  return _ITEMSIZE.get(dtype, 0)
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape string, tuples summed, layouts ignored.
+
+  Example:
+    >>> shape_bytes('(f32[2,3]{1,0}, bf16[4]{0:T(128)}, s32[])')
+    36
+  """
+  total = 0.0
+  for dtype, dims in _ARRAY.findall(shape):
+    total += math.prod(int(d) for d in dims.split(',') if d) * itemsize(dtype)
+  return int(total)
+
+
+def array_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+  """``(dtype, dims)`` of each array in a (tuple) shape string."""
+  return [
+    (dtype, tuple(int(d) for d in dims.split(',') if d))
+    for dtype, dims in _ARRAY.findall(shape)
+    if dtype in _ITEMSIZE or dtype.startswith(('f8', 'f4'))
+  ]
+
+
+def largest_array_bytes(shape: str) -> float:
+  """Bytes of the largest array in a (tuple) shape string."""
+  return max((math.prod(d) * itemsize(t) for t, d in array_shapes(shape)), default=0)
+
+
+@dataclasses.dataclass
+class Instruction:
+  """One HLO instruction: its name, result shape, opcode, operands, attributes."""
+
+  name: str
+  shape: str
+  opcode: str
+  operands: list[str]
+  attributes: str
+  args: str = ''  # the text inside the parentheses, e.g. a constant's literal
+
+  @functools.cached_property
+  def _called(self) -> list[tuple[str, str]]:
+    out = [(m.group(1), m.group(2)) for m in _CALLED.finditer(self.attributes)]
+    branches = self.attribute('branch_computations')
+    if branches:
+      out += [('branch', b.strip().lstrip('%')) for b in branches[1:-1].split(',')]
+    return out
+
+  def called(self) -> list[tuple[str, str]]:
+    """``(role, computation)`` for every computation this instruction calls."""
+    return list(self._called)
+
+  def attribute(self, key: str) -> str | None:
+    """The text of attribute ``key`` (``'{0,1}'``, ``'LT'``...), or None."""
+    m = re.search(rf'(?:^|, ){re.escape(key)}=', self.attributes)
+    if m is None:
+      return None
+    rest = self.attributes[m.end() :]
+    if rest.startswith('{'):
+      return _balanced(rest, '{', '}')
+    if rest.startswith('"'):
+      end = rest.find('"', 1)
+      return rest[: end + 1] if end > 0 else rest
+    return re.split(r',\s|\s', rest, maxsplit=1)[0]
+
+  def int_attribute(self, key: str) -> int | None:
+    """An integer attribute (``index=2``), or None."""
+    text = self.attribute(key)
+    return int(text) if text is not None and re.fullmatch(r'-?\d+', text) else None
+
+  def int_list(self, key: str) -> list[int] | None:
+    """A list attribute (``lhs_contracting_dims={1,2}``), or None."""
+    text = self.attribute(key)
+    if text is None or not text.startswith('{'):
+      return None
+    return [int(d) for d in text[1:-1].split(',') if d.strip()]
+
+  def op_name(self) -> str:
+    """The jax name stack XLA kept in the metadata (``'jit(step)/jvp(Model)/
+    layers/dot_general'``), or ``''`` (``hlo_metadata`` reads it)."""
+    return read_op_name(self.attributes)
+
+  def frame(self) -> int | str | None:
+    """Where the user's code made it: a stack frame id (newer XLA) or
+    ``'file:line'`` (older), or None."""
+    return read_frame(self.attributes)
+
+  def known_trip_count(self) -> int | None:
+    """The trip count XLA recorded for a ``while`` in its backend config."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', self.attributes)
+    return int(m.group(1)) if m else None
+
+  def integer_constant(self) -> int | None:
+    """The value of an integer scalar ``constant``, else None."""
+    m = re.fullmatch(r'\s*(-?\d+)\s*', self.args)
+    return int(m.group(1)) if self.opcode == 'constant' and m else None
+
+  def parameter_number(self) -> int | None:
+    """Which parameter of its computation a ``parameter`` is, else None."""
+    if self.opcode != 'parameter' or not self.args.strip().isdigit():
+      return None
+    return int(self.args)
+
+  def dim_labels(self) -> tuple[str, str, str] | None:
+    """A convolution's ``(lhs, rhs, output)`` dimension labels."""
+    m = re.fullmatch(r'(\w+)_(\w+)->(\w+)', self.attribute('dim_labels') or '')
+    return (m.group(1), m.group(2), m.group(3)) if m else None
+
+  def window(self) -> dict[str, str]:
+    """A convolution's window fields (``size``, ``stride``, ``pad``...)."""
+    text = self.attribute('window') or '{}'
+    return dict(re.findall(r'(\w+)=(\S+)', text[1:-1]))
+
+  def first_group(self, n_devices: int | None) -> list[int] | None:
+    """Device ids of a collective's first replica group (or source/target pair)."""
+    return _first_group(self.attributes, n_devices)
+
+
+def _balanced(text: str, open_: str, close: str) -> str:
+  """``'(a, (b)) rest'`` -> ``'(a, (b))'``: the balanced prefix."""
+  return _split_top(text, open_, close)[0]
+
+
+@dataclasses.dataclass
+class Computation:
+  """A named HLO computation and its instructions (in text order)."""
+
+  name: str
+  is_entry: bool
+  instructions: list[Instruction]
+  shapes: dict[str, str]  # name -> result shape, parameters included
+  thread: str = 'main'  # the execution thread: 'sparsecore' for a TPU's SparseCore
+
+
+def _split_top(text: str, open_: str, close: str) -> tuple[str, str]:
+  """``'(a, (b)) rest'`` -> ``('(a, (b))', ' rest')``: a balanced prefix."""
+  depth = 0
+  for i, ch in enumerate(text):
+    if ch in open_:
+      depth += 1
+    elif ch in close:
+      depth -= 1
+      if depth == 0:
+        return text[: i + 1], text[i + 1 :]
+  return text, ''
+
+
+def parse_instruction(line: str) -> Instruction | None:
+  """One instruction line (``%n = f32[4]{0} negate(%p), metadata=...``)."""
+  m = _INSTRUCTION.match(line)
+  if m is None:
+    return None
+  name, rest = m.group(2), m.group(3).strip()
+  if rest.startswith('('):
+    shape, rest = _split_top(rest, '(', ')')
+  else:
+    shape, _, rest = rest.partition(' ')
+  rest = rest.strip()
+  paren = rest.find('(')
+  if paren < 0:
+    return None
+  opcode = rest[:paren].strip()
+  args, attributes = _split_top(rest[paren:], '(', ')')
+  operands = _OPERAND.findall(args)
+  return Instruction(name, shape, opcode, operands, attributes, args[1:-1])
+
+
+def _parameters(header: str) -> dict[str, str]:
+  """Parameter name -> shape, from a computation header."""
+  inside, _ = _split_top(header[header.index('(') :], '(', ')')
+  inside = inside[1:-1]
+  out: dict[str, str] = {}
+  depth, start = 0, 0
+  for i, ch in enumerate(inside + ','):
+    if ch in '([{':
+      depth += 1
+    elif ch in ')]}':
+      depth -= 1
+    elif ch == ',' and depth == 0:
+      name, _, shape = inside[start:i].partition(':')
+      if shape:
+        out[name.strip().lstrip('%')] = shape.strip()
+      start = i + 1
+  return out
+
+
+def parse(text: str) -> dict[str, Computation]:
+  """The computations of an HLO module's text, by name (see the module doc).
+
+  Example:
+    >>> text = '''
+    ... %sc (a: f32[]) -> f32[] {
+    ...   ROOT %a = f32[] parameter(0)
+    ... }, execution_thread="sparsecore"
+    ...
+    ... ENTRY %main (p: f32[4]) -> f32[4] {
+    ...   %p = f32[4]{0} parameter(0)
+    ...   ROOT %n = f32[4]{0} negate(%p)
+    ... }'''
+    >>> [i.opcode for i in parse(text)['main'].instructions], parse(text)['sc'].thread
+    (['parameter', 'negate'], 'sparsecore')
+  """
+  computations: dict[str, Computation] = {}
+  current: Computation | None = None
+  for line in text.splitlines():
+    stripped = line.strip()
+    if current is None:
+      m = _HEADER.match(stripped)
+      if m:
+        current = Computation(m.group(2), bool(m.group(1)), [], _parameters(stripped))
+      continue
+    if (closed := _FOOTER.match(stripped)) is not None:
+      current.thread = closed.group(1) or current.thread
+      computations[current.name] = current
+      current = None
+      continue
+    inst = parse_instruction(line)
+    if inst is not None:
+      current.instructions.append(inst)
+      current.shapes[inst.name] = inst.shape
+  return computations
+
+
+def output_aliases(text: str) -> dict[int, int]:
+  """Output position -> the entry parameter it aliases (donated arguments),
+  from the module header's ``input_output_alias``.
+
+  Example:
+    >>> output_aliases('HloModule m, input_output_alias={ {0}: (2, {}, may-alias) }')
+    {0: 2}
+  """
+  header = text[: text.find('\n')] if '\n' in text else text
+  return {int(o): int(p) for o, p in _ALIAS.findall(header)}
+
+
+_ALIAS = re.compile(r'\{(\d+)\}: \((\d+), \{\}')
+
+
+def entry(computations: dict[str, Computation]) -> Computation | None:
+  """The module's entry computation."""
+  return next((c for c in computations.values() if c.is_entry), None)
+
+
+def _first_group(attributes: str, n_devices: int | None) -> list[int] | None:
+  m = re.search(r'replica_groups=\{\{([0-9,\s]*)\}', attributes)
+  if m:
+    return [int(x) for x in m.group(1).split(',') if x.strip()]
+  m = re.search(
+    r'replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](T\(([0-9,]+)\))?', attributes
+  )
+  if m:
+    group_shape = [int(x) for x in m.group(1).split(',')]
+    dims = [int(x) for x in m.group(2).split(',')]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(4):
+      ids = ids.transpose([int(x) for x in m.group(4).split(',')])
+    return [int(i) for i in ids.reshape(group_shape[0], -1)[0]]
+  group = _mesh_group(attributes, n_devices)
+  if group is not None:
+    return group
+  pairs = re.search(r'source_target_pairs=\{(\{[0-9,{}\s]*\})\}', attributes)
+  if pairs:
+    moved = [
+      [int(a), int(b)]
+      for a, b in re.findall(r'\{(\d+),(\d+)\}', pairs.group(1))
+      if a != b
+    ]
+    return moved[0] if moved else None
+  if re.search(r'replica_groups=\{\}', attributes) and n_devices:
+    return list(range(n_devices))
+  return None
+
+
+def _mesh_group(attributes: str, n_devices: int | None) -> list[int] | None:
+  """``replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0))
+  {'axis_0'}``: the devices laid out as an iota (reshaped, transposed) over
+  those axes, the group spanning the named ones. Without device_ids the iota
+  is plain. Newer XLA prints the mesh's own axis names (``mesh['data'=2,
+  'model'=4] {'data'}``) where older printed ``axis_0``, ``axis_1``."""
+  m = re.search(
+    r'replica_groups=mesh\[([^\]]*)\]'
+    r'(?:,\s*device_ids=\(\[([0-9,]+)\](?:<=\[([0-9,]+)\])?(?:T\(([0-9,]+)\))?\))?'
+    r'\s*\{([^}]*)\}',
+    attributes,
+  )
+  if m is None or not n_devices:
+    return None
+  mesh = re.findall(r"'?([^'=,\s]+)'?\s*=\s*(\d+)", m.group(1))
+  names, dims = [n for n, _ in mesh], [int(d) for _, d in mesh]
+  spanned = {a.strip().strip("'") for a in m.group(5).split(',') if a.strip()}
+  if math.prod(dims) != n_devices or not spanned <= set(names):
+    return None
+  ids = np.arange(n_devices)
+  if m.group(2):
+    ids = ids.reshape([int(x) for x in (m.group(3) or m.group(2)).split(',')])
+    if m.group(4):
+      ids = ids.transpose([int(x) for x in m.group(4).split(',')])
+  ids = ids.reshape(dims)
+  index = tuple(slice(None) if name in spanned else 0 for name in names)
+  return [int(i) for i in ids[index].reshape(-1)]
+
+
+# Reading the compiled program, checked against XLA's own module objects
+# ------------------------------------------------------------------------------
+
+# Opcodes the capacity layer reads; their names print the same in the text
+# and (as CamelCase) in jaxlib's HloOpcode enum.
+_CHECKED_OPCODES = frozenset(
+  'while call conditional fusion parameter constant tuple get-tuple-element '
+  'compare add copy bitcast dot convolution dynamic-slice dynamic-update-slice '
+  'all-gather all-gather-start reduce-scatter all-reduce all-reduce-start '
+  'all-to-all ragged-all-to-all collective-permute collective-permute-start'.split()
+)
+
+
+def program_text(compiled: Any) -> str:
+  """The optimised HLO text of a compiled program (``jax.stages.Compiled``)."""
+  return compiled.as_text()
+
+
+def _modules(compiled: Any) -> list[Any] | None:
+  """jaxlib's ``HloModule`` objects of a compiled program, where it has them."""
+  try:
+    return list(compiled.runtime_executable().hlo_modules())
+  except Exception:  # no runtime executable or no modules on this backend
+    return None
+
+
+def _opcode_text(opcode: Any) -> str:
+  """``HloOpcode.kAllReduceStart`` -> ``'all-reduce-start'``."""
+  name = str(getattr(opcode, 'name', opcode)).split('.')[-1].removeprefix('k')
+  return re.sub(r'(?<!^)(?=[A-Z])', '-', name).lower()
+
+
+def _printed_opcode(inst: Any, opcode: str) -> str:
+  """How the text prints an XLA async op: by the op it wraps (an
+  ``async-start`` around an all-reduce prints as ``all-reduce-start``, as
+  GPU programs of jax 0.12 hold them; one around a call as ``call-start``)."""
+  if opcode not in ('async-start', 'async-update', 'async-done'):
+    return opcode
+  try:
+    wrapped = _opcode_text(inst.async_wrapped_root().opcode)
+  except Exception:  # an older jaxlib, or nothing wrapped
+    return opcode
+  return f'{wrapped}-{opcode.removeprefix("async-")}'
+
+
+def disagreements(computations: dict[str, Computation], compiled: Any) -> list[str]:
+  """Where :func:`parse` read ``compiled``'s text differently from XLA's own
+  module objects: computations, instruction names, the opcodes this layer
+  reads, operands. Empty when they agree, or when the backend has no module
+  objects to compare with (then nothing can be said).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile()
+    >>> disagreements(parse(program_text(compiled)), compiled)
+    []
+  """
+  modules = _modules(compiled)
+  if not modules:
+    return []
+  found: list[str] = []
+  structured = {c.name: c for c in modules[0].computations()}
+  called = {
+    callee
+    for c in computations.values()
+    for i in c.instructions
+    for _, callee in i.called()
+  }
+  # XLA's modules hold a computation for each async op that the text prints
+  # as the op itself (a GPU's all-gather-start(...), a TPU's SparseCore
+  # call-start(...)); nothing read calls it, so nothing read is missing it.
+  missing = sorted(
+    n
+    for n in set(structured) ^ set(computations)
+    if n in computations or n in called or not n.startswith('async_computation')
+  )
+  if missing:
+    found.append(f'computations read differently: {", ".join(missing[:5])}')
+  for name in sorted(set(structured) & set(computations)):
+    theirs = {i.name: i for i in structured[name].instructions()}
+    ours = {i.name: i for i in computations[name].instructions}
+    if set(theirs) != set(ours):
+      found.append(f'{name}: instructions read differently')
+      continue
+    for inst_name, inst in ours.items():
+      other = theirs[inst_name]
+      opcode = _opcode_text(other.opcode)
+      printed = _printed_opcode(other, opcode)
+      if (inst.opcode in _CHECKED_OPCODES or printed in _CHECKED_OPCODES) and (
+        inst.opcode not in (opcode, printed)
+      ):
+        found.append(f'{name}/{inst_name}: opcode {inst.opcode!r}, XLA {opcode!r}')
+      elif [o.name for o in other.operands()] != inst.operands:
+        found.append(f'{name}/{inst_name}: operands read differently')
+    if len(found) > 5:
+      break
+  return found[:5]

@@ -1,0 +1,468 @@
+"""A layout ``fsm.suggest`` tried, and what it returns: ``Candidate``, ``Suggestions``.
+
+A candidate is a rule preset, a split of the chips over its mesh axes and a
+remat policy, with the compiled report of the step under it (or why it was
+rejected without compiling). ``Suggestions`` is the ranked list and its table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from flax_shardmeta._capacity.fit.usable import FRACTION_VARIABLES, UsableMemory
+from flax_shardmeta._capacity.report import FitReport
+from flax_shardmeta._capacity.suggest import presets as presets_lib
+from flax_shardmeta._capacity.suggest.presets import RulePreset
+from flax_shardmeta._units import format_bytes, format_seconds
+
+
+@dataclasses.dataclass
+class Candidate:
+  """One layout tried: a preset, a split of the chips over its axes, a remat.
+
+  Attributes:
+    preset: the rule preset.
+    shape: mesh axis -> size.
+    remat: the remat policy.
+    report: the compiled :class:`FitReport` (None if not compiled).
+    rejected: why it was rejected without compiling (None otherwise).
+    lower_bound: parameters + optimizer state + gradients per chip, exact.
+    estimate: the estimated total per chip (for ordering), if made.
+    reason: one line on how it compares (set when ranked).
+    estimate_verdict: the estimate's ``verdict_kind`` (``'fits'``,
+      ``'too_close'``, ...), if made.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> c = fsm.Candidate(fsm.RULE_PRESETS['tp'], {'data': 2, 'model': 4}, 'none')
+    >>> c.label, c.fits
+    ('tp data=2 model=4, remat none', None)
+  """
+
+  preset: RulePreset
+  shape: dict[str, int]
+  remat: str
+  report: FitReport | None = None
+  rejected: str | None = None
+  lower_bound: int | None = None
+  estimate: int | None = None
+  reason: str = ''
+  estimate_verdict: str | None = None
+  _topology: str | None = dataclasses.field(default=None, repr=False)
+  _num_slices: int = dataclasses.field(default=1, repr=False)
+  _tokens: int = dataclasses.field(default=0, repr=False)
+  _gpu: bool = dataclasses.field(default=False, repr=False)
+
+  @property
+  def label(self) -> str:
+    """``'fsdp+tp data=2 fsdp=16 model=4, remat none'``."""
+    mesh = ' '.join(f'{k}={v}' for k, v in self.shape.items())
+    return f'{self.preset.name} {mesh}, remat {self.remat}'
+
+  @property
+  def fits(self) -> bool | None:
+    """Whether the compiled step fits (None if not compiled); on GPUs at the
+    run's allocator fraction."""
+    return None if self.report is None else self.report.fits
+
+  @property
+  def verdict(self) -> str | None:
+    """The report's ``verdict_kind`` (``'fits'``, ``'fits_with_fraction'``,
+    ``'does_not_fit'``, ...); None if not compiled."""
+    return None if self.report is None else self.report.verdict_kind
+
+  @property
+  def total_bytes(self) -> int | None:
+    """Bytes per chip of the compiled step."""
+    return None if self.report is None else self.report.total_bytes
+
+  @property
+  def step_s(self) -> float | None:
+    """Estimated step time (roofline, perfect overlap)."""
+    if self.report is None or self.report.roofline is None:
+      return None
+    return self.report.roofline.step_s
+
+  @property
+  def rank_s(self) -> float | None:
+    """The step time the ranking uses: the roofline's :attr:`step_s`; on GPUs
+    the larger of its compute and collective time, without its HBM term (a
+    GPU program compiled without a GPU keeps XLA's default fusions, so its
+    HBM bytes are inflated, and remat lowers them)."""
+    if self.report is None or self.report.roofline is None:
+      return None
+    r = self.report.roofline
+    return max(r.compute_s, r.collective_s) if self._gpu else r.step_s
+
+  @property
+  def tokens_per_second_per_chip(self) -> float | None:
+    """Tokens (or examples) per second per chip at the ranked step time
+    (:attr:`rank_s`)."""
+    step, chips = self.rank_s, math.prod(self.shape.values())
+    if not step or not self._tokens:
+      return None
+    return self._tokens / step / chips
+
+  def make_mesh_call(self) -> str:
+    """The ``fsm.make_mesh(...)`` call that builds this candidate's mesh."""
+    sizes = tuple(self.shape.values())
+    names = tuple(self.shape)
+    where = f", topology='{self._topology}'" if self._topology else ''
+    if self._num_slices > 1:
+      where += f', num_slices={self._num_slices}'
+    if self._topology and self._topology.startswith('custom:'):
+      where += ', target_config=YOUR_CONFIG'
+    return (
+      f'fsm.make_mesh({sizes}, {names}{where},\n'
+      f'              axis_types=(jax.sharding.AxisType.Auto,) * {len(names)})'
+    )
+
+  def compare(self, other: Candidate | None = None) -> str:
+    """Why this candidate beats ``other`` (the next one, when ranked), category by
+    category, then the mesh and rules to paste into a training script."""
+    other = other if other is not None else self._next
+    lines = [f'{self.label}']
+    if self.report is not None:
+      lines.append(f'  {summary(self)}')
+    if other is not None and other.report is not None and self.report is not None:
+      lines.append(f'against {other.label}:')
+      for row in self.report.rows:
+        theirs = other.report.row(row.name)
+        if row.bytes or theirs:
+          lines.append(
+            f'  {row.name:24s} {format_bytes(row.bytes):>11s} vs '
+            f'{format_bytes(theirs):>11s} ({signed(row.bytes - theirs)})'
+          )
+      lines.append(
+        f'  {"total per chip":24s} {format_bytes(self.total_bytes or 0):>11s} vs '
+        f'{format_bytes(other.total_bytes or 0):>11s}'
+      )
+      mine, theirs = self.report.collective_bytes, other.report.collective_bytes
+      lines.append(
+        f'  {"collectives per step":24s} {format_bytes(int(mine)):>11s} vs '
+        f'{format_bytes(int(theirs)):>11s}'
+      )
+      if self.rank_s and other.rank_s:
+        what = 'compute+collectives' if self._gpu else 'step time (estimate)'
+        lines.append(
+          f'  {what:24s} {format_seconds(self.rank_s):>11s} vs '
+          f'{format_seconds(other.rank_s):>11s} ({other.rank_s / self.rank_s:.2f}x)'
+        )
+      mine, theirs = self.report.bytes_accessed, other.report.bytes_accessed
+      if self._gpu and mine is not None and theirs is not None:
+        lines.append(
+          f'  {"HBM traffic (not ranked)":24s} {format_bytes(int(mine)):>11s} vs '
+          f'{format_bytes(int(theirs)):>11s}'
+        )
+    lines += [
+      '',
+      'mesh and rules for the training script:',
+      f'  mesh = {self.make_mesh_call()}',
+      f'  rules = {presets_lib.rules_text(self.preset.rules)}',
+    ]
+    if self.remat != 'none':
+      lines.append(f'  remat policy: {self.remat!r} on each layer')
+    return '\n'.join(lines)
+
+  def explain(self, other: Candidate | None = None) -> str:
+    """The former name of :meth:`compare` (deprecated: an explanation, as in
+    ``fsm.explain_resolution``, is per dimension of a layout)."""
+    warnings.warn(
+      'Candidate.explain() is deprecated: use Candidate.compare(), the same text.',
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return self.compare(other)
+
+  _next: Candidate | None = dataclasses.field(default=None, repr=False)
+
+  @property
+  def _usable_bytes(self) -> int | None:
+    """GPUs: the usable memory the compiled step was judged against."""
+    r = self.report
+    return r.hbm_bytes if r is not None and r.usable is not None else None
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready form."""
+    return {
+      'preset': self.preset.name,
+      'mesh': dict(self.shape),
+      'remat': self.remat,
+      'fits': self.fits,
+      'verdict': self.verdict,
+      'needed_fraction': None if self.report is None else self.report.needed_fraction,
+      'usable_bytes': self._usable_bytes,
+      'total_bytes': self.total_bytes,
+      'largest': None if self.report is None else self.report.largest_row.name,
+      'headroom_bytes': None if self.report is None else self.report.headroom_bytes,
+      'collective_bytes': None if self.report is None else self.report.collective_bytes,
+      'step_s': self.step_s,
+      'rank_s': self.rank_s,
+      'tokens_per_second_per_chip': self.tokens_per_second_per_chip,
+      'reason': self.reason,
+      'rejected': self.rejected,
+      'lower_bound_bytes': self.lower_bound,
+      'estimate_bytes': self.estimate,
+      'estimate_verdict': self.estimate_verdict,
+    }
+
+
+def signed(n: int) -> str:
+  """``-1536`` -> ``'-1.5 KiB'``, ``0`` -> ``'+0 B'``."""
+  return ('+' if n >= 0 else '-') + format_bytes(abs(n))
+
+
+def verdict_words(r: FitReport) -> str:
+  """The verdict in a few words, with the fraction it holds at on GPUs:
+  ``'fits at XLA_CLIENT_MEM_FRACTION=0.75'``, ``'fits only with
+  XLA_CLIENT_MEM_FRACTION=0.88'``, ``'does not fit'``, ...
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> step = jax.jit(lambda x: x * 2)
+    >>> x = jax.ShapeDtypeStruct((256,), jnp.float32)
+    >>> with jax.set_mesh(jax.make_mesh((8,), ('data',))):
+    ...   report = fsm.fit(step, x, hbm='1KiB', cache=False)
+    >>> verdict_words(report)
+    'does not fit'
+  """
+  name = FRACTION_VARIABLES[0]
+  at = f' at {name}={r.usable.fraction:.2f}' if r.usable is not None else ''
+  kind = r.verdict_kind
+  if kind == 'fits':
+    return f'fits{at}'
+  if kind == 'fits_with_fraction':
+    return f'fits only with {name}={r.needed_fraction:.2f}'
+  if kind == 'too_close':
+    return 'too close to call'
+  if kind == 'unknown':
+    return 'no verdict (memory unknown)'
+  return f'does not fit{at}'
+
+
+def _fits_cell(r: FitReport) -> str:
+  kind = r.verdict_kind
+  if kind == 'fits_with_fraction':
+    return f'only at {r.needed_fraction:.2f}'
+  return {'fits': 'yes', 'does_not_fit': 'no'}.get(kind, '?')
+
+
+def summary(c: Candidate) -> str:
+  """One line: bytes per chip, the largest row, the verdict, the step time."""
+  r = c.report
+  if r is None:
+    return c.rejected or 'not compiled'
+  big = r.largest_row
+  parts = [
+    f'{format_bytes(r.total_bytes)} per chip ({big.name} {format_bytes(big.bytes)})',
+    verdict_words(r),
+  ]
+  if c.rank_s:
+    parts.append(f'step ~{format_seconds(c.rank_s)}')
+  return ', '.join(parts)
+
+
+def ranking_text(gpu: bool) -> str:
+  """How the table is ranked, in a sentence (``gpu``: compile-only GPU programs).
+
+  Example:
+    >>> 'without its HBM term' in ranking_text(True), ranking_text(False)[:30]
+    (True, 'ranked: those that fit first, ')
+  """
+  if not gpu:
+    return (
+      'ranked: those that fit first, then by the roofline step time (to three '
+      'significant digits), then by headroom'
+    )
+  name = FRACTION_VARIABLES[0]
+  return (
+    "ranked: those that fit at the run's fraction first, then those that fit "
+    f'only with a raised {name} (smallest first), then the rest; within each '
+    'by compute and collective time, the roofline without its HBM term (GPU '
+    "programs compiled here keep XLA's default fusions, so their HBM bytes are "
+    'inflated: shown, not ranked), then by headroom; more remat never ranks '
+    'above the same layout with less when both fit'
+  )
+
+
+class Suggestions(list):
+  """What :func:`suggest` returns: compiled candidates, best first.
+
+  A list of :class:`Candidate` (those that fit first, then, on GPUs, those
+  that fit only with a raised ``XLA_CLIENT_MEM_FRACTION``, then the rest;
+  within each by estimated step time, then by headroom); ``rejected`` holds
+  those rejected without compiling and why, ``skipped`` those beyond
+  ``max_candidates``. ``print`` shows the ranked table; ``to_dict()`` is JSON.
+
+  Attributes:
+    rejected: candidates rejected by the exact cheap checks, with the reason.
+    skipped: viable candidates not compiled (beyond ``max_candidates``).
+    hbm_bytes: the memory per chip judged against: on GPUs the usable memory
+      at the run's fraction (with the CUDA context's reserve; each layout's
+      NCCL communicators take more, in its report).
+    seconds: how long the search took.
+    usable: GPUs: that usable memory's rows (GPU memory, fraction, reserve).
+    skipped_presets: presets skipped because the model uses none of their
+      logical names, by name, with why.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> c = fsm.Candidate(fsm.RULE_PRESETS['fsdp'], {'data': 1, 'fsdp': 8}, 'none',
+    ...                   rejected='the batch of 6 does not divide over 8 batch shards')
+    >>> found = fsm.Suggestions([], [c], [], hbm_bytes=2**30, seconds=0.0)
+    >>> found.fitting, [r.rejected for r in found.rejected]
+    ([], ['the batch of 6 does not divide over 8 batch shards'])
+  """
+
+  def __init__(
+    self,
+    ranked: Sequence[Candidate],
+    rejected: Sequence[Candidate],
+    skipped: Sequence[Candidate],
+    hbm_bytes: int | None,
+    seconds: float,
+    usable: UsableMemory | None = None,
+    skipped_presets: dict[str, str] | None = None,
+  ):
+    super().__init__(ranked)
+    self.rejected = list(rejected)
+    self.skipped = list(skipped)
+    self.hbm_bytes = hbm_bytes
+    self.seconds = seconds
+    self.usable = usable
+    self.skipped_presets = dict(skipped_presets or {})
+
+  @property
+  def fitting(self) -> list[Candidate]:
+    """The compiled candidates that fit (on GPUs: at the run's fraction),
+    best first."""
+    return [c for c in self if c.fits]
+
+  @property
+  def fitting_with_fraction(self) -> list[Candidate]:
+    """GPUs: those that fit only with a raised ``XLA_CLIENT_MEM_FRACTION``
+    (``c.report.needed_fraction``), best first."""
+    return [c for c in self if c.verdict == 'fits_with_fraction']
+
+  @property
+  def closest(self) -> Candidate | None:
+    """When nothing fits: the compiled candidate needing the least memory."""
+    compiled = [c for c in self if c.report is not None]
+    return min(compiled, key=lambda c: c.total_bytes or 0) if compiled else None
+
+  @property
+  def ranked_by(self) -> str:
+    """How the list is ranked, in a sentence."""
+    return ranking_text(self.usable is not None)
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready form (see the CLI's ``suggest --format json``)."""
+    return {
+      'hbm_bytes': self.hbm_bytes,
+      'usable_memory': self.usable.to_dict() if self.usable else None,
+      'seconds': self.seconds,
+      'ranked_by': self.ranked_by,
+      'ranked': [c.to_dict() for c in self],
+      'rejected': [c.to_dict() for c in self.rejected],
+      'skipped': [c.to_dict() for c in self.skipped],
+      'skipped_presets': dict(self.skipped_presets),
+    }
+
+  def format(self, top: int | None = None) -> str:
+    """The ranked table (the first ``top`` rows), then the rejected ones."""
+    gpu = self.usable is not None
+    head = ['#', 'mesh', 'preset', 'remat', 'per chip', 'largest', 'headroom']
+    head += ['fits', 'collectives', 'step (est.)']
+    head += ['HBM traffic'] if gpu else []
+    rows = [(*head, 'tokens/s/chip')]
+    shown = [(c, c.report) for c in (self[:top] if top else self) if c.report]
+    for i, (c, r) in enumerate(shown, 1):
+      big = r.largest_row
+      tps = c.tokens_per_second_per_chip
+      traffic = '-' if r.bytes_accessed is None else format_bytes(int(r.bytes_accessed))
+      rows.append(
+        (
+          str(i),
+          ' '.join(f'{k}={v}' for k, v in c.shape.items()),
+          c.preset.name,
+          c.remat,
+          format_bytes(r.total_bytes),
+          f'{big.name} {format_bytes(big.bytes)}',
+          '-' if r.headroom_bytes is None else signed(r.headroom_bytes),
+          _fits_cell(r),
+          format_bytes(int(r.collective_bytes)),
+          '-' if not c.rank_s else format_seconds(c.rank_s),
+          *([traffic] if gpu else []),
+          '-' if tps is None else f'{tps:,.0f}',
+        )
+      )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+      '  '.join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows
+    ]
+    out = [f'{len(self.fitting)} of {len(self)} compiled layouts fit; best first:']
+    out += self._judged_lines()
+    out += [lines[0], '-' * len(lines[0])]
+    for line, (c, _) in zip(lines[1:], shown):
+      out.append(line)
+      out.append(f'    {c.reason}')
+    out += self._nothing_fits_lines()
+    if self.skipped_presets:
+      out.append('')
+      out.append(f'presets skipped ({len(self.skipped_presets)}):')
+      out += [f'  {name}: {why}' for name, why in self.skipped_presets.items()]
+    if self.rejected:
+      out.append('')
+      out.append(f'rejected without compiling ({len(self.rejected)}):')
+      out += [f'  {c.label}: {c.rejected}' for c in self.rejected]
+    if self.skipped:
+      out.append(f'not compiled (beyond max_candidates): {len(self.skipped)}')
+    return '\n'.join(out)
+
+  def _judged_lines(self) -> list[str]:
+    """GPUs: what the verdicts are against and how the table is ranked."""
+    u = self.usable
+    if u is None:
+      return []
+    name = FRACTION_VARIABLES[0]
+    lines = [
+      f'judged against usable GPU memory at {name}={u.fraction:.2f} '
+      f'({u.fraction_from}): {format_bytes(u.usable_bytes)} of '
+      f'{format_bytes(u.device_bytes)} (at most: each layout judged with its own '
+      'NCCL reserve beside the pool)',
+    ]
+    more = self.fitting_with_fraction
+    if more:
+      lines.append(
+        f'{len(more)} more fit only with a raised {name} ("only at" under fits)'
+      )
+    lines.append(ranking_text(True))
+    return lines
+
+  def _nothing_fits_lines(self) -> list[str]:
+    if self.fitting or self.closest is None:
+      return []
+    raised = self.fitting_with_fraction
+    best = raised[0].report if raised else None
+    if best is not None:
+      return [
+        f"nothing fits at the run's fraction; best with a raised one: "
+        f'{raised[0].label}, {verdict_words(best)}'
+      ]
+    c = self.closest
+    r = c.report
+    limit = r.hbm_bytes if r is not None and r.hbm_bytes is not None else None
+    limit = self.hbm_bytes if limit is None else limit
+    what = ' usable' if r is not None and r.usable is not None else ''
+    short = (c.total_bytes or 0) - (limit or 0)
+    return [
+      f'nothing fits; closest: {c.label}, {format_bytes(short)} over '
+      f'{format_bytes(limit or 0)}{what}'
+    ]
+
+  def __str__(self) -> str:
+    return self.format()

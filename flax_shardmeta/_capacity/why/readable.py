@@ -1,0 +1,190 @@
+"""``report.why()``: why each collective of a step is there, and what looks
+unexpected.
+
+The rows of a ``FitReport`` carry their attribution (``hlo_attribution``):
+reason, parameters, the user's line and module scope. This module groups them
+by reason, largest bytes first, and ends with what deserves a look: reshards
+of computed values that no constraint asked for, dimensions replicated
+because they do not divide, parameters gathered by more than one collective
+per step.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+from flax_shardmeta._capacity.hlo.attribution import REASONS
+from flax_shardmeta._capacity.hlo.roofline import CollectiveRow
+from flax_shardmeta._units import format_bytes, table
+
+_MEANING = {
+  'parameter': 'gathering parameters for use (FSDP, or a layout the matmul wants)',
+  'gradient': "reducing or scattering parameters' gradients",
+  'activation': 'resharding values computed in the step',
+  'other': 'scalars, the loss and metrics',
+  'unknown': 'the data flow does not tell',
+  '': 'not attributed',
+}
+
+
+def format_why(
+  collectives: Sequence[CollectiveRow], replicated: Sequence[str] = (), top: int = 8
+) -> str:
+  """The readable table of :meth:`FitReport.why`.
+
+  Example:
+    >>> rows = [CollectiveRow('all-gather', ('data',), 4, 2**30, reason='parameter',
+    ...                       parameters=('params/w',), sources=('model.py:9',))]
+    >>> format_why(rows).splitlines()[1][:56]
+    'parameter: 1.00 GiB per chip per step in 4 collectives: '
+  """
+  if not collectives and not replicated:
+    return 'Why each collective is there: the step runs none.'
+  lines = ['Why each collective is there (per chip, per step; largest first):']
+  if not collectives:
+    lines.append('the step runs none.')
+  by_reason: dict[str, list[CollectiveRow]] = {}
+  for row in collectives:
+    by_reason.setdefault(row.reason, []).append(row)
+  order = sorted(by_reason, key=lambda r: -sum(x.bytes for x in by_reason[r]))
+  for reason in order:
+    rows = sorted(by_reason[reason], key=lambda r: -r.bytes)
+    total = sum(r.bytes for r in rows)
+    count = sum(r.count for r in rows)
+    lines.append(
+      f'{reason or "unattributed"}: {format_bytes(int(total))} per chip per step in '
+      f'{count:,} collectives: {_MEANING.get(reason, "")}'
+    )
+    shown = [('  kind', 'over', 'link', 'count', 'bytes', 'what', 'where')]
+    for r in rows[:top]:
+      shown.append(
+        (
+          f'  {r.kind}',
+          r.over,
+          r.link or '-',
+          f'{r.count:,}',
+          format_bytes(int(r.bytes)),
+          _what(r),
+          _where(r),
+        )
+      )
+    lines += table(shown, {3, 4})
+    if len(rows) > top:
+      rest = sum(r.bytes for r in rows[top:])
+      lines.append(f'  ... {len(rows) - top} more rows, {format_bytes(int(rest))}')
+  lines += ['', 'What looks unexpected:']
+  found = unexpected(collectives, replicated)
+  for f in found or ['nothing: every reshard was asked for.']:
+    lines += textwrap.wrap(
+      f'- {f}', 100, subsequent_indent='  ', break_on_hyphens=False
+    )
+  return '\n'.join(lines)
+
+
+def format_unknown_why(replicated: Sequence[str] = ()) -> str:
+  """What :meth:`FitReport.why` says of an estimate: no program was compiled,
+  so which collectives run is unknown.
+
+  Example:
+    >>> format_unknown_why().splitlines()[0]
+    'Why each collective is there: unknown without compiling.'
+  """
+  lines = [
+    'Why each collective is there: unknown without compiling.',
+    'This report is an estimate (no compiler for the mesh): which collectives '
+    'XLA inserts, and why, is only known once the step is compiled. Compile it '
+    'for the devices: fsm.fit on a mesh of real devices, or of a TPU topology '
+    "(topology='v5p:4x4x4', the tpu extra) or a GPU cluster "
+    "(topology='h100:4x8', the gpu extra); then report.why().",
+  ]
+  lines = [w for line in lines for w in textwrap.wrap(line, 100)]
+  if replicated:
+    lines += ['', 'What looks unexpected:']
+    lines += [
+      f'- replicated because a dimension does not divide: {t}' for t in replicated
+    ]
+  return '\n'.join(lines)
+
+
+def unexpected(
+  collectives: Sequence[CollectiveRow], replicated: Sequence[str] = ()
+) -> list[str]:
+  """The findings :func:`format_why` ends with, largest first."""
+  found = []
+  # All-reduces of partial sums are a sharded contraction's own; reshards
+  # (gathers, all-to-alls, permutes) are layout changes somebody chose.
+  unasked = sorted(
+    (
+      r
+      for r in collectives
+      if r.reason == 'activation'
+      and r.asked_by != 'constraint'
+      and r.kind != 'all-reduce'
+    ),
+    key=lambda r: -r.bytes,
+  )
+  for r in unasked[:3]:
+    found.append(
+      f'{r.kind} over {r.over}, {format_bytes(int(r.bytes))}/step, reshards a value '
+      f'made at {_where(r)} ({r.change or "layout change"}, for {r.asked_by or "?"}) '
+      'that no constraint asked for: a constraint on that value '
+      '(fsm.with_logical_constraint) fixes its layout where you choose'
+    )
+  unknown = [r for r in collectives if r.reason == 'unknown']
+  if unknown:
+    total = sum(r.bytes for r in unknown)
+    found.append(
+      f'{format_bytes(int(total))}/step in {len(unknown)} rows moves values whose '
+      'use the data flow does not tell (no parameter, output or computation '
+      'reached): they are listed as unknown rather than guessed'
+    )
+  for text in replicated:
+    found.append(
+      f'replicated because a dimension does not divide: {text}; the fix: make '
+      "that dimension a multiple of the axis's size (pad it), or map its name to "
+      'an axis whose size divides it'
+    )
+  gathers: dict[str, int] = {}
+  for r in collectives:
+    if r.reason == 'parameter':
+      for p in r.parameters:
+        gathers[p] = gathers.get(p, 0) + r.instructions
+  for path, n in sorted(gathers.items(), key=lambda kv: -kv[1]):
+    if n > 1:
+      found.append(
+        f'{path} is gathered by {n} collectives per step (e.g. forward and backward, '
+        'or several uses): XLA gathers it again rather than keep it whole; '
+        'expected with remat, otherwise check the layouts its uses want'
+      )
+      if len(found) > 8:
+        break
+  return found
+
+
+def _what(r: CollectiveRow) -> str:
+  first = next(iter(r.parameters), None)
+  if first is not None:
+    more = f' (+{len(r.parameters) - 1})' if len(r.parameters) > 1 else ''
+    return first + more
+  if r.reason == 'activation':
+    return r.change + (' (constraint)' if r.asked_by == 'constraint' else '')
+  return '-'
+
+
+def _where(r: CollectiveRow) -> str:
+  source = next(iter(r.sources), '?')
+  scope = '/'.join(r.scope.split('/')[-2:])  # the innermost modules say enough
+  return f'{source} ({scope})' if scope else source
+
+
+def why_dict(collectives: Sequence[CollectiveRow], replicated: Sequence[str]) -> Any:
+  """JSON-ready form of :func:`format_why` (for ``--format json``)."""
+  return {
+    'reasons': {
+      reason: sum(r.bytes for r in collectives if r.reason == reason)
+      for reason in REASONS
+    },
+    'unexpected': unexpected(collectives, replicated),
+  }
