@@ -62,7 +62,7 @@ t = [time.perf_counter()]
 import jax, jax.numpy as jnp, flax.linen, optax
 import flax_shardmeta.cli
 from flax_shardmeta.examples import state as example_state
-from flax_shardmeta._planning.plan import plan
+from flax_shardmeta._planning.sharding_plan import plan
 t.append(time.perf_counter())
 state = example_state.abstract_state('llama3-405b', 'linen', 'adam', jnp.float32)
 t.append(time.perf_counter())

@@ -89,7 +89,10 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
   from flax_shardmeta._init.sharded_init import sharded_init as sharded_init
   from flax_shardmeta._jit.jit import JitWithContext as JitWithContext, jit as jit
   from flax_shardmeta._planning.entry import PlanEntry as PlanEntry
-  from flax_shardmeta._planning.plan import ShardingPlan as ShardingPlan, plan as plan
+  from flax_shardmeta._planning.sharding_plan import (
+    ShardingPlan as ShardingPlan,
+    plan as plan,
+  )
   from flax_shardmeta._planning.verify import (
     Mismatch as Mismatch,
     Mismatches as Mismatches,

@@ -24,9 +24,9 @@ from flax_shardmeta._errors import (
   ShardingError,
   ShardingProblem,
 )
+from flax_shardmeta._flax_rules import FsmRules, local_rules_of
 from flax_shardmeta._init.generate import generate
 from flax_shardmeta._names import annotation_names as as_names
-from flax_shardmeta._nnx.rules import FsmRules, local_rules_of
 from flax_shardmeta._placement import apply_spec, context_mesh
 from flax_shardmeta._resolution import resolve
 from flax_shardmeta._rules import (

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from flax_shardmeta import cli
-from flax_shardmeta.cli import common as cli_common
+from flax_shardmeta.cli import options as cli_options
 from flax_shardmeta.examples import linen, train
 
 POD = ['fit', '--model', 'mlp', '--topology', 'v5p:2x2x1', '--mesh', 'data=2,model=2']
@@ -27,8 +27,8 @@ def error_line(capsys, *argv):
 
 
 def test_choices_match_the_examples():
-  assert cli_common.REMAT == linen.REMAT_POLICIES
-  assert cli_common.OPTIMIZERS == train.OPTIMIZERS
+  assert cli_options.REMAT == linen.REMAT_POLICIES
+  assert cli_options.OPTIMIZERS == train.OPTIMIZERS
 
 
 @pytest.mark.libtpu

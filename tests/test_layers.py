@@ -30,8 +30,9 @@ LAYERS = [
   # _init (its lower half): one parameter made where it lives; the boxes call it.
   ['_init.loops', '_init.jaxpr_graph', '_init.windowed', '_init.fill'],
   ['_init.generate'],
-  # The NNX adapter's view of fsm's rules, which the Linen boxes hand to nnx.bridge.
-  ['_nnx.rules'],
+  # flax's view of fsm's rules: the Linen boxes hand it to nnx.bridge, the NNX
+  # adapter writes it into Variables' metadata.
+  ['_flax_rules'],
   ['_boxes'],
   ['_paths'],
   ['_annotation'],
@@ -44,7 +45,7 @@ LAYERS = [
   ['_jit.graph', '_jit.jit'],
   # _planning: whole-layout plans.
   ['_planning.explain', '_planning.format', '_planning.entry'],
-  ['_planning.plan', '_planning.verify'],
+  ['_planning.sharding_plan', '_planning.verify'],
   # _devices: what the chips are, GPU clusters and TPU topologies, meshes over
   # their devices; below both _hosts and _capacity.
   ['_devices.quiet', '_devices.chips', '_devices.gpu', '_devices.topology'],
@@ -106,7 +107,7 @@ LAYERS = [
   # Test helpers: golden files of a step's layout.
   ['testing'],
   [
-    'examples._names',
+    'examples._model_names',
     'examples._common',
     'examples.linen',
     'examples.nnx',
@@ -117,7 +118,9 @@ LAYERS = [
   ['examples.train'],
   [
     'cli.process',
-    'cli.common',
+    'cli.options',
+    'cli.checks',
+    'cli.rule_files',
     'cli.factory',
     'cli.step',
     'cli.demo',
@@ -206,7 +209,7 @@ def test_imports_point_down_the_layers():
 def test_the_check_sees_function_level_imports():
   # A lazy import inside a function would hide a cycle from Python itself.
   source = PACKAGE / 'cli' / 'plan.py'
-  assert any(target == '_planning.plan' for _, target in _imports(source))
+  assert any(target == '_planning.sharding_plan' for _, target in _imports(source))
   assert any(
     target == 'examples.nnx'
     for _, target in _imports(PACKAGE / 'examples' / 'state.py')

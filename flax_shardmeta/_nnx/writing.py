@@ -16,11 +16,11 @@ from jax.sharding import PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib, _sharding as sharding_lib
 from flax_shardmeta._errors import ShardingError, ShardingProblem, UnmappedNameWarning
+from flax_shardmeta._flax_rules import FsmRules
 from flax_shardmeta._frames import warn_at_user_code
 from flax_shardmeta._init.generate import generate
 from flax_shardmeta._names import annotation_names as as_names
 from flax_shardmeta._nnx.metadata import FSM_LOGICAL, OPTIMIZER_NAMES
-from flax_shardmeta._nnx.rules import FsmRules
 from flax_shardmeta._placement import apply_spec, context_mesh
 from flax_shardmeta._rules import get_logical_axis_rules, normalize_rules
 from flax_shardmeta._specs import format_spec

@@ -9,7 +9,7 @@ from typing import Any
 from jax.sharding import Sharding
 
 from flax_shardmeta import _annotation as ann_lib
-from flax_shardmeta._planning.plan import ShardingPlan
+from flax_shardmeta._planning.sharding_plan import ShardingPlan
 from flax_shardmeta._sharding import named_sharding
 from flax_shardmeta._specs import format_spec, spec_sets
 from flax_shardmeta._typing import PyTree

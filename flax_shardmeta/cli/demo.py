@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from flax_shardmeta.cli import common, process
+from flax_shardmeta.cli import options, process
 
 HELP = (
   'plan, init and train a small model on 8 simulated devices, checking every sharding'
@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   """The ``demo`` subcommand's options."""
   p.add_argument(
     '--steps',
-    type=common.positive,
+    type=options.positive,
     default=5,
     metavar='N',
     help='training steps to run',
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
   n = args.processes
   if n < 1 or 8 % n:
-    raise common.UsageError(f'--processes {n}: use 1, 2, 4 or 8 (8 devices in all)')
+    raise options.UsageError(f'--processes {n}: use 1, 2, 4 or 8 (8 devices in all)')
   _, launched = launch.initialize()  # a worker of a launch joins it here
   if launched == 1:
     _simulate_cpu_devices(8)

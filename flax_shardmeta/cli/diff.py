@@ -16,7 +16,7 @@ import argparse
 import json
 from typing import Any
 
-from flax_shardmeta.cli import common
+from flax_shardmeta.cli import options
 
 HELP = 'what changed between two layout snapshots'
 DESCRIPTION = 'Compare two layout snapshots (from flax-shardmeta snapshot).'
@@ -45,6 +45,6 @@ def _read(path: str) -> Any:
     with open(path) as f:
       return json.load(f)
   except OSError as e:
-    raise common.UsageError(f'cannot read {path!r}: {e.strerror}') from None
+    raise options.UsageError(f'cannot read {path!r}: {e.strerror}') from None
   except ValueError as e:
-    raise common.UsageError(f'{path!r} holds no JSON: {e}') from None
+    raise options.UsageError(f'{path!r} holds no JSON: {e}') from None

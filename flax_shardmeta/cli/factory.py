@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from flax_shardmeta._errors import FlaxShardmetaError
-from flax_shardmeta.cli.common import UsageError
+from flax_shardmeta.cli.options import UsageError
 
 CONTRACT = (__doc__ or '').partition('\n\n')[2]
 """The contract as ``--help`` shows it."""

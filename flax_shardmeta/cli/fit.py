@@ -33,8 +33,9 @@ import argparse
 import json
 from typing import Any
 
-from flax_shardmeta.cli import common, step
+from flax_shardmeta.cli import checks, options, rule_files, step
 from flax_shardmeta.cli.factory import CONTRACT, Factory, under
+from flax_shardmeta.cli.options import UsageError
 
 HELP = 'memory per chip, collectives and step time of a training step on a pod'
 DESCRIPTION = (
@@ -67,24 +68,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     help='after the report, why each collective is there: the parameter, '
     'gradient or line of code behind it, and what looks unexpected',
   )
-  common.add_output(p, table='a table of the per-chip report, or JSON', cache=True)
+  options.add_output(p, table='a table of the per-chip report, or JSON', cache=True)
 
 
 def run(args: argparse.Namespace) -> int:
   """The ``fit`` subcommand; returns the exit code."""
   names, sizes, rules, factory = step.checked(args)
   mesh = step.mesh(args, names, sizes)
-  options = {
+  fit_options = {
     'hbm': args.hbm,
     'chip': args.chip,
     'cache': not args.no_cache,
-    **common.gpu_run_options(args),
+    **checks.gpu_run_options(args),
   }
   if factory is None:
-    report = _builtin(args, mesh, rules, options)
+    report = _builtin(args, mesh, rules, fit_options)
   else:
-    report = _user(args, factory, mesh, rules, options)
-  common.note_default_rules(args)
+    report = _user(args, factory, mesh, rules, fit_options)
+  rule_files.note_default_rules(args)
   if args.format == 'json':
     print(json.dumps(report.to_dict(), indent=1))
   else:
@@ -101,7 +102,7 @@ TOO_CLOSE = 3
 """The exit code of an estimate within its measured error of the limit."""
 
 
-def _builtin(args: argparse.Namespace, mesh: Any, rules: Any, options: dict) -> Any:
+def _builtin(args: argparse.Namespace, mesh: Any, rules: Any, fit_options: dict) -> Any:
   import flax_shardmeta as fsm
   from flax_shardmeta.examples import train
 
@@ -111,8 +112,8 @@ def _builtin(args: argparse.Namespace, mesh: Any, rules: Any, options: dict) -> 
     def build(n: int) -> Any:
       return train.train_step(args.model, mesh, num_layers=n, **kwargs)
 
-    return fsm.fit(build, layers=train.num_layers(args.model), **options)
-  return fsm.fit(*train.train_step(args.model, mesh, **kwargs), **options)
+    return fsm.fit(build, layers=train.num_layers(args.model), **fit_options)
+  return fsm.fit(*train.train_step(args.model, mesh, **kwargs), **fit_options)
 
 
 def _user(
@@ -120,7 +121,7 @@ def _user(
   factory: Factory,
   mesh: Any,
   rules: Any,
-  options: dict,
+  fit_options: dict,
 ) -> Any:
   import flax_shardmeta as fsm
 
@@ -132,13 +133,15 @@ def _user(
     if args.extrapolate:
       layers = factory.default('num_layers')
       if not isinstance(layers, int):
-        raise common.UsageError(
+        raise UsageError(
           f'--extrapolate: give num_layers of {factory} a default (the depth '
           'to report on)'
         )
       return fsm.fit(
         lambda n: factory.step_and_args(factory(mesh, rules, num_layers=n, **kwargs)),
         layers=layers,
-        **options,
+        **fit_options,
       )
-    return fsm.fit(*factory.step_and_args(factory(mesh, rules, **kwargs)), **options)
+    return fsm.fit(
+      *factory.step_and_args(factory(mesh, rules, **kwargs)), **fit_options
+    )

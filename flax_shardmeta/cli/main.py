@@ -14,7 +14,16 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from flax_shardmeta._errors import FlaxShardmetaError
-from flax_shardmeta.cli import common, demo, diff, fit, plan, process, snapshot, suggest
+from flax_shardmeta.cli import (
+  demo,
+  diff,
+  fit,
+  options,
+  plan,
+  process,
+  snapshot,
+  suggest,
+)
 
 
 class Command(Protocol):
@@ -58,21 +67,21 @@ COMMANDS: dict[str, Command] = {
 
 def build_parser() -> argparse.ArgumentParser:
   """The whole command line: one subparser per entry of :data:`COMMANDS`."""
-  parser = common.Parser(
+  parser = options.Parser(
     prog='flax-shardmeta',
     description='Lay Flax models out on device meshes: plan a layout without '
     'devices, see whether a training step fits a TPU pod, search for the best '
     'layout, or run the demo on 8 simulated CPU devices.',
-    formatter_class=common.HelpFormatter,
+    formatter_class=options.HelpFormatter,
   )
   sub = parser.add_subparsers(
     dest='command',
     required=True,
-    parser_class=common.Parser,
+    parser_class=options.Parser,
     metavar='{plan,fit,suggest,snapshot,diff,demo}',
   )
   for name, command in COMMANDS.items():
-    p = common.add_command(
+    p = options.add_command(
       sub,
       name,
       help=command.HELP,
@@ -95,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     args = build_parser().parse_args(argv)
     return COMMANDS[args.command].run(args)
-  except common.UsageError as e:
+  except options.UsageError as e:
     shown = e.cause is not None and getattr(args, 'traceback', False)
     if shown:
       traceback.print_exception(e.cause)

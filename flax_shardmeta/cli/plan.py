@@ -34,7 +34,7 @@ import sys
 import warnings
 from typing import Any
 
-from flax_shardmeta.cli import common, process
+from flax_shardmeta.cli import checks, options, process, rule_files
 from flax_shardmeta.cli.factory import CONTRACT, Factory
 from flax_shardmeta.examples import state as example_state
 
@@ -45,8 +45,8 @@ EPILOG = (__doc__ or '').split('\n\n', 2)[2] + '\n\n' + CONTRACT
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
   """The ``plan`` subcommand's options."""
-  common.add_model_or_module(p, 'your own model (see below)')
-  common.add_mesh(p, 'data=32,model=8')
+  options.add_model_or_module(p, 'your own model (see below)')
+  options.add_mesh(p, 'data=32,model=8')
   p.add_argument(
     '--axis-types',
     choices=('auto', 'explicit'),
@@ -54,14 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     help="the mesh axes' type (jax.sharding.AxisType); unreduced and reduced "
     'axes need explicit',
   )
-  common.add_rules(p)
+  options.add_rules(p)
   p.add_argument(
     '--optimizer',
     choices=example_state.OPTIMIZERS,
     default='adam',
     help='optimizer state planned with the parameters',
   )
-  common.add_front_end(p, api='the Flax front end', dtype='float32')
+  options.add_front_end(p, api='the Flax front end', dtype='float32')
   p.add_argument(
     '--allow-problems',
     action='store_true',
@@ -79,14 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     action='store_true',
     help='a logical name no rule maps is a problem instead of being replicated',
   )
-  common.add_output(p, table='a table grouped by module, or JSON', cache=False)
+  options.add_output(p, table='a table grouped by module, or JSON', cache=False)
 
 
 def run(args: argparse.Namespace) -> int:
   """The ``plan`` subcommand; returns the exit code."""
-  common.check_model_name(args.model)
-  axis_names, axis_sizes = common.parse_mesh(args.mesh)
-  rules = common.mesh_rules(args, axis_names)
+  checks.check_model_name(args.model)
+  axis_names, axis_sizes = checks.parse_mesh(args.mesh)
+  rules = rule_files.mesh_rules(args, axis_names)
   process.start_jax_quietly()
   factory = Factory.load(args.module) if args.module is not None else None
 
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
   from jax.sharding import AxisType
 
   from flax_shardmeta._errors import IndivisibleDimensionWarning
-  from flax_shardmeta._planning.plan import plan
+  from flax_shardmeta._planning.sharding_plan import plan
 
   # Stated, not left to jax: its default changed from Auto to Explicit.
   kind = AxisType.Explicit if args.axis_types == 'explicit' else AxisType.Auto
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
   )
   left_out: tuple[str, ...] = ()
   if factory is None:
-    dtype = common.param_dtype(args)
+    dtype = rule_files.param_dtype(args)
     state = example_state.abstract_state(args.model, args.api, args.optimizer, dtype)
   else:
     state, left_out = _user_state(factory, mesh, rules, args.api, args.optimizer)
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     # twice.
     if not issubclass(w.category, IndivisibleDimensionWarning):
       print(f'flax-shardmeta: warning: {w.message}', file=sys.stderr)
-  common.note_default_rules(args)
+  rule_files.note_default_rules(args)
   if left_out:
     print(
       'flax-shardmeta: plan: arguments of the step without annotations, not '
@@ -167,7 +167,7 @@ def _user_state(
       is_dict = isinstance(variables, dict) and 'params' in variables
       params = variables['params'] if is_dict else variables
     else:
-      raise common.UsageError(
+      raise options.UsageError(
         f'--module {factory.target}: the factory returned {type(made).__name__}; '
         'expected (step, *abstract_args), (linen_module, *example_inputs) or a '
         'function with no arguments building the variables'
@@ -192,7 +192,7 @@ def _step_arguments(
 
   out = {n: a for n, a in zip(names, args) if annotated(a)}
   if not out:
-    raise common.UsageError(
+    raise options.UsageError(
       f'--module {factory.target}: none of the arguments of the step it returned '
       f'({", ".join(names) or "none"}) carries annotations, so there is nothing '
       'to plan; annotate them (fsm.with_logical_partitioning, '

@@ -24,7 +24,7 @@ import argparse
 import json
 from typing import Any
 
-from flax_shardmeta.cli import common, step
+from flax_shardmeta.cli import options, rule_files, step
 from flax_shardmeta.cli.factory import CONTRACT, Factory, under
 
 HELP = "write a training step's layout as JSON, to pin it in a golden file"
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
   names, sizes, rules, factory = step.checked(args)
   mesh = step.mesh(args, names, sizes)
   text = json.dumps(_snapshot(args, factory, mesh, rules), indent=1, sort_keys=True)
-  common.note_default_rules(args)
+  rule_files.note_default_rules(args)
   if args.out is None:
     print(text)
     return 0
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     with open(args.out, 'w') as f:
       f.write(text + '\n')
   except OSError as e:
-    raise common.UsageError(f'--out {args.out!r}: {e.strerror}') from None
+    raise options.UsageError(f'--out {args.out!r}: {e.strerror}') from None
   return 0
 
 

@@ -11,22 +11,22 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from flax_shardmeta.cli import common, process
+from flax_shardmeta.cli import checks, options, process, rule_files
 from flax_shardmeta.cli.factory import Factory
 
 
 def add_arguments(p: argparse.ArgumentParser, mesh_example: str) -> None:
   """The options that say which step, on which mesh."""
-  common.add_model_or_module(p, 'your own step (see below)')
-  common.add_mesh(p, mesh_example)
-  common.add_pod(p, required=False)
-  common.add_step(
+  options.add_model_or_module(p, 'your own step (see below)')
+  options.add_mesh(p, mesh_example)
+  options.add_pod(p, required=False)
+  options.add_step(
     p,
-    remat=f'rematerialise each layer: {", ".join(common.REMAT)} (default: none)',
+    remat=f'rematerialise each layer: {", ".join(options.REMAT)} (default: none)',
     batch_required=False,
   )
-  common.add_front_end(p, api="a built-in model's Flax front end", dtype='bfloat16')
-  common.add_rules(p)
+  options.add_front_end(p, api="a built-in model's Flax front end", dtype='bfloat16')
+  options.add_rules(p)
 
 
 def checked(
@@ -34,14 +34,14 @@ def checked(
 ) -> tuple[tuple[str, ...], tuple[int, ...], Any, Factory | None]:
   """The mesh's names and sizes, the rules and your factory (None for a
   built-in model); bad arguments are a ``UsageError`` before jax starts."""
-  common.check_model_name(args.model)
-  names, sizes = common.parse_mesh(args.mesh)
+  checks.check_model_name(args.model)
+  names, sizes = checks.parse_mesh(args.mesh)
   if args.remat is not None:
-    common.check_remat(args.remat, [args.remat], builtin=args.model is not None)
-  common.require_positive(args, ('batch', 'seq', 'num_slices'))
-  common.check_hbm(args.hbm)
-  common.check_gpu_run(args)
-  rules = common.mesh_rules(args, names)
+    checks.check_remat(args.remat, [args.remat], builtin=args.model is not None)
+  checks.require_positive(args, ('batch', 'seq', 'num_slices'))
+  checks.check_hbm(args.hbm)
+  checks.check_gpu_run(args)
+  rules = rule_files.mesh_rules(args, names)
   process.start_jax_quietly()
   factory = Factory.load(args.module) if args.module is not None else None
   return names, sizes, rules, factory
@@ -78,7 +78,7 @@ def builtin_options(args: argparse.Namespace, rules: Any) -> dict[str, Any]:
     'api': args.api,
     'remat': args.remat or 'none',
     'optimizer_name': args.optimizer,
-    'dtype': common.param_dtype(args),
+    'dtype': rule_files.param_dtype(args),
   }
 
 

@@ -33,7 +33,7 @@ import sys
 import tomllib
 from typing import Any
 
-from flax_shardmeta.cli import common, process
+from flax_shardmeta.cli import checks, options, process, rule_files
 from flax_shardmeta.cli.factory import CONTRACT, Factory
 
 HELP = 'search meshes, rule presets and remat for the best layout on a pod'
@@ -45,9 +45,9 @@ EPILOG = (__doc__ or '').split('\n\n', 1)[1] + '\n\n' + CONTRACT
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
   """The ``suggest`` subcommand's options."""
-  common.add_model_or_module(p, 'your own step (see below)')
-  common.add_pod(p, required=True)
-  common.add_step(
+  options.add_model_or_module(p, 'your own step (see below)')
+  options.add_pod(p, required=True)
+  options.add_step(
     p,
     remat='comma-separated remat policies (default: none,full; for --module, '
     'none,full when the factory takes remat)',
@@ -62,20 +62,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     '--max-candidates', type=int, default=8, help='compile at most this many'
   )
   p.add_argument('--top', type=int, default=5, help='rows to show')
-  common.add_front_end(p, api="a built-in model's Flax front end", dtype='bfloat16')
-  common.add_output(
+  options.add_front_end(p, api="a built-in model's Flax front end", dtype='bfloat16')
+  options.add_output(
     p, table='the ranked table and why the best wins, or JSON', cache=True
   )
 
 
 def run(args: argparse.Namespace) -> int:
   """The ``suggest`` subcommand; returns the exit code."""
-  common.check_model_name(args.model)
-  common.require_positive(args, ('batch', 'seq', 'num_slices', 'max_candidates', 'top'))
+  checks.check_model_name(args.model)
+  checks.require_positive(args, ('batch', 'seq', 'num_slices', 'max_candidates', 'top'))
   remat = [r.strip() for r in (args.remat or 'none,full').split(',') if r.strip()]
-  common.check_remat(args.remat, remat, builtin=args.model is not None)
-  common.check_hbm(args.hbm)
-  common.check_gpu_run(args)
+  checks.check_remat(args.remat, remat, builtin=args.model is not None)
+  checks.check_hbm(args.hbm)
+  checks.check_gpu_run(args)
   process.start_jax_quietly()
   if args.module is not None:
     factory = Factory.load(args.module)
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
       remat=remat,
       max_candidates=args.max_candidates,
       cache=not args.no_cache,
-      **common.gpu_run_options(args),
+      **checks.gpu_run_options(args),
     )
   if args.format == 'json':
     print(json.dumps(found.to_dict(), indent=1))
@@ -148,7 +148,7 @@ def _builtin_build(args: argparse.Namespace) -> Any:
     seq=args.seq or 2048,
     api=args.api,
     optimizer_name=args.optimizer,
-    dtype=common.param_dtype(args),
+    dtype=rule_files.param_dtype(args),
   )
 
 
@@ -192,7 +192,7 @@ def _presets(text: str) -> list[Any]:
       with open(item) as f:
         content = f.read()
     except OSError as e:
-      raise common.UsageError(
+      raise options.UsageError(
         f'--presets: {item!r} is neither a preset ({", ".join(fsm.RULE_PRESETS)}) '
         f'nor a readable file ({e.strerror})'
       ) from None
@@ -200,7 +200,7 @@ def _presets(text: str) -> list[Any]:
     try:
       presets += presets_lib.load(content, item)
     except fsm.InvalidRulesError as e:
-      raise common.UsageError(f'--presets: {e}') from None
+      raise options.UsageError(f'--presets: {e}') from None
   return presets
 
 
@@ -220,9 +220,9 @@ def _check_preset_axes(content: str, source: str) -> None:
     axes, rules = body.get('axes'), body.get('rules')
     typo = None
     if isinstance(axes, list) and isinstance(rules, list):
-      typo = common.misspelt_axis(axes, rules)
+      typo = checks.misspelt_axis(axes, rules)
     if typo is not None:
-      raise common.UsageError(
+      raise options.UsageError(
         f'--presets {source!r}: preset {name!r} shards over mesh axis {typo[0]!r}, '
         f'which is not among its axes {tuple(axes or ())}: did you mean {typo[1]!r}?'
       )

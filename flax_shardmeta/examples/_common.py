@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flax_shardmeta.examples._names import (
+from flax_shardmeta.examples._model_names import (
   LLAMA_RULES as LLAMA_RULES,  # re-exported
   MLP_RULES as MLP_RULES,  # re-exported
   MODEL_NAMES,

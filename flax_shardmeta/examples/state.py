@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import flax_shardmeta as fsm
-from flax_shardmeta.examples._names import LLAMA_RULES, MLP_RULES, MODEL_NAMES
+from flax_shardmeta.examples._model_names import LLAMA_RULES, MLP_RULES, MODEL_NAMES
 
 OPTIMIZERS = ('adam', 'adafactor', 'none')
 """Optimizer names :func:`abstract_state` (and ``--optimizer``) accepts."""

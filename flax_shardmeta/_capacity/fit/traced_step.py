@@ -31,7 +31,7 @@ from flax_shardmeta._explicit import explain_sharding_type_errors
 from flax_shardmeta._jit_key import own_trace
 from flax_shardmeta._paths import path_str
 from flax_shardmeta._placement import context_mesh
-from flax_shardmeta._planning.plan import plan
+from flax_shardmeta._planning.sharding_plan import plan
 from flax_shardmeta._rules import get_logical_axis_rules, logical_axis_rules
 from flax_shardmeta._specs import mesh_axes_of, spec_entries
 from flax_shardmeta._typing import AnyMesh

@@ -43,7 +43,7 @@ from flax_shardmeta._capacity.snapshot.compare import (
   scope_text,
 )
 from flax_shardmeta._frames import source_line
-from flax_shardmeta._planning.plan import plan
+from flax_shardmeta._planning.sharding_plan import plan
 from flax_shardmeta._specs import format_spec, make_spec, reductions_of, spec_entries
 from flax_shardmeta._typing import AnyMesh
 

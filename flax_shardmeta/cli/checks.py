@@ -1,0 +1,143 @@
+"""Checking the command's arguments before anything is built: model names,
+remat policies, sizes, meshes, mesh-axis names; each fault one
+:class:`~flax_shardmeta.cli.options.UsageError` naming the flag and the fix.
+
+Nothing here imports jax or flax at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from flax_shardmeta.cli.options import REMAT, UsageError
+from flax_shardmeta.examples import state as example_state
+
+
+def check_model_name(name: str | None) -> None:
+  """An unknown ``--model`` is a usage error listing the built-in ones."""
+  names = example_state.MODEL_NAMES
+  if name is not None and name not in names:
+    raise UsageError(
+      f'unknown model {name!r}; choose from {", ".join(names)} '
+      'or pass --module PKG.MOD:FACTORY'
+    )
+
+
+def check_remat(text: str | None, policies: Sequence[str], *, builtin: bool) -> None:
+  """``--remat``: the built-in models know :data:`REMAT`; a factory any name."""
+  if not policies or (builtin and not set(policies) <= set(REMAT)):
+    raise UsageError(f'--remat {text!r}: choose from {", ".join(REMAT)}')
+
+
+def require_positive(args: argparse.Namespace, flags: Iterable[str]) -> None:
+  """Each of ``flags`` (attribute names), when given, is at least 1."""
+  for flag in flags:
+    value = getattr(args, flag)
+    if value is not None and value < 1:
+      raise UsageError(f'--{flag.replace("_", "-")} {value}: must be at least 1')
+
+
+def check_hbm(text: str | None, flag: str = '--hbm') -> None:
+  """``--hbm`` (or another size ``flag``), when given, is a size (``95GiB``)."""
+  if text is None:
+    return
+  from flax_shardmeta._devices.chips import parse_bytes
+  from flax_shardmeta._errors import FitError
+
+  try:
+    parse_bytes(text)
+  except FitError as e:
+    raise UsageError(f'{flag}: {e}') from None
+
+
+def check_gpu_run(args: argparse.Namespace) -> None:
+  """``--reserve``, when given, is a size (``--mem-fraction`` is checked by
+  the parser)."""
+  check_hbm(args.reserve, '--reserve')
+
+
+def gpu_run_options(args: argparse.Namespace) -> dict[str, Any]:
+  """``mem_fraction=`` and ``reserve=`` for ``fsm.fit`` and ``fsm.suggest``,
+  each only when its option is given (the library's defaults otherwise)."""
+  given = {'mem_fraction': args.mem_fraction, 'reserve': args.reserve}
+  return {k: v for k, v in given.items() if v is not None}
+
+
+def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  """``'data=32,model=8'`` -> ``(('data', 'model'), (32, 8))``.
+
+  Raises:
+    UsageError: for anything else, saying what was expected.
+
+  Example:
+    >>> parse_mesh('data=32,model=8')
+    (('data', 'model'), (32, 8))
+  """
+  names: list[str] = []
+  sizes: list[int] = []
+  for item in text.split(','):
+    name, eq, size = item.strip().partition('=')
+    name, size = name.strip(), size.strip()
+    if not eq or not name or not name.isidentifier():
+      raise UsageError(
+        f'malformed --mesh {text!r}: expected AXIS=SIZE pairs separated by '
+        "commas, e.g. 'data=32,model=8'"
+      )
+    if name in names:
+      raise UsageError(f'--mesh {text!r} names axis {name!r} twice')
+    if not size.isdigit() or int(size) < 1:
+      raise UsageError(
+        f'--mesh {text!r}: size of {name!r} is {size!r}; sizes must be '
+        'positive integers'
+      )
+    names.append(name)
+    sizes.append(int(size))
+  return tuple(names), tuple(sizes)
+
+
+def _rule_axes(target: Any) -> tuple[str, ...]:
+  if isinstance(target, str):
+    return (target,)
+  return tuple(a for a in (target or ()) if isinstance(a, str))
+
+
+def misspelt_axis(
+  axes: Sequence[str], rules: Iterable[Sequence[Any]]
+) -> tuple[str, str] | None:
+  """``(in_rules, in_axes)``: a mesh axis the rules shard over that ``axes``
+  lacks, spelled like one of ``axes`` that no rule uses; else None.
+
+  Example:
+    >>> misspelt_axis(('data', 'modle'), [('batch', 'data'), ('mlp', 'model')])
+    ('model', 'modle')
+  """
+  rules = [
+    tuple(r)
+    for r in rules
+    if isinstance(r, Sequence) and not isinstance(r, str) and len(r) == 2
+  ]
+  used = {a for _, target in rules for a in _rule_axes(target)}
+  unused = [a for a in axes if a not in used]
+  for _, target in rules:
+    for axis in _rule_axes(target):
+      close = difflib.get_close_matches(axis, unused, n=1) if axis not in axes else []
+      if close:
+        return axis, close[0]
+  return None
+
+
+def check_mesh_axis_names(
+  text: str, axis_names: tuple[str, ...], rules: tuple[tuple[str, Any], ...]
+) -> None:
+  """A mesh axis the rules never use, spelled like one they use but the mesh
+  lacks, is a typo: say so once, instead of a problem per array."""
+  typo = misspelt_axis(axis_names, rules)
+  if typo is not None:
+    wanted, given = typo
+    raise UsageError(
+      f'--mesh {text!r}: no rule uses mesh axis {given!r}, and the rules '
+      f'shard over {wanted!r}, which the mesh lacks: did you mean {wanted!r}?'
+    )

@@ -1,0 +1,118 @@
+"""The logical axis rules a command uses: from ``--rules`` (a preset, a JSON or
+TOML file), the built-in models' defaults, or those a mesh's axes call for;
+and the parameters' dtype option.
+
+Nothing here imports jax or flax at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tomllib
+from typing import Any
+
+from flax_shardmeta.cli.checks import check_mesh_axis_names
+from flax_shardmeta.cli.options import UsageError
+from flax_shardmeta.examples import state as example_state
+
+
+def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
+  """Rules from ``t5x``, ``t5x-2d``, inline JSON or a JSON / TOML file.
+
+  JSON: a list of ``[name, target]`` pairs, given inline (``'[["batch",
+  "data"]]'``) or in a file. TOML: ``rules = [[name, target], ...]``. A target
+  is a mesh axis, a list of mesh axes, or null for replicated; TOML has no
+  null, so an empty list ``[]`` means replicated there (and in JSON too).
+
+  Raises:
+    UsageError: if the text or file does not hold valid rules.
+
+  Example:
+    >>> load_rules('[["batch", "data"], ["embed", null]]')
+    (('batch', 'data'), ('embed', None))
+  """
+  if spec in ('t5x', 't5x-2d'):
+    from flax_shardmeta._standard_rules import standard_logical_axis_rules
+
+    if spec == 't5x-2d':
+      return standard_logical_axis_rules(1, 2)
+    return standard_logical_axis_rules()
+  if spec.lstrip().startswith('['):  # inline JSON: a file name never starts so
+    try:
+      data = json.loads(spec)
+    except ValueError as e:
+      raise UsageError(f'cannot parse --rules {spec!r} as JSON: {e}') from None
+    return _rule_pairs(data, f'--rules {spec!r}')
+  try:
+    with open(spec, 'rb') as f:
+      raw = f.read()
+  except OSError as e:
+    raise UsageError(f'cannot read rules file {spec!r}: {e.strerror}') from None
+  try:
+    if spec.endswith('.toml'):
+      data = tomllib.loads(raw.decode()).get('rules')
+    else:
+      data = json.loads(raw)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise UsageError(f'cannot parse rules file {spec!r}: {e}') from None
+  return _rule_pairs(data, f'rules file {spec!r}')
+
+
+def _rule_pairs(data: Any, where: str) -> tuple[tuple[str, Any], ...]:
+  if not isinstance(data, list):
+    raise UsageError(
+      f'{where} must hold a list of [name, target] pairs '
+      '(TOML: rules = [[name, target], ...])'
+    )
+  # An empty list target means replicated, the only way to say None in TOML.
+  pairs: Any = [
+    (r[0], None if r[1] == [] else r[1]) if isinstance(r, list) and len(r) == 2 else r
+    for r in data
+  ]
+  # The rule engine (and with it jax) only once the file has been read.
+  from flax_shardmeta._rules import normalize_rules
+
+  try:
+    return normalize_rules(pairs)
+  except ValueError as e:
+    raise UsageError(f'{where}: {e}') from None
+
+
+def command_rules(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
+  """``--rules``, else the built-in model's own rules, else T5X's."""
+  if args.rules:
+    return load_rules(args.rules)
+  if args.model is not None:
+    return example_state.model_rules(args.model)
+  return load_rules('t5x')
+
+
+def note_default_rules(args: argparse.Namespace) -> None:
+  """One line on stderr when :func:`command_rules` fell back to T5X's rules
+  (your own model, no ``--rules``): a layout from rules nobody chose should
+  say whose they are. Said with the output, so that errors stay one line."""
+  if not args.rules and args.model is None:
+    print(
+      'flax-shardmeta: rules: T5X defaults (pass --rules t5x-2d, inline JSON or '
+      'a JSON / TOML file to choose)',
+      file=sys.stderr,
+    )
+
+
+def mesh_rules(
+  args: argparse.Namespace, axis_names: tuple[str, ...]
+) -> tuple[tuple[str, Any], ...]:
+  """The command's rules (:func:`command_rules`), checked against the mesh's
+  axis names for a misspelt axis (:func:`check_mesh_axis_names`)."""
+  rules = command_rules(args)
+  check_mesh_axis_names(args.mesh, axis_names, rules)
+  return rules
+
+
+def param_dtype(args: argparse.Namespace) -> Any:
+  """``--dtype`` as a jax dtype (imports jax: call once the arguments are good)."""
+  import jax.numpy as jnp
+
+  return jnp.bfloat16 if args.dtype == 'bfloat16' else jnp.float32
