@@ -30,13 +30,13 @@ Python >= 3.12 and brings jax 0.12 with some two hundred packages. ``pip
 install maxtext==0.2.5`` alone installs no dependencies (they are all in its
 extras), and ``maxtext[tpu]`` accepts any newer libtpu, so ``jax[tpu]`` of the
 jax it resolved to then pins the libtpu that jax was built with. From the
-repository's root (a pyenv Python here)::
+repository's root (any Python >= 3.12)::
 
-  ~/.pyenv/versions/3.12.1/bin/python -m venv /work/maxtext-venv
-  /work/maxtext-venv/bin/pip install 'maxtext[tpu]==0.2.5'
-  /work/maxtext-venv/bin/pip install 'jax[tpu]==0.12.0.1'
-  /work/maxtext-venv/bin/pip install -e . --no-deps
-  PYTHONPATH=. /work/maxtext-venv/bin/python benchmarks/maxtext_why.py \\
+  python3.12 -m venv ~/maxtext-venv
+  ~/maxtext-venv/bin/pip install 'maxtext[tpu]==0.2.5'
+  ~/maxtext-venv/bin/pip install 'jax[tpu]==0.12.0.1'
+  ~/maxtext-venv/bin/pip install -e . --no-deps
+  PYTHONPATH=. ~/maxtext-venv/bin/python benchmarks/maxtext_why.py \\
     --out /tmp/maxtext_why.json
 
 Written against maxtext 0.2.5, jax and jaxlib 0.12.0.1, libtpu 0.0.50.1, flax
