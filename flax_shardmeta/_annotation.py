@@ -15,10 +15,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-from flax.core import meta as flax_meta
-from flax.linen import spmd as flax_linen_spmd
 
-from flax_shardmeta._boxes import Partitioned
 from flax_shardmeta._paths import (  # `X as X`: read from here by the modules above
   JoinedPrefix,
   KeyPaths as _KeyPaths,
@@ -193,6 +190,9 @@ def register_annotation_type(
     >>> fsm.get_sharding(tree, mesh)['w'].spec
     P('model', None)
   """
+  # The front end's own readers first: a later registration of the same class
+  # (yours) wins over them.
+  _load_adapter(kind)
   _registry.append(_Entry(kind, read, rebuild))
   _by_type.clear()
 
@@ -224,11 +224,17 @@ def _classify(t: type) -> Any:
 _MISSING = object()
 
 # Front-end adapters that register their readers when imported, by the module
-# their leaf types come from. ``import flax_shardmeta`` loads no adapter (Linen
-# users should not pay for flax.nnx); the first leaf of such a type loads its
+# their leaf types come from: Linen's (our boxes, flax's, any AxisMetadata) and
+# NNX's, the same way. ``import flax_shardmeta`` loads no adapter (Linen users
+# should not pay for flax.nnx); the first leaf of such a type loads its
 # adapter, and by then its front end is imported, so only the adapter's own code
 # is loaded. Imported by name: the adapters sit above this layer.
-_ADAPTERS = {'flax.nnx': 'flax_shardmeta.nnx'}
+_ADAPTERS = {
+  'flax_shardmeta._boxes': 'flax_shardmeta._linen',
+  'flax.core.meta': 'flax_shardmeta._linen',
+  'flax.linen': 'flax_shardmeta._linen',
+  'flax.nnx': 'flax_shardmeta.nnx',
+}
 
 
 def _load_adapter(t: type) -> None:
@@ -283,6 +289,7 @@ def register_holder(kind: type, hold_fn: Hold) -> None:
   """How a leaf of class ``kind`` (or a subclass) holds a new value in trees
   that keep their leaves, such as :func:`flax_shardmeta.as_abstract`'s (a box
   around a struct). Its results elsewhere still replace it (``rebuild``)."""
+  _load_adapter(kind)
   _holders[kind] = hold_fn
   _hold_by_type.clear()
 
@@ -294,6 +301,7 @@ def hold(x: Any, value: Any) -> Any:
   if t in _hold_by_type:
     found = _hold_by_type[t]
   else:
+    _load_adapter(t)  # its front end's holders are registered with its readers
     found = next((_holders[k] for k in t.__mro__ if k in _holders), None)
     if found is None:  # virtual subclasses (ABC.register) are not in the MRO
       found = next((h for k, h in _holders.items() if issubclass(t, k)), None)
@@ -442,30 +450,3 @@ def _walk_optimizer(node: Any, paths: _KeyPaths, index: int, every_path: bool):
 @functools.lru_cache(maxsize=16384)
 def _as_optimizer(ann: Annotation) -> Annotation:
   return dataclasses.replace(ann, optimizer_state=True)
-
-
-# Readers for Linen boxes
-# ------------------------------------------------------------------------------
-
-
-def _read_fsm_box(box: Partitioned[Any]) -> tuple[Any, Annotation]:
-  return box.value, interned(box.names, box.is_logical, box.rules, box.mesh)
-
-
-def _read_flax_box(box: Any) -> tuple[Any, Annotation]:
-  logical = isinstance(box, flax_linen_spmd.LogicallyPartitioned)
-  rules = getattr(box, 'rules', None) if logical else None
-  return box.value, interned(tuple(box.names), logical, rules, box.mesh)
-
-
-def _read_other_box(box: Any) -> tuple[Any, Annotation | None]:
-  # Some other AxisMetadata (e.g. a user's): unwrap it and read what it holds.
-  inner = box.unbox() if not hasattr(box, 'value') else box.value
-  return read(inner)
-
-
-register_annotation_type(Partitioned, _read_fsm_box)
-register_annotation_type(flax_meta.Partitioned, _read_flax_box)
-register_annotation_type(flax_meta.AxisMetadata, _read_other_box)
-# Every box (ours, flax's, a user's AxisMetadata) can hold a new value.
-register_holder(flax_meta.AxisMetadata, lambda box, value: box.replace_boxed(value))

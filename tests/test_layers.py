@@ -36,6 +36,8 @@ LAYERS = [
   ['_boxes'],
   ['_paths'],
   ['_annotation'],
+  # The Linen front end's readers, loaded by _annotation on its first box.
+  ['_linen'],
   ['_sharding'],
   ['_abstract'],
   ['_spec_trees', '_constraints', '_regex_rules'],
