@@ -81,8 +81,8 @@ NAMES = ('small', 'medium', 'large')
 # `--sweep`: the batch whose compile-only total (fsm.fit's total_bytes) is
 # closest below the target on the project's description of the GPU.
 SIZES = {
-  'h100': ((0.25, 26), (0.55, 61), (0.72, 81)),  # 24.4%, 54.6%, 71.9%
-  'h200': ((0.25, 48), (0.55, 110), (0.72, 145)),  # 24.5%, 54.9%, 72.0%
+  'h100': ((0.25, 24), (0.55, 56), (0.72, 74)),  # 24.5%, 54.7%, 71.4%
+  'h200': ((0.25, 44), (0.55, 101), (0.72, 133)),  # 24.5%, 55.0%, 71.8%
 }
 STEPS = 5
 CONTROLS = (
@@ -246,9 +246,12 @@ def real_args(m: Model, batch: int, mesh: Any) -> tuple[Any, Any, Any]:
 # ------------------------------------------------------------------------------
 
 
-def compile_only(gpu: str, batch: int, m: Model = MODEL) -> dict[str, Any]:
+def compile_only(
+  gpu: str, batch: int, m: Model = MODEL, mem_fraction: float | None = None
+) -> dict[str, Any]:
   """fsm.fit of the step on ``<gpu>:1x1``, compile-only (needs the CUDA plugin,
-  started with ``JAX_PLATFORMS=cpu``)."""
+  started with ``JAX_PLATFORMS=cpu``), at the run's allocator fraction or
+  ``mem_fraction``."""
   import jax
 
   import flax_shardmeta as fsm
@@ -257,7 +260,7 @@ def compile_only(gpu: str, batch: int, m: Model = MODEL) -> dict[str, Any]:
   args = abstract_args(m, batch, mesh)
   start = time.perf_counter()
   with jax.set_mesh(mesh):
-    report = fsm.fit(train_step(m), *args, cache=False)
+    report = fsm.fit(train_step(m), *args, cache=False, mem_fraction=mem_fraction)
   seconds = time.perf_counter() - start
   usable = report.usable
   device = usable.device_bytes if usable else report.chip.hbm_bytes
@@ -278,6 +281,7 @@ def compile_only(gpu: str, batch: int, m: Model = MODEL) -> dict[str, Any]:
     'flops': report.flops,
     'bytes_accessed': report.bytes_accessed,
     'notes': list(report.notes),
+    'cublas_matmuls': bool(report.plan and report.plan.cublas_matmuls),
     'roofline': None
     if roof is None
     else {
@@ -290,25 +294,53 @@ def compile_only(gpu: str, batch: int, m: Model = MODEL) -> dict[str, Any]:
 
 
 def compile_only_sizes(gpu: str, out: Path | None = None) -> list[dict[str, Any]]:
-  """The compile-only figures of each size of ``gpu``'s table, in order;
-  written to ``out`` after each one."""
+  """The compile-only figures of each size of ``gpu``'s table, in order, then
+  of the smallest at the two fractions around its need (:func:`boundary`,
+  each with its ``mem_fraction``); written to ``out`` after each one."""
   rows: list[dict[str, Any]] = []
-  for target, batch in SIZES[gpu]:
+
+  def add(target: float, batch: int, fraction: float | None = None) -> None:
     try:
-      row = compile_only(gpu, batch)
+      row = compile_only(gpu, batch, mem_fraction=fraction)
     except Exception as e:  # recorded; the next size may still compile
       row = {'gpu': gpu, 'batch': batch, 'error': _error(e)}
     row['target'] = target
+    if fraction is not None:
+      row['mem_fraction'] = fraction
     rows.append(row)
+    at = '' if fraction is None else f' at fraction {fraction:.2f}'
     print(
-      f'{gpu} batch {batch:4d}: target {target:.0%}, compile-only '
-      + (f'{row["share"]:.1%} of the card' if 'share' in row else 'failed'),
+      f'{gpu} batch {batch:4d}{at}: target {target:.0%}, compile-only '
+      + (f'{row["share"]:.1%} of the card' if 'share' in row else 'failed')
+      + (f', {row["verdict"]}' if 'verdict' in row else ''),
       file=sys.stderr,
       flush=True,
     )
     if out is not None:
       _write_json(out, rows)
+
+  for target, batch in SIZES[gpu]:
+    add(target, batch)
+  smallest = rows[0]
+  if 'share' in smallest:
+    for fraction in boundary(smallest['share']):
+      add(smallest['target'], smallest['batch'], fraction)
   return rows
+
+
+def boundary(share: float) -> tuple[float, float]:
+  """Two allocator fractions around a step that needs ``share`` of the card:
+  the largest hundredth at least 0.2% short of it, and the smallest at least
+  0.2% above it; fit must say the first does not fit and the second does,
+  and a run at each must agree.
+
+  Example:
+    >>> boundary(0.2345)
+    (0.23, 0.24)
+  """
+  below = math.floor((share - 0.002) * 100) / 100
+  above = math.ceil((share + 0.002) * 100) / 100
+  return below, above
 
 
 def sweep(gpu: str, m: Model = MODEL) -> list[tuple[float, int, float]]:
@@ -452,9 +484,12 @@ def _measure(spec: dict[str, Any], result: dict[str, Any], stage: Any) -> None:
 
     chip = chip_named(device.device_kind)
     result['gpu'] = chip.name if chip is not None else None
+    # The allocator takes its pool at the first allocation, not at start-up.
+    jax.device_put(jax.numpy.zeros(256), device).block_until_ready()
+    result['stats_after_one_array'] = _stats(device)
     smi = nvidia_smi()
     result['nvidia_smi'] = smi
-    result['outside_pool'] = outside_pool(smi, result['stats_at_start'])
+    result['outside_pool'] = outside_pool(smi, result['stats_after_one_array'])
     stage('done')
     return
   m, batch = MODEL, spec['batch']
@@ -578,11 +613,16 @@ def _env(**changes: str | None) -> dict[str, str]:
   return env
 
 
-def _gpu_env(extra_flags: str = '') -> dict[str, str]:
+def _gpu_env(extra_flags: str = '', fraction: float | None = None) -> dict[str, str]:
   """A real GPU run: jax picks its platform; ``extra_flags`` added to
-  ``XLA_FLAGS``."""
+  ``XLA_FLAGS``; ``fraction``, the allocator's (under the variable name every
+  jaxlib reads; both names at once are refused)."""
   flags = ' '.join(filter(None, [os.environ.get('XLA_FLAGS', ''), extra_flags]))
-  return _env(JAX_PLATFORMS=None, XLA_FLAGS=flags or None)
+  env = _env(JAX_PLATFORMS=None, XLA_FLAGS=flags or None)
+  if fraction is not None:
+    env.pop('XLA_CLIENT_MEM_FRACTION', None)
+    env['XLA_PYTHON_CLIENT_MEM_FRACTION'] = f'{fraction:.2f}'
+  return env
 
 
 def run_on_gpu(out: Path, budget_s: float) -> int:
@@ -597,13 +637,16 @@ def run_on_gpu(out: Path, budget_s: float) -> int:
     _write_json(out / 'gpu_truth.json', record)
     (out / 'gpu_truth.md').write_text('\n'.join(markdown(record)) + '\n')
 
-  def worker(name: str, spec: dict[str, Any], flags: str = '') -> dict[str, Any]:
+  def worker(
+    name: str, spec: dict[str, Any], flags: str = '', fraction: float | None = None
+  ) -> dict[str, Any]:
     timeout = min(
       PROBE_TIMEOUT if spec['kind'] == 'probe' else MEASURE_TIMEOUT,
       max(budget.left(), 1),
     )
     argv = ['--_measure', json.dumps(spec)]
-    return _subprocess(argv, _gpu_env(flags), timeout, scratch / f'{name}.json')
+    env = _gpu_env(flags, fraction)
+    return _subprocess(argv, env, timeout, scratch / f'{name}.json')
 
   save()
   probe = worker('probe', {'kind': 'probe'})
@@ -644,10 +687,12 @@ def run_on_gpu(out: Path, budget_s: float) -> int:
     scratch / 'compile_only.json',
   )
   record['compile_only_process'] = compiled['process']
-  for row, found_row in zip(entry['sizes'], compiled['result'] or []):
+  found_rows = compiled['result'] or []
+  for row, found_row in zip(entry['sizes'], found_rows):
     row['compile_only'] = found_row
   for row in entry['controls']:
     row['compile_only'] = entry['sizes'][-1]['compile_only']
+  entry['controls'] += _boundary_rows(found_rows)
   save()
 
   for i, row in enumerate([*entry['sizes'], *entry['controls']]):
@@ -656,7 +701,7 @@ def run_on_gpu(out: Path, budget_s: float) -> int:
       row['why'] = f'the time budget ({budget_s:.0f} s) ran out'
       continue
     spec = {'kind': 'size', 'batch': row['batch'], 'label': row['label']}
-    got = worker(f'run{i}', spec, row.get('xla_flags', ''))
+    got = worker(f'run{i}', spec, row.get('xla_flags', ''), row.get('mem_fraction'))
     row['gpu'] = got['result']
     row['process'] = got['process']
     row['status'] = _status(got)
@@ -666,6 +711,19 @@ def run_on_gpu(out: Path, budget_s: float) -> int:
   shutil.rmtree(scratch, ignore_errors=True)
   print('\n'.join(markdown(record)))
   return 0
+
+
+def _boundary_rows(found_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The control rows of the smallest size at the fractions around its need
+  (the compile-only rows that carry a ``mem_fraction``)."""
+  rows = []
+  for found in found_rows:
+    fraction = found.get('mem_fraction')
+    if fraction is None:
+      continue
+    row = _row(f'{NAMES[0]}, fraction {fraction:.2f}', found['target'], found['batch'])
+    rows.append(dict(row, mem_fraction=fraction, compile_only=found))
+  return rows
 
 
 def _status(got: dict[str, Any]) -> str:
@@ -702,7 +760,7 @@ def run_dry(out: Path, gpus: list[str]) -> int:
         dict(_row(n, t, b), compile_only=r, status='dry run')
         for n, (t, b), r in zip(NAMES, SIZES[gpu], rows)
       ],
-      'controls': [],
+      'controls': [dict(r, status='dry run') for r in _boundary_rows(rows)],
     }
     record['gpus'][gpu] = entry
   _write_json(out / 'gpu_truth.json', record)
@@ -712,7 +770,7 @@ def run_dry(out: Path, gpus: list[str]) -> int:
   failed = [
     r
     for e in record['gpus'].values()
-    for r in e['sizes']
+    for r in [*e['sizes'], *e['controls']]
     if 'error' in r['compile_only']
   ]
   return 1 if failed else 0
@@ -835,7 +893,8 @@ def _notes(record: dict[str, Any]) -> list[str]:
     f'{MODEL.vocab}, sequence {MODEL.seq}; f32 parameters, bf16 matmuls, adamw; '
     'parameters and optimizer state donated. Shares are of the memory CUDA '
     'reports (the description\'s device_memory_size). "compile-only": fsm.fit '
-    'on `<gpu>:1x1`; "real compile": the GPU compile\'s memory_analysis() '
+    'on `<gpu>:1x1` (matmuls as cuBLAS calls, the most memory autotuning can '
+    'pick); "real compile": the GPU compile\'s memory_analysis() '
     'added up as fit adds it (argument + output - alias + temporaries + '
     'generated code); "measured peak": the allocator\'s peak_bytes_in_use '
     f'after {STEPS} donated steps on random data; "fsm verdict": fit\'s at the '
@@ -843,9 +902,11 @@ def _notes(record: dict[str, Any]) -> list[str]:
     'XLA_CLIENT_MEM_FRACTION is set); "outside the pool": nvidia-smi\'s used '
     "memory minus the allocator's bytes_limit; step time: the median of "
     f"{STEPS} steps, against fsm's roofline (report.roofline.step_s). The "
-    'controls repeat the largest size with one XLA flag; their compile-only '
-    "figures are the largest size's (a compile-only program is never "
-    'autotuned).',
+    'controls repeat the largest size with one XLA flag (their compile-only '
+    "figures are the largest size's: a compile-only program is never "
+    'autotuned), and the smallest at the two allocator fractions around its '
+    'need (`XLA_PYTHON_CLIENT_MEM_FRACTION`), where fit must say "does not '
+    'fit" at the lower and "fits" at the higher, and the run agree.',
   ]
   if record['dry_run']:
     lines += [
@@ -867,7 +928,7 @@ def _notes(record: dict[str, Any]) -> list[str]:
     held = '' if idle is None else f'; outside the pool {idle / GIB:.2f} GiB'
     lines += [
       '',
-      "An idle process (jax started, nothing computed): the allocator's "
+      "An idle process (jax started, one small array): the allocator's "
       f'bytes_limit {limit / GIB:.2f} GiB{pool}{held}.',
     ]
   skipped = [

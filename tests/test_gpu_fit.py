@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
+from flax_shardmeta._capacity.fit.usable import GPU_COMPILER_OPTIONS
 from flax_shardmeta._devices import gpu
 
 pytestmark = pytest.mark.cuda
@@ -53,8 +54,13 @@ def test_fit_figures_are_xla_own_for_the_same_program(topology, shape):
   mesh = fsm.make_mesh(shape, ('data', 'model'), topology=topology)
   jitted, params, x = _mlp_step(mesh)
   report = _fit(mesh, jitted, params, x, cache=False)
-  memory = jitted.lower(params, x).compile().memory_analysis()
+  # fit compiles a GPU program with its matmuls as cuBLAS calls, the most
+  # memory a real run's autotuning can pick (usable.GPU_COMPILER_OPTIONS).
+  compiled = jitted.lower(params, x).compile(compiler_options=GPU_COMPILER_OPTIONS)
+  memory = compiled.memory_analysis()
   assert report.source == 'compiled'
+  assert report.plan is not None and report.plan.cublas_matmuls is True
+  assert any('with its matmuls as cuBLAS calls' in n for n in report.notes)
   assert report.memory_analysis['temp_size_in_bytes'] == memory.temp_size_in_bytes
   assert report.memory_analysis['argument_size_in_bytes'] == (
     memory.argument_size_in_bytes

@@ -1,9 +1,11 @@
 """benchmarks/gpu_truth.py without a GPU (``--dry-run``): the sizes its table
 gives each described GPU still need about 25%, 55% and 72% of the card,
-compile-only, and the report it writes has the table BENCHMARKS.md takes.
+compile-only, fit says the smallest does not fit at the allocator fraction
+just below its need and fits at the one just above (the controls a GPU run
+checks), and the report it writes has the table BENCHMARKS.md takes.
 
 The measured columns need a machine with one NVIDIA GPU; here they stay "-".
-One GPU per test: each compiles three training steps (about 15 s on two
+One GPU per test: each compiles five training steps (about 30 s on two
 cores); the H200's is marked slow.
 """
 
@@ -68,16 +70,35 @@ def test_dry_run_sizes_need_their_share_of_the_gpu(tmp_path, gpu):
     assert figures['device_bytes'] == figures['usable']['device_bytes']
     assert figures['verdict'] == 'fits'  # all below the pool, 75% of the card
     assert figures['roofline']['step_s'] > 0
+    assert figures['cublas_matmuls'] is True  # the most autotuning can pick
     assert size['gpu'] is None  # nothing measured without a GPU
     shares.append(share)
   assert shares == sorted(shares) and len(set(shares)) == 3, shares
+  below, above = record['gpus'][gpu]['controls']
+  assert below['batch'] == above['batch'] == sizes[0]['batch']
+  assert below['mem_fraction'] < shares[0] < above['mem_fraction']
+  assert above['mem_fraction'] - below['mem_fraction'] <= 0.02 + 1e-9
+  assert below['compile_only']['verdict'] != 'fits', below['compile_only']
+  assert below['compile_only']['usable']['fraction'] == below['mem_fraction']
+  assert above['compile_only']['verdict'] == 'fits', above['compile_only']
   table = (tmp_path / 'gpu_truth.md').read_text()
   assert table.count(HEADER) == 1 and f'{gpu.upper()} (compile-only' in table
   assert 'No GPU was present' in table
   rows = [line for line in table.splitlines() if line.startswith('| ')][2:]
-  assert [r.split('|')[1].strip() for r in rows] == ['small', 'medium', 'large']
+  labels = [r.split('|')[1].strip() for r in rows]
+  assert labels == [
+    'small',
+    'medium',
+    'large',
+    f'small, fraction {below["mem_fraction"]:.2f}',
+    f'small, fraction {above["mem_fraction"]:.2f}',
+  ]
   for row in rows:
     cells = [c.strip() for c in row.strip('|').split('|')]
-    assert cells[3].endswith('%)') and cells[9] == 'fits at 0.75', cells
+    assert cells[3].endswith('%)'), cells
     assert set(cells[4:9] + cells[10:13]) == {'-'}, cells
+  verdicts = [[c.strip() for c in r.strip('|').split('|')][9] for r in rows]
+  assert verdicts[:3] == ['fits at 0.75'] * 3
+  assert verdicts[3].startswith(f'fits_with_fraction at {below["mem_fraction"]:.2f}')
+  assert verdicts[4] == f'fits at {above["mem_fraction"]:.2f}'
   assert table.startswith('## GPU truth') and done.stdout == table

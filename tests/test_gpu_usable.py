@@ -137,12 +137,14 @@ def test_the_compiler_plans_against_the_pool_and_says_when_it_rematerializes():
   mesh = fsm.make_mesh((1,), ('data',), topology='h100:1x1')
   d, layers = 4096, 8
 
+  # No matmul: XLA recomputes fused elementwise kernels, not cuBLAS calls
+  # (fit compiles GPU matmuls as those).
   def loss(ws, x):
     for w in ws:
-      x = jnp.tanh(x @ w)
+      x = jnp.tanh(x - jnp.mean(x, axis=1, keepdims=True)) * w
     return (x.astype(jnp.float32) ** 2).sum()
 
-  ws = [jax.ShapeDtypeStruct((d, d), jnp.bfloat16)] * layers
+  ws = [jax.ShapeDtypeStruct((d,), jnp.bfloat16)] * layers
   x = jax.ShapeDtypeStruct((160_000, d), jnp.bfloat16)  # ~1.2 GiB per activation
   step = jax.jit(jax.grad(loss))
   with jax.set_mesh(mesh):
@@ -170,3 +172,20 @@ def test_needed_fraction_keeps_the_reserve_beside_the_pool():
   # 92 GiB would need 0.92 of the card, leaving 8 GiB for a 10 GiB reserve.
   assert m.needed_fraction(92 * GIB) is None
   assert m.with_fraction(0.95, '').usable_bytes == 90 * GIB
+
+
+def test_a_remat_attempt_that_recomputes_nothing_says_so():
+  # XLA recomputes no cuBLAS call: a pool too small for a matmul chain gets
+  # its "can't reduce" message with no rematerialized instruction.
+  from flax_shardmeta._capacity import vocabulary
+  from flax_shardmeta._capacity.fit import gpu_verdict
+
+  plan = vocabulary.CompilerPlan(
+    budget_bytes=8 * GIB,
+    remat_instructions=0,
+    remat_target_bytes=6 * GIB,
+    message="Can't reduce memory use below 6.00GiB by rematerialization",
+  )
+  (note,) = gpu_verdict.remat_notes(plan)
+  assert 'found nothing to recompute' in note and '8.00 GiB' in note
+  assert 'pays recompute' not in note

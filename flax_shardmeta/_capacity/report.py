@@ -366,8 +366,10 @@ def format_report(report: FitReport) -> str:
     lines.append('')
     xla = report.cost_analysis or {}
     text_flops = xla.get('flops')
+    library = report.plan is not None and report.plan.cublas_matmuls
+    left_out = 'each loop body once' + (', no cuBLAS call' if library else '')
     once = (
-      f' (XLA counts {text_flops:.3g} with each loop body once)'
+      f' (XLA counts {text_flops:.3g}: {left_out})'
       if text_flops is not None and abs(text_flops - report.flops) > 0.01 * report.flops
       else ''
     )

@@ -71,6 +71,9 @@ class CompilerPlan:
       the device's own (TPUs).
     retargeted: the program was compiled for that budget (False: jax gave no
       way to, and the compiler planned with the description's memory).
+    cublas_matmuls: the matmuls were compiled as cuBLAS calls, the most
+      memory a real run's autotuning can pick (False: XLA's Triton fusions,
+      the least, where the compiler no longer takes that option).
     remat_instructions: instructions XLA's rematerialization recomputes to
       meet the budget (0: none).
     remat_saved_bytes: bytes rematerialization saved, where XLA logs it.
@@ -81,6 +84,7 @@ class CompilerPlan:
 
   budget_bytes: int | None = None
   retargeted: bool = False
+  cublas_matmuls: bool = False
   remat_instructions: int = 0
   remat_saved_bytes: int | None = None
   remat_target_bytes: int | None = None
@@ -99,6 +103,7 @@ class CompilerPlan:
     return cls(
       budget_bytes=planned.get('budget'),
       retargeted=bool(planned.get('retargeted')),
+      cublas_matmuls=bool(planned.get('cublas_matmuls')),
       remat_instructions=int(planned.get('remat_instructions', 0)),
       remat_saved_bytes=planned.get('remat_saved_bytes'),
       remat_target_bytes=planned.get('remat_target_bytes'),

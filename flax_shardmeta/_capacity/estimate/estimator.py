@@ -39,7 +39,7 @@ from flax_shardmeta._devices.chips import Chip
 
 ERROR_BANDS: dict[str, tuple[float, float]] = {
   'tpu': (0.25, 0.38),
-  'gpu': (0.14, 0.37),
+  'gpu': (0.14, 0.26),
 }
 """The estimate's measured error of the total against the compiled step, by
 platform: ``(below, above)``, the most it has come out under and over the

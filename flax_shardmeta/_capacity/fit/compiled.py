@@ -48,7 +48,7 @@ _REFUSAL = re.compile(
   re.S,
 )
 # Bumped when the cached figures change form: older entries are not read.
-_FIGURES_FORMAT = 'figures-6'
+_FIGURES_FORMAT = 'figures-7'
 _UNIT = {'': 1, 'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30, 'T': 1 << 40}
 
 
@@ -86,7 +86,9 @@ def _compile(
       if limit is None:
         compiled = lowered.compile()
       else:
-        compiled, planned['retargeted'] = usable.compile_for_memory(lowered, limit)
+        compiled, planned['retargeted'], planned['cublas_matmuls'] = (
+          usable.compile_for_memory(lowered, limit)
+        )
   except Exception as e:  # jax's JaxRuntimeError (XlaRuntimeError before)
     refusal = parse_refusal(str(e))
     if refusal is None:

@@ -102,9 +102,21 @@ def gpu_notes(
     "XLA's GPU compiler does not check a program against the GPU's memory (it "
     'compiles oversized ones): the verdict compares its total with the usable '
     'memory of a real run (the rows above: the allocator pool, less what of '
-    'the reserve does not fit beside it); compiled without a GPU, so without '
-    "autotuning (matmuls in XLA's default fusions)"
+    'the reserve does not fit beside it)'
   ]
+  if plan is not None and plan.cublas_matmuls:
+    notes.append(
+      'compiled without a GPU, with its matmuls as cuBLAS calls: the most memory '
+      "a run's autotuning can pick (it may fuse some into Triton kernels, "
+      'which needs less)'
+    )
+  elif plan is not None:
+    notes.append(
+      'compiled without a GPU, with its matmuls in Triton fusions (this XLA '
+      "refused the option for cuBLAS calls): the least memory a run's "
+      'autotuning can pick, so a real run may need more (9% more on '
+      "BENCHMARKS.md's GPU truth check)"
+    )
   pool = signed_bytes(memory.compile_limit_bytes)
   if plan is not None and plan.retargeted:
     notes.append(
@@ -136,6 +148,11 @@ def remat_notes(plan: rep.CompilerPlan | None) -> tuple[str, ...]:
     if plan.budget_bytes
     else "the device's memory"
   )
+  if not plan.remat_instructions:
+    return (
+      f'XLA tried to rematerialize to fit {budget} and found nothing to '
+      'recompute: the step needs the memory above',
+    )
   saved = (
     f', saving {signed_bytes(plan.remat_saved_bytes)}' if plan.remat_saved_bytes else ''
   )

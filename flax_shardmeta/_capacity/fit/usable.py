@@ -18,6 +18,16 @@ nothing over and XLA plans against 80% of the described memory. So fit
 compiles GPU programs for devices whose description carries the memory that
 makes XLA plan against ``fraction x device memory``, as the run's compile
 would (:func:`compile_for_memory`).
+
+A real run also autotunes each matmul: XLA times a Triton kernel with the
+matmul's neighbours fused into it against a cuBLAS call with them split out
+(their results then held in memory), and keeps the faster. A compile-only
+client cannot time anything and keeps every Triton fusion, the least memory
+of the choices. So fit compiles GPU programs with Triton matmul fusions off
+(:data:`GPU_COMPILER_OPTIONS`), the most memory of the choices: on the
+device check's transformer (BENCHMARKS.md, "GPU truth") the autotuned run
+chose cuBLAS for 17 of its 21 matmuls and needed 9% more than the fused
+compile, and the compile with Triton off matched it to 5 KiB.
 """
 
 from __future__ import annotations
@@ -57,7 +67,9 @@ _COMPILE_ONLY_SHARE = 0.8
 CONTEXT_BYTES = 1 * GIB
 """The CUDA context with cuBLAS / cuDNN handles and workspaces, per process:
 about 0.5-1 GiB on recent GPUs (jax#17426, jax#8506: "both cuDNN and JAX
-need some memory"); 1 GiB, rounded up."""
+need some memory"); measured 0.54 GiB idle and 0.61 GiB during a training
+step on an H200 with jax 0.11.2 (BENCHMARKS.md, "GPU truth"); 1 GiB, rounded
+up for other drivers and libraries."""
 
 NCCL_IN_NODE_BYTES = int(0.7e9)
 """One NCCL communicator among GPUs of one node (NVLink): 0.5-0.7 GB each,
@@ -246,6 +258,10 @@ def reserve_for(
 # Compiling for the memory a run hands XLA
 # ------------------------------------------------------------------------------
 
+GPU_COMPILER_OPTIONS: dict[str, Any] = {'xla_gpu_enable_triton_gemm': False}
+"""XLA options fit compiles GPU programs with: matmuls as cuBLAS calls,
+the most memory autotuning can pick (module docstring)."""
+
 _MEMORY_FIELD = re.compile(r'(\bdevice_memory_size\s*:\s*)(\d+)')
 
 
@@ -261,9 +277,10 @@ def description_for(text: str, limit_bytes: int) -> str:
   return _MEMORY_FIELD.sub(lambda m: f'{m.group(1)}{described}', text, count=1)
 
 
-def compile_for_memory(lowered: Any, limit_bytes: int) -> tuple[Any, bool]:
+def compile_for_memory(lowered: Any, limit_bytes: int) -> tuple[Any, bool, bool]:
   """Compiles ``lowered`` (for compile-only GPU devices) as if the client had
-  handed XLA ``limit_bytes`` of device memory; ``(compiled, retargeted)``.
+  handed XLA ``limit_bytes`` of device memory, with matmuls as a real run's
+  autotuning may pick them; ``(compiled, retargeted, cublas_matmuls)``.
 
   jax offers no way to set the memory XLA plans with, so the same lowered
   program is compiled for devices of the same GPU and grid whose description
@@ -273,21 +290,26 @@ def compile_for_memory(lowered: Any, limit_bytes: int) -> tuple[Any, bool]:
   ``retargeted`` is False (the report then says so). The described memory is
   also what XLA's collective-combiner heuristic reads (a real run's is the
   card's), so combined collectives may differ slightly from the run's.
+  ``cublas_matmuls`` is False where this XLA no longer takes
+  :data:`GPU_COMPILER_OPTIONS` (the program then keeps the Triton fusions).
   """
   lowering: Any = getattr(lowered, '_lowering', None)
   args = getattr(lowering, 'compile_args', None)
   devices = getattr(lowering, '_device_list', None)
   if not isinstance(args, dict) or devices is None or 'backend' not in args:
-    return lowered.compile(), False
+    compiled, cublas = _compile_gpu(lowered)
+    return compiled, False, cublas
   first = devices[0]
   text = gpu._TEXT_OF_KIND.get(first.device_kind)
   if text is None:
-    return lowered.compile(), False
+    compiled, cublas = _compile_gpu(lowered)
+    return compiled, False, cublas
   nodes = len({d.process_index for d in devices})
   target = _devices(description_for(text, limit_bytes), nodes, len(devices) // nodes)
   by_id = {d.id: d for d in target}
   if any(d.id not in by_id for d in devices):
-    return lowered.compile(), False
+    compiled, cublas = _compile_gpu(lowered)
+    return compiled, False, cublas
   from jax._src import lib as jax_lib
 
   device_list = getattr(jax_lib, 'xla_client').DeviceList  # noqa: B009 (private)
@@ -297,7 +319,19 @@ def compile_for_memory(lowered: Any, limit_bytes: int) -> tuple[Any, bool]:
   moved._executable = None
   again = copy.copy(lowered)
   again._lowering = moved
-  return again.compile(), True
+  compiled, cublas = _compile_gpu(again)
+  return compiled, True, cublas
+
+
+def _compile_gpu(lowered: Any) -> tuple[Any, bool]:
+  """``lowered`` compiled with :data:`GPU_COMPILER_OPTIONS`, or without them
+  where this XLA does not know them; ``(compiled, with_options)``."""
+  try:
+    return lowered.compile(compiler_options=GPU_COMPILER_OPTIONS), True
+  except Exception as e:  # jax's JaxRuntimeError: an option XLA dropped
+    if not any(name in str(e) for name in GPU_COMPILER_OPTIONS):
+      raise
+  return lowered.compile(), False
 
 
 _TARGETS: dict[tuple[str, int, int], tuple[Any, ...]] = {}

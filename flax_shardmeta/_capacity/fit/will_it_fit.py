@@ -202,7 +202,11 @@ def _compiled_report(
   by_category, told_by_path = _compiled_categories(arguments, found['input_bytes'])
   rows = memory_rows(memory, by_category)
   cost = found['cost']
-  flops = cost['flops'] + summary.extra_flops if 'flops' in cost else None
+  flops = None
+  if 'flops' in cost:
+    # XLA's cost model counts no matmul handed to cuBLAS (GPU programs are
+    # compiled so): then the program text's count of one pass is the larger.
+    flops = max(cost['flops'], summary.hlo_flops) + summary.extra_flops
   traffic = cost.get('bytes accessed')
   traffic = traffic + summary.extra_bytes if traffic is not None else None
   collectives = group(summary.collectives, chip)

@@ -111,6 +111,10 @@ def largest_array_bytes(shape: str) -> float:
   return max((math.prod(d) * itemsize(t) for t, d in array_shapes(shape)), default=0)
 
 
+# A library matmul's contracting dimensions in its backend config (JSON).
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
+
+
 @dataclasses.dataclass
 class Instruction:
   """One HLO instruction: its name, result shape, opcode, operands, attributes."""
@@ -158,6 +162,26 @@ class Instruction:
     if text is None or not text.startswith('{'):
       return None
     return [int(d) for d in text[1:-1].split(',') if d.strip()]
+
+  def library_matmul_contracting(self) -> list[int] | None:
+    """The left operand's contracting dimensions of a matmul XLA hands to a
+    library (a cuBLAS / cuBLASLt custom call, its ``gemm_backend_config``),
+    or None for any other instruction. Its first result is the product; a
+    second, if any, is the library's workspace.
+
+    Example:
+      >>> i = Instruction('c', '(f32[8,4]{1,0}, s8[64]{0})', 'custom-call', ['a', 'b'],
+      ...   'custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":'
+      ...   '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"]}}}')
+      >>> i.library_matmul_contracting()
+      [1]
+    """
+    if self.opcode != 'custom-call' or '"gemm_backend_config"' not in self.attributes:
+      return None
+    m = _GEMM_CONTRACTING.search(self.attributes)
+    if m is None:
+      return None
+    return [int(d.strip(' "')) for d in m.group(1).split(',') if d.strip(' "')]
 
   def op_name(self) -> str:
     """The jax name stack XLA kept in the metadata (``'jit(step)/jvp(Model)/

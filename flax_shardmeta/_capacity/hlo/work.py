@@ -11,6 +11,7 @@ from flax_shardmeta._capacity.hlo.text import (
   Computation,
   Instruction,
   array_shapes,
+  itemsize,
   largest_array_bytes,
   shape_bytes,
 )
@@ -49,6 +50,12 @@ def dot_flops(inst: Instruction, comp: Computation) -> float:
     return 2.0 * out_elems * math.prod(lhs[0][1][d] for d in dims)
   if inst.opcode == 'convolution' and len(inst.operands) > 1:
     return _convolution_flops(inst, comp, out[0][1])
+  library = inst.library_matmul_contracting()
+  if library is not None and inst.operands:
+    # A GPU matmul compiled as a cuBLAS call: XLA's cost model counts none.
+    lhs = array_shapes(comp.shapes.get(inst.operands[0], ''))
+    if lhs and all(d < len(lhs[0][1]) for d in library):
+      return 2.0 * out_elems * math.prod(lhs[0][1][d] for d in library)
   return 0.0
 
 
@@ -118,6 +125,10 @@ def kernel_bytes(
     return 2 * shape_bytes(inst.shape)
   if inst.opcode == 'dynamic-update-slice' and len(operand_sizes) > 1:
     return 2 * operand_sizes[1]
+  if inst.library_matmul_contracting() is not None:
+    # The product; the library's workspace (the second result) is scratch.
+    product = array_shapes(inst.shape)[:1]
+    return sum(operand_sizes) + sum(int(math.prod(d) * itemsize(t)) for t, d in product)
   called = dict(inst.called()).get('calls')
   fused = computations.get(called or '') if inst.opcode == 'fusion' else None
   if fused is None:

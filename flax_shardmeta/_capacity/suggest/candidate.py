@@ -91,8 +91,9 @@ class Candidate:
   def rank_s(self) -> float | None:
     """The step time the ranking uses: the roofline's :attr:`step_s`; on GPUs
     the larger of its compute and collective time, without its HBM term (a
-    GPU program compiled without a GPU keeps XLA's default fusions, so its
-    HBM bytes are inflated, and remat lowers them)."""
+    GPU program compiled without a GPU is not autotuned, its matmuls cuBLAS
+    calls with their neighbours unfused, so its HBM bytes are inflated, and
+    remat lowers them)."""
     if self.report is None or self.report.roofline is None:
       return None
     r = self.report.roofline
@@ -283,7 +284,7 @@ def ranking_text(gpu: bool) -> str:
     "ranked: those that fit at the run's fraction first, then those that fit "
     f'only with a raised {name} (smallest first), then the rest; within each '
     'by compute and collective time, the roofline without its HBM term (GPU '
-    "programs compiled here keep XLA's default fusions, so their HBM bytes are "
+    'programs compiled here are not autotuned, so their HBM bytes are '
     'inflated: shown, not ranked), then by headroom; more remat never ranks '
     'above the same layout with less when both fit'
   )

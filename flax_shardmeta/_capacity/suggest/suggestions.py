@@ -16,8 +16,9 @@ Those that fit (on GPUs: at the run's allocator fraction) rank first, then
 those that fit only with a raised ``XLA_CLIENT_MEM_FRACTION`` (the smallest
 first), then the rest; within each, by estimated step time, then by headroom.
 On GPUs the step time is the roofline's compute and collective time without
-its HBM term: a GPU program compiled without a GPU keeps XLA's default fusions,
-so its HBM bytes are inflated, and remat lowers them. Last, a layout never
+its HBM term: a GPU program compiled without a GPU is not autotuned (its
+matmuls are cuBLAS calls with their neighbours unfused), so its HBM bytes are
+inflated, and remat lowers them. Last, a layout never
 ranks above the same mesh and preset with less remat when both fit.
 """
 
