@@ -20,7 +20,7 @@ LATEST_BIN := $(LATEST_VENV)/bin
 LATEST_STAMP := $(LATEST_VENV)/.installed
 LATEST_EXTRAS := test,notebooks,tpu,gpu
 
-.PHONY: demo test test-slow test-latest lint bench versions clean
+.PHONY: demo test test-slow test-latest lint bench docs versions clean
 
 $(STAMP): pyproject.toml .ci/floor.txt dev/quiet_libtpu.pth dev/quiet_libtpu.py dev/quiet_cuda.pth dev/quiet_cuda.py
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,16 @@ versions:
 	@for py in $(BIN)/python $(LATEST_BIN)/python; do test -x $$py && $$py -c \
 	  'import sys, jax, flax; print(sys.prefix, sys.version.split()[0], "jax", jax.__version__, "flax", flax.__version__)'; \
 	done; true
+
+# The documentation site, warnings as errors: docs/_build/html/index.html.
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -c .ci/floor.txt -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[test,bench]'

@@ -25,7 +25,7 @@ from flax_shardmeta._errors import (
   ShardingProblem,
 )
 from flax_shardmeta._flax_rules import FsmRules, local_rules_of
-from flax_shardmeta._init.generate import generate
+from flax_shardmeta._generate.generate import generate
 from flax_shardmeta._names import annotation_names as as_names
 from flax_shardmeta._placement import apply_spec, context_mesh
 from flax_shardmeta._resolution import resolve

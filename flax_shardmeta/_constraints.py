@@ -14,7 +14,12 @@ import jax.core
 from jax.sharding import PartitionSpec
 
 from flax_shardmeta._annotation import path_str
-from flax_shardmeta._errors import InvalidNamesError, ShardingError, ShardingProblem
+from flax_shardmeta._errors import (
+  InvalidNamesError,
+  ShardingError,
+  ShardingProblem,
+  message,
+)
 from flax_shardmeta._names import as_names
 from flax_shardmeta._placement import (
   apply_spec,
@@ -234,7 +239,7 @@ def _checked_names(x: Any, names: Any, where: str) -> tuple[Any, ...]:
   try:
     out = as_names(names)
   except InvalidNamesError as e:
-    raise InvalidNamesError(f'{where}: {e}') from None
+    raise InvalidNamesError(f'{where}: {message(e)}') from None
   shape = _shape(x)
   if isinstance(names, PartitionSpec) and len(out) < len(shape):
     # jax's own form: trailing dimensions left out are replicated.

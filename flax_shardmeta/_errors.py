@@ -58,11 +58,59 @@ class ShardingProblem:
     }
 
 
-class FlaxShardmetaError(ValueError):
+ERRORS_PAGE = 'docs/errors.md'
+"""The page with a section per error and warning class: what raises it, what to do."""
+
+
+def errors_page_line(cls: type) -> str:
+  """The line ending the message of an error or warning ``cls``: its section.
+
+  The section is that of the nearest class of this module in ``cls``'s MRO (a
+  subclass made elsewhere points to its base's); its anchor is the class name
+  in lower case, as the page's headings make it.
+
+  Example:
+    >>> errors_page_line(RuleConflictError)
+    '(errors page: docs/errors.md#ruleconflicterror)'
+  """
+  documented = next(
+    c for c in cls.__mro__ if c.__module__ == __name__ and c.__name__[0] != '_'
+  )
+  return f'(errors page: {ERRORS_PAGE}#{documented.__name__.lower()})'
+
+
+class _NamesItsSection:
+  """Ends ``str()`` of an error or warning with its errors page line."""
+
+  # In ``__str__``, not the arguments: a traceback, ``print``, pytest's
+  # ``match=`` and a shown warning all read it, while ``args`` keep the
+  # message as raised (``message`` returns it, to quote inside another one).
+  def __str__(self) -> str:
+    text = super().__str__()
+    line = errors_page_line(type(self))
+    return f'{text}\n{line}' if text else line
+
+
+def message(error: BaseException | str) -> str:
+  """``error``'s message without the errors page line, to quote in another one
+  (also a caught warning's ``message``: the warning or its text).
+
+  Example:
+    >>> message(NoMeshError('no mesh'))
+    'no mesh'
+  """
+  if isinstance(error, BaseException) and isinstance(error, _NamesItsSection):
+    return BaseException.__str__(error)
+  return str(error)
+
+
+class FlaxShardmetaError(_NamesItsSection, ValueError):
   """Base of every error flax_shardmeta raises.
 
   A ``ValueError``, so code that already catches bad values keeps working;
   ``except fsm.FlaxShardmetaError`` catches exactly this library's errors.
+  Each message ends with the section of ``docs/errors.md`` about it, e.g.
+  ``(errors page: docs/errors.md#nomesherror)``.
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -137,6 +185,7 @@ class NoMeshError(FlaxShardmetaError):
     ...
     flax_shardmeta._errors.NoMeshError: shard_value needs a mesh: pass mesh=... or
     run inside `with jax.set_mesh(mesh):`.
+    (errors page: docs/errors.md#nomesherror)
   """
 
 
@@ -150,6 +199,7 @@ class InvalidRulesError(FlaxShardmetaError):
     ...
     flax_shardmeta._errors.InvalidRulesError: Logical axis rule #0 is ('embed',);
     expected a pair (logical_name: str, mesh_axes), e.g. ('mlp', 'model').
+    (errors page: docs/errors.md#invalidruleserror)
   """
 
 
@@ -190,6 +240,7 @@ class RuleContextError(FlaxShardmetaError):
     ...
     flax_shardmeta._errors.RuleContextError: fsm.logical_axis_rules((('mlp',
     'model'),)) was exited but never entered.
+    (errors page: docs/errors.md#rulecontexterror)
   """
 
 
@@ -204,6 +255,7 @@ class MeshShapeError(FlaxShardmetaError):
     flax_shardmeta._errors.MeshShapeError: mesh {'data': 3, 'model': 4} does not fit
     8 devices in 1 process(es) (8 each). A factorisation that fits:
     axis_sizes=(2, 4), or -1 for one axis.
+    (errors page: docs/errors.md#meshshapeerror)
   """
 
 
@@ -219,6 +271,7 @@ class BatchLayoutError(FlaxShardmetaError):
     flax_shardmeta._errors.BatchLayoutError: a global batch of 7 rows does not divide
     over the batch axes ('data',) (2 ways): each device would hold 3.5 rows. Use a
     multiple of 2, e.g. 8.
+    (errors page: docs/errors.md#batchlayouterror)
   """
 
 
@@ -321,7 +374,7 @@ class ExplicitShardingError(FlaxShardmetaError):
     self.operands, self.jax_message = tuple(operands), jax_message
 
 
-class IndivisibleDimensionWarning(UserWarning):
+class IndivisibleDimensionWarning(_NamesItsSection, UserWarning):
   """Issued when ``replicate_indivisible=True`` replicated dimensions the mesh
   cannot divide as annotated.
 
@@ -366,7 +419,7 @@ class IndivisibleDimensionWarning(UserWarning):
     return tuple(self._adjustments or ())
 
 
-class UnmappedNameWarning(UserWarning):
+class UnmappedNameWarning(_NamesItsSection, UserWarning):
   """Issued when logical names were replicated for a reason that looks like a
   mistake: no rules are given or set at all, or a name is close to a rule's
   name (``'mpl'`` where a rule names ``'mlp'``). One warning per call (per
@@ -386,6 +439,7 @@ class UnmappedNameWarning(UserWarning):
     >>> print(caught[0].message)
     Logical name 'mpl' is not mapped by any rule, so it was replicated; did you
     mean 'mlp' (rule ('mlp', 'model'))? Concerned: w.
+    (errors page: docs/errors.md#unmappednamewarning)
   """
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from flax_shardmeta._annotation import Leaf, walk
-from flax_shardmeta._errors import InvalidNamesError, InvalidRulesError
+from flax_shardmeta._errors import InvalidNamesError, InvalidRulesError, message
 from flax_shardmeta._names import check_entries
 from flax_shardmeta._specs import make_spec, reductions_of, spec_entries
 from flax_shardmeta._typing import PyTree
@@ -137,5 +137,5 @@ def _as_spec(spec: Any, i: int, rule: Any) -> PartitionSpec:
   try:
     check_entries(entries)
   except InvalidNamesError as e:
-    raise InvalidRulesError(f'partition rule #{i} {rule!r}: {e}') from None
+    raise InvalidRulesError(f'partition rule #{i} {rule!r}: {message(e)}') from None
   return make_spec(entries, reductions)

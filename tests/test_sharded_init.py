@@ -10,12 +10,8 @@ from flax.training import train_state
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta._init import (
-  fill,
-  loops,
-  sharded_init as sharded_init_lib,
-  windowed,
-)
+from flax_shardmeta._generate import fill, loops, windowed
+from flax_shardmeta._init import sharded_init as sharded_init_lib
 
 RULES = (('embed', 'data'), ('mlp', 'model'), ('layers', None))
 LECUN = nn.initializers.lecun_normal()

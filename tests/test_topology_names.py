@@ -12,13 +12,14 @@ import sys
 import pytest
 
 import flax_shardmeta as fsm
-from flax_shardmeta import cli
+from flax_shardmeta import _errors, cli
 from flax_shardmeta._devices import gpu, topology
 
 H900 = (
   "unknown accelerator 'h900' in topology 'h900:1x8': did you mean h100 or h200? "
   '(GPUs: a100, h100, h200, b200, custom; TPUs: v4, v5e, v5p, v6e, tpu7x)'
 )
+SECTION = '(errors page: docs/errors.md#topologyerror)'
 
 
 @pytest.mark.parametrize('libtpu', [True, False])
@@ -30,7 +31,7 @@ def test_an_unknown_gpu_is_named_with_the_closest_ones(monkeypatch, libtpu):
   monkeypatch.setattr(topology, '_devices', lambda *a: asked.append(a))
   with pytest.raises(fsm.TopologyError) as info:
     fsm.make_mesh((8,), ('data',), topology='h900:1x8')
-  assert str(info.value) == H900
+  assert str(info.value) == f'{H900}\n{SECTION}'
   assert asked == []
   # Also with target_config=, which is not the mistake here.
   with pytest.raises(fsm.TopologyError, match='did you mean h100 or h200'):
@@ -79,9 +80,10 @@ def test_the_accelerator_decides_the_platform():
 def test_unknown_accelerators_in_one_line(name, message):
   with pytest.raises(fsm.TopologyError) as info:
     topology.platform_of(name)
-  text = str(info.value)
+  text = _errors.message(info.value)
   assert message in text and '\n' not in text
   assert text.endswith('TPUs: v4, v5e, v5p, v6e, tpu7x)')
+  assert str(info.value) == f'{text}\n{SECTION}'
 
 
 def test_known_names_keep_their_paths(monkeypatch):
@@ -104,7 +106,7 @@ def test_the_cli_answers_without_libtpu_in_one_line(capsys, monkeypatch):
   code = cli.main(argv)
   out, err = capsys.readouterr()
   assert (code, out) == (2, '')
-  assert err == f'flax-shardmeta: error: {H900}\n'
+  assert err == f'flax-shardmeta: error: {H900} {SECTION}\n'
 
 
 def test_the_cli_command_exits_2_with_the_did_you_mean():
@@ -129,4 +131,4 @@ def test_the_cli_command_exits_2_with_the_did_you_mean():
   )
   assert done.returncode == 2, done.stderr
   assert done.stdout == ''
-  assert done.stderr.splitlines() == [f'flax-shardmeta: error: {H900}']
+  assert done.stderr.splitlines() == [f'flax-shardmeta: error: {H900} {SECTION}']

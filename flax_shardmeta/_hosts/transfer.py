@@ -29,7 +29,7 @@ def _is_target(x: Any) -> bool:
 
 
 def shard_tree(host_tree: PyTree, shardings: PyTree) -> PyTree:
-  """Host (numpy) values -> ``jax.Array``s with the given shardings.
+  """Host (numpy) values -> ``jax.Array`` values with the given shardings.
 
   Each process copies only the slices its own devices hold
   (``jax.make_array_from_callback``); every process passes the same host

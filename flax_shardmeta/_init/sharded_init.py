@@ -9,7 +9,7 @@ doubles, whether the model is a few large matrices or many small ones.
 :func:`sharded_init` keeps a program only when XLA's memory analysis says it
 holds at most a few chunks: plain generation for a small model, otherwise one
 program in which every parameter that allows it is filled chunk by chunk on
-each device (see :mod:`flax_shardmeta._init.windowed`), so temporaries stay a small,
+each device (see :mod:`flax_shardmeta._generate.windowed`), so temporaries stay a small,
 fixed size. Either way, sharded parameters are made so that their values
 are the unsharded init's, bit for bit (see :func:`sharded_init`).
 """
@@ -28,9 +28,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from flax_shardmeta._errors import NoMeshError
 from flax_shardmeta._explicit import explain_sharding_type_errors
-from flax_shardmeta._init import fill, windowed
-from flax_shardmeta._init.generate import ArrayCall
-from flax_shardmeta._init.jaxpr_graph import Graph
+from flax_shardmeta._generate import fill, windowed
+from flax_shardmeta._generate.generate import ArrayCall
+from flax_shardmeta._generate.jaxpr_graph import Graph
 from flax_shardmeta._init.program_memory import program_memory
 from flax_shardmeta._jit_key import own_trace
 from flax_shardmeta._rules import logical_axis_rules

@@ -18,7 +18,7 @@ from flax_shardmeta import _annotation as ann_lib, _sharding as sharding_lib
 from flax_shardmeta._errors import ShardingError, ShardingProblem, UnmappedNameWarning
 from flax_shardmeta._flax_rules import FsmRules
 from flax_shardmeta._frames import warn_at_user_code
-from flax_shardmeta._init.generate import generate
+from flax_shardmeta._generate.generate import generate
 from flax_shardmeta._names import annotation_names as as_names
 from flax_shardmeta._nnx.metadata import FSM_LOGICAL, OPTIMIZER_NAMES
 from flax_shardmeta._placement import apply_spec, context_mesh
@@ -64,7 +64,7 @@ def annotating(
       _warn_if_no_rules(names_t, mesh)
     if eager:
       # Generated directly on its shards when a mesh is set (see
-      # _init.generate): never the whole parameter on one device.
+      # _generate.generate): never the whole parameter on one device.
       value = generate(
         init, args, kwargs, names_t, mesh, logical=logical, rules=rules_t
       )

@@ -15,7 +15,7 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
-from flax_shardmeta._errors import FlaxShardmetaError
+from flax_shardmeta._errors import FlaxShardmetaError, message
 from flax_shardmeta._resolution import Explanation, RuleStep, explain_resolution
 from flax_shardmeta._specs import spec_entries
 
@@ -69,7 +69,7 @@ def explain_entry(
     dims = explain_resolution(ann.names, rules, local_rules=ann.rules, source=source)
   except FlaxShardmetaError as e:
     return Explanation(
-      ExplainedDim(d, n, final[d], (), f'not resolved: {e}')
+      ExplainedDim(d, n, final[d], (), f'not resolved: {message(e)}')
       for d, n in enumerate(ann.names)
     )
   out = []

@@ -45,18 +45,35 @@ def check_hbm(text: str | None, flag: str = '--hbm') -> None:
   if text is None:
     return
   from flax_shardmeta._devices.chips import parse_bytes
-  from flax_shardmeta._errors import FitError
+  from flax_shardmeta._errors import FitError, message
 
   try:
     parse_bytes(text)
   except FitError as e:
-    raise UsageError(f'{flag}: {e}') from None
+    raise UsageError(f'{flag}: {message(e)}') from None
 
 
 def check_gpu_run(args: argparse.Namespace) -> None:
-  """``--reserve``, when given, is a size (``--mem-fraction`` is checked by
-  the parser)."""
-  check_hbm(args.reserve, '--reserve')
+  """``--hbm`` and ``--reserve``, when given, are sizes (``--mem-fraction`` is
+  checked by the parser)."""
+  for flag, text in (('--hbm', args.hbm), ('--reserve', args.reserve)):
+    check_hbm(text, flag)
+
+
+def step_arguments(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  """Every check of a step's options (``fit``, ``snapshot``) before jax
+  starts; the mesh's names and sizes.
+
+  Raises:
+    UsageError: the first bad option, saying what was expected.
+  """
+  check_model_name(args.model)
+  names, sizes = parse_mesh(args.mesh)
+  if args.remat is not None:
+    check_remat(args.remat, [args.remat], builtin=args.model is not None)
+  require_positive(args, ('batch', 'seq', 'num_slices'))
+  check_gpu_run(args)
+  return names, sizes
 
 
 def gpu_run_options(args: argparse.Namespace) -> dict[str, Any]:

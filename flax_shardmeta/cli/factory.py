@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from flax_shardmeta._errors import FlaxShardmetaError
+from flax_shardmeta._errors import FlaxShardmetaError, message
 from flax_shardmeta.cli.options import UsageError
 
 CONTRACT = (__doc__ or '').partition('\n\n')[2]
@@ -204,7 +204,7 @@ def _gist(error: Exception) -> str:
   """``error``'s message in one line: its first line, and under a heading
   (``1 leaf cannot be sharded as annotated:``) the first item listed too,
   which says what is wrong."""
-  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  lines = [line.strip() for line in message(error).splitlines() if line.strip()]
   if not lines:
     return ''
   head, rest = lines[0], lines[1:]

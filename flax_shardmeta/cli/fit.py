@@ -33,7 +33,7 @@ import argparse
 import json
 from typing import Any
 
-from flax_shardmeta.cli import checks, options, rule_files, step
+from flax_shardmeta.cli import options, rule_files, step
 from flax_shardmeta.cli.factory import CONTRACT, Factory, under
 from flax_shardmeta.cli.options import UsageError
 
@@ -73,18 +73,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
   """The ``fit`` subcommand; returns the exit code."""
-  names, sizes, rules, factory = step.checked(args)
-  mesh = step.mesh(args, names, sizes)
+  made = step.prepared(args)
   fit_options = {
     'hbm': args.hbm,
     'chip': args.chip,
     'cache': not args.no_cache,
-    **checks.gpu_run_options(args),
+    **made.run_options,
   }
-  if factory is None:
-    report = _builtin(args, mesh, rules, fit_options)
+  if made.factory is None:
+    report = _builtin(args, made, fit_options)
   else:
-    report = _user(args, factory, mesh, rules, fit_options)
+    report = _user(args, made.factory, made, fit_options)
   rule_files.note_default_rules(args)
   if args.format == 'json':
     print(json.dumps(report.to_dict(), indent=1))
@@ -102,30 +101,27 @@ TOO_CLOSE = 3
 """The exit code of an estimate within its measured error of the limit."""
 
 
-def _builtin(args: argparse.Namespace, mesh: Any, rules: Any, fit_options: dict) -> Any:
+def _builtin(args: argparse.Namespace, made: step.Prepared, fit_options: dict) -> Any:
   import flax_shardmeta as fsm
   from flax_shardmeta.examples import train
 
-  kwargs = step.builtin_options(args, rules)
-  if args.extrapolate:
+  def build(n: int | None = None) -> Any:
+    return train.train_step(args.model, made.mesh, num_layers=n, **made.options)
 
-    def build(n: int) -> Any:
-      return train.train_step(args.model, mesh, num_layers=n, **kwargs)
-
-    return fsm.fit(build, layers=train.num_layers(args.model), **fit_options)
-  return fsm.fit(*train.train_step(args.model, mesh, **kwargs), **fit_options)
+  if not args.extrapolate:
+    return fsm.fit(*build(), **fit_options)
+  return fsm.fit(build, layers=train.num_layers(args.model), **fit_options)
 
 
 def _user(
   args: argparse.Namespace,
   factory: Factory,
-  mesh: Any,
-  rules: Any,
+  made: step.Prepared,
   fit_options: dict,
 ) -> Any:
   import flax_shardmeta as fsm
 
-  kwargs = step.factory_options(factory, args)
+  mesh, rules, kwargs = made.mesh, made.rules, made.options
   if args.extrapolate:
     factory.require('num_layers', '--extrapolate')
   # fit reads a plain or jax.jit step's mesh and rules from the context.

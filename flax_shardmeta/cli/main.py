@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Protocol
 
-from flax_shardmeta._errors import FlaxShardmetaError
+from flax_shardmeta._errors import FlaxShardmetaError, errors_page_line, message
 from flax_shardmeta.cli import (
   demo,
   diff,
@@ -112,7 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f'flax-shardmeta: error: {e}{hint}', file=sys.stderr)
     return 2
   except FlaxShardmetaError as e:  # a layout that cannot be, a topology unknown...
-    print(f'flax-shardmeta: error: {e}', file=sys.stderr)
+    # The errors page's section on the message's last line: a one-line error
+    # stays one line.
+    section = errors_page_line(type(e))
+    print(f'flax-shardmeta: error: {message(e)} {section}', file=sys.stderr)
     return 2
   except SystemExit as e:  # --help
     return e.code if isinstance(e.code, int) else 0

@@ -13,6 +13,7 @@ import sys
 import tomllib
 from typing import Any
 
+from flax_shardmeta._errors import message
 from flax_shardmeta.cli.checks import check_mesh_axis_names
 from flax_shardmeta.cli.options import UsageError
 from flax_shardmeta.examples import state as example_state
@@ -77,7 +78,7 @@ def _rule_pairs(data: Any, where: str) -> tuple[tuple[str, Any], ...]:
   try:
     return normalize_rules(pairs)
   except ValueError as e:
-    raise UsageError(f'{where}: {e}') from None
+    raise UsageError(f'{where}: {message(e)}') from None
 
 
 def command_rules(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:

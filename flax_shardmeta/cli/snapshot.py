@@ -25,7 +25,7 @@ import json
 from typing import Any
 
 from flax_shardmeta.cli import options, rule_files, step
-from flax_shardmeta.cli.factory import CONTRACT, Factory, under
+from flax_shardmeta.cli.factory import CONTRACT, under
 
 HELP = "write a training step's layout as JSON, to pin it in a golden file"
 DESCRIPTION = (
@@ -51,9 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
   """The ``snapshot`` subcommand; returns the exit code."""
-  names, sizes, rules, factory = step.checked(args)
-  mesh = step.mesh(args, names, sizes)
-  text = json.dumps(_snapshot(args, factory, mesh, rules), indent=1, sort_keys=True)
+  made = step.prepared(args)
+  text = json.dumps(_snapshot(args, made), indent=1, sort_keys=True)
   rule_files.note_default_rules(args)
   if args.out is None:
     print(text)
@@ -66,18 +65,16 @@ def run(args: argparse.Namespace) -> int:
   return 0
 
 
-def _snapshot(
-  args: argparse.Namespace, factory: Factory | None, mesh: Any, rules: Any
-) -> dict[str, Any]:
+def _snapshot(args: argparse.Namespace, made: step.Prepared) -> dict[str, Any]:
   import flax_shardmeta as fsm
   from flax_shardmeta.examples import train
 
   cache = not args.no_cache
+  mesh, rules, factory = made.mesh, made.rules, made.factory
   if factory is None:
-    made = train.train_step(args.model, mesh, **step.builtin_options(args, rules))
-    return fsm.snapshot(*made, cache=cache)
-  kwargs = step.factory_options(factory, args)
+    made_step = train.train_step(args.model, mesh, **made.options)
+    return fsm.snapshot(*made_step, cache=cache)
   # A plain or jax.jit step reads its mesh and rules from the context, as in fit.
   with under(mesh, rules), factory.running():
-    made = factory.step_and_args(factory(mesh, rules, **kwargs))
-    return fsm.snapshot(*made, cache=cache)
+    made_step = factory.step_and_args(factory(mesh, rules, **made.options))
+    return fsm.snapshot(*made_step, cache=cache)

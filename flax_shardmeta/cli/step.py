@@ -9,6 +9,7 @@ cluster; without it an ``AbstractMesh``), and the step's own options.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from flax_shardmeta.cli import checks, options, process, rule_files
@@ -29,22 +30,40 @@ def add_arguments(p: argparse.ArgumentParser, mesh_example: str) -> None:
   options.add_rules(p)
 
 
-def checked(
-  args: argparse.Namespace,
-) -> tuple[tuple[str, ...], tuple[int, ...], Any, Factory | None]:
-  """The mesh's names and sizes, the rules and your factory (None for a
-  built-in model); bad arguments are a ``UsageError`` before jax starts."""
-  checks.check_model_name(args.model)
-  names, sizes = checks.parse_mesh(args.mesh)
-  if args.remat is not None:
-    checks.check_remat(args.remat, [args.remat], builtin=args.model is not None)
-  checks.require_positive(args, ('batch', 'seq', 'num_slices'))
-  checks.check_hbm(args.hbm)
-  checks.check_gpu_run(args)
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """What ``fit`` and ``snapshot`` make their step from.
+
+  Attributes:
+    mesh: over the topology's devices, else abstract (Auto axes).
+    rules: the command's rules, checked against the mesh's axis names.
+    factory: your ``--module`` factory, or None for a built-in model.
+    options: the step's keyword arguments: ``examples.train.train_step``'s for
+      a built-in model, those your factory takes otherwise.
+    run_options: ``fsm.fit``'s ``mem_fraction=`` and ``reserve=``, where given.
+  """
+
+  mesh: Any
+  rules: Any
+  factory: Factory | None
+  options: dict[str, Any]
+  run_options: dict[str, Any]
+
+
+def prepared(args: argparse.Namespace) -> Prepared:
+  """The step's mesh, rules, factory and options; bad arguments are a
+  ``UsageError`` before jax starts."""
+  names, sizes = checks.step_arguments(args)
+  run_options = checks.gpu_run_options(args)
   rules = rule_files.mesh_rules(args, names)
   process.start_jax_quietly()
-  factory = Factory.load(args.module) if args.module is not None else None
-  return names, sizes, rules, factory
+  over = mesh(args, names, sizes)
+  if args.module is None:
+    factory, options = None, builtin_options(args, rules)
+  else:
+    factory = Factory.load(args.module)
+    options = factory_options(factory, args)
+  return Prepared(over, rules, factory, options, run_options)
 
 
 def mesh(

@@ -33,6 +33,7 @@ import sys
 import tomllib
 from typing import Any
 
+from flax_shardmeta import _errors as errors
 from flax_shardmeta.cli import checks, options, process, rule_files
 from flax_shardmeta.cli.factory import CONTRACT, Factory
 
@@ -74,7 +75,6 @@ def run(args: argparse.Namespace) -> int:
   checks.require_positive(args, ('batch', 'seq', 'num_slices', 'max_candidates', 'top'))
   remat = [r.strip() for r in (args.remat or 'none,full').split(',') if r.strip()]
   checks.check_remat(args.remat, remat, builtin=args.model is not None)
-  checks.check_hbm(args.hbm)
   checks.check_gpu_run(args)
   process.start_jax_quietly()
   if args.module is not None:
@@ -200,7 +200,7 @@ def _presets(text: str) -> list[Any]:
     try:
       presets += presets_lib.load(content, item)
     except fsm.InvalidRulesError as e:
-      raise options.UsageError(f'--presets: {e}') from None
+      raise options.UsageError(f'--presets: {errors.message(e)}') from None
   return presets
 
 

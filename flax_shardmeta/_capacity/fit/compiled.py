@@ -38,7 +38,7 @@ from flax_shardmeta._capacity.hlo import (
   text as hlo_text,
 )
 from flax_shardmeta._capacity.why.layout_changes import LayoutChange, layout_changes
-from flax_shardmeta._errors import FitError, IndivisibleDimensionWarning
+from flax_shardmeta._errors import FitError, IndivisibleDimensionWarning, message
 from flax_shardmeta._frames import source_line
 from flax_shardmeta._init.program_memory import memory_fields
 
@@ -308,7 +308,7 @@ def figures(
     out['summary'] = summary.to_dict()
   out['cached'] = cached
   out['replicated'] = [
-    str(w.message)
+    message(w.message)  # without its errors page line: report.why() lists it
     for w in caught
     if issubclass(w.category, IndivisibleDimensionWarning)
   ]

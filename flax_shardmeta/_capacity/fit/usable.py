@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 from flax_shardmeta._devices import gpu
 from flax_shardmeta._devices.chips import GIB, parse_bytes
-from flax_shardmeta._errors import FitError
+from flax_shardmeta._errors import FitError, message
 
 DEFAULT_FRACTION = 0.75
 """jax's default allocator fraction on GPUs (``XLA_CLIENT_MEM_FRACTION``)."""
@@ -241,7 +241,7 @@ def reserve_for(
     try:
       value = parse_bytes(reserve)
     except FitError as e:
-      raise FitError(f'reserve={reserve!r}: {e}') from None
+      raise FitError(f'reserve={reserve!r}: {message(e)}') from None
     if value < 0:
       raise FitError(f'reserve={reserve!r}: give 0 or more bytes.')
     return value, 'reserve='

@@ -35,7 +35,7 @@ from flax_shardmeta._capacity.hlo.roofline import group, roofline
 from flax_shardmeta._devices import gpu
 from flax_shardmeta._devices.chips import CHIPS, Chip, chip_named, chip_of, parse_bytes
 from flax_shardmeta._devices.topology import describe
-from flax_shardmeta._errors import FitError
+from flax_shardmeta._errors import FitError, message
 
 
 def fit(
@@ -147,7 +147,7 @@ def _capacity(hbm: int | str | None) -> int | None:
   try:
     value = parse_bytes(hbm)
   except FitError as e:
-    raise FitError(f'hbm={hbm!r}: {e}') from None
+    raise FitError(f'hbm={hbm!r}: {message(e)}') from None
   if value <= 0:
     raise FitError(f'hbm={hbm!r}: the memory per chip must be positive.')
   return value

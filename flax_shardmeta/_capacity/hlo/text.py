@@ -37,23 +37,12 @@ from flax_shardmeta._capacity.hlo.name_stacks import (
   stack_frames as stack_frames,
 )
 
-_ITEMSIZE = {
-  'pred': 1,
-  's4': 0.5,
-  'u4': 0.5,
-  's8': 1,
-  'u8': 1,
-  's16': 2,
-  'u16': 2,
-  'f16': 2,
-  'bf16': 2,
-  's32': 4,
-  'u32': 4,
-  'f32': 4,
-  's64': 8,
-  'u64': 8,
-  'f64': 8,
-  'c64': 8,
+_ITEMSIZE: dict[str, float] = {
+  **dict.fromkeys(('s4', 'u4'), 0.5),
+  **dict.fromkeys(('pred', 's8', 'u8'), 1),
+  **dict.fromkeys(('s16', 'u16', 'f16', 'bf16'), 2),
+  **dict.fromkeys(('s32', 'u32', 'f32'), 4),
+  **dict.fromkeys(('s64', 'u64', 'f64', 'c64'), 8),
   'c128': 16,
 }
 
@@ -164,15 +153,14 @@ class Instruction:
     return [int(d) for d in text[1:-1].split(',') if d.strip()]
 
   def library_matmul_contracting(self) -> list[int] | None:
-    """The left operand's contracting dimensions of a matmul XLA hands to a
-    library (a cuBLAS / cuBLASLt custom call, its ``gemm_backend_config``),
-    or None for any other instruction. Its first result is the product; a
-    second, if any, is the library's workspace.
+    """The left operand's contracting dimensions of a cuBLAS matmul (a custom
+    call with a ``gemm_backend_config``: its first result is the product, a
+    second the workspace), else None.
 
     Example:
-      >>> i = Instruction('c', '(f32[8,4]{1,0}, s8[64]{0})', 'custom-call', ['a', 'b'],
-      ...   'custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":'
-      ...   '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"]}}}')
+      >>> i = Instruction('c', '(f32[8,4]{1,0}, s8[64]{0})', 'custom-call', [],
+      ...   'backend_config={"gemm_backend_config":{"dot_dimension_numbers":'
+      ...   '{"lhs_contracting_dimensions":["1"]}}}')
       >>> i.library_matmul_contracting()
       [1]
     """

@@ -48,7 +48,12 @@ from flax_shardmeta._capacity.suggest.presets import RulePreset
 from flax_shardmeta._devices.chips import Chip, chip_named, chip_of, parse_bytes
 from flax_shardmeta._devices.gpu import described_memory
 from flax_shardmeta._devices.topology import device_mesh, topology_devices
-from flax_shardmeta._errors import FitError, FlaxShardmetaError, ShardingError
+from flax_shardmeta._errors import (
+  FitError,
+  FlaxShardmetaError,
+  ShardingError,
+  message,
+)
 from flax_shardmeta._specs import format_spec
 from flax_shardmeta._units import format_bytes
 
@@ -424,7 +429,7 @@ def _check(
   try:
     mesh = _mesh(c, where)
   except FlaxShardmetaError as e:
-    c.rejected = f'no such mesh here: {e}'
+    c.rejected = f'no such mesh here: {message(e)}'
     return
   del mesh  # it exists: the candidate can be compiled
   try:

@@ -10,14 +10,14 @@ constants) compute each element from the random bits at that element's flat
 index alone. For those, a window of the parameter can be computed on its own:
 the bits of a window are threefry applied to the window's flat indices, exactly
 the bits jax's partitionable threefry gives those elements. Each device then
-fills its shard in chunks (:mod:`flax_shardmeta._init.fill`), so temporaries
+fills its shard in chunks (:mod:`flax_shardmeta._generate.fill`), so temporaries
 scale with a chunk; the init's jaxpr is read as one flat graph
-(:mod:`flax_shardmeta._init.jaxpr_graph`). Anything else
+(:mod:`flax_shardmeta._generate.jaxpr_graph`). Anything else
 (an orthogonal init, a non-threefry key, a parameter over 2**32 elements) falls
 back to ordinary generation.
 
 Each window is computed in a loop whose minor dimension is the parameter's
-own, as the unsharded initializer computes it (:mod:`flax_shardmeta._init.loops`):
+own, as the unsharded initializer computes it (:mod:`flax_shardmeta._generate.loops`):
 its values are then that initializer's, bit for bit.
 """
 
@@ -34,8 +34,8 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry2x32_p
 
-from flax_shardmeta._init.jaxpr_graph import Graph, Node, bind, scan_parts
-from flax_shardmeta._init.loops import (
+from flax_shardmeta._generate.jaxpr_graph import Graph, Node, bind, scan_parts
+from flax_shardmeta._generate.loops import (
   Loop,
   Span,
   Unsupported,

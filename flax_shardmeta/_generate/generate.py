@@ -17,7 +17,7 @@ import jax
 import jax.core
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from flax_shardmeta._init import fill, windowed
+from flax_shardmeta._generate import fill, windowed
 from flax_shardmeta._placement import apply_spec, context_mesh, manual_axes
 from flax_shardmeta._resolution import resolve
 from flax_shardmeta._rules import (

@@ -1,6 +1,6 @@
 """An init's jaxpr as one flat graph of nodes, nested calls inlined.
 
-Generating a parameter window by window (:mod:`flax_shardmeta._init.windowed`)
+Generating a parameter window by window (:mod:`flax_shardmeta._generate.windowed`)
 follows it back through the operations that compute it. Here the jaxpr of an
 init becomes a list of nodes, one per primitive application, with the bodies
 of calls (``jit``, custom derivatives, remat) inlined, so that the path from
@@ -15,7 +15,7 @@ from typing import Any
 
 import jax.extend.core as jex
 
-from flax_shardmeta._init.loops import Unsupported
+from flax_shardmeta._generate.loops import Unsupported
 
 # Parameters holding the body of a call primitive, and the call primitives
 # whose bodies are inlined.

@@ -1,6 +1,6 @@
 """Each device making its own shard of a parameter from windows.
 
-A parameter that :mod:`flax_shardmeta._init.windowed` can compute window by
+A parameter that :mod:`flax_shardmeta._generate.windowed` can compute window by
 window is made inside ``shard_map``: each device fills its shard chunk by
 chunk (temporaries of a chunk's size), or computes it as one window, or
 computes the whole parameter in the unsharded initializer's own loop and
@@ -21,12 +21,12 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_shardmeta._arrays import element_bits
-from flax_shardmeta._init.loops import Span, chunk_plan, rows_plan
-from flax_shardmeta._init.windowed import CHUNK_BYTES
+from flax_shardmeta._generate.loops import Span, chunk_plan, rows_plan
+from flax_shardmeta._generate.windowed import CHUNK_BYTES
 from flax_shardmeta._specs import mesh_axes_of
 
 if TYPE_CHECKING:
-  from flax_shardmeta._init.windowed import WindowedOutput
+  from flax_shardmeta._generate.windowed import WindowedOutput
 
 Generation = Literal['chunks', 'shard', 'whole']
 """How each device makes its shard of a parameter from windows: ``'chunks'``,

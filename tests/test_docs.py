@@ -1,0 +1,404 @@
+"""The documentation site: its generated pages cover the code, its errors page is true.
+
+The module map is written from the code at build time (``docs/_ext``); here
+the generator is checked against the package. Every error and warning class
+has a section on ``docs/errors.md``, every message names it, and each message
+quoted there is produced by the call described and compared with the text.
+The whole site builds with warnings as errors (slow: ``make test-slow``).
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib.util
+import inspect
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+import warnings
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType
+
+import flax_shardmeta as fsm
+from flax_shardmeta import _errors
+
+ROOT = pathlib.Path(fsm.__file__).resolve().parent.parent
+DOCS = ROOT / 'docs'
+ERRORS_PAGE = (DOCS / 'errors.md').read_text()
+AUTO = (AxisType.Auto,) * 2
+
+
+def _load_reference() -> types.ModuleType:
+  """``docs/_ext/fsm_reference.py``: what the reference pages list (no Sphinx)."""
+  spec = importlib.util.spec_from_file_location(
+    'fsm_reference', DOCS / '_ext' / 'fsm_reference.py'
+  )
+  assert spec and spec.loader
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up there
+  spec.loader.exec_module(module)
+  return module
+
+
+ref = _load_reference()
+
+
+# The module map
+# ------------------------------------------------------------------------------
+
+
+def test_the_module_map_covers_every_module():
+  named = {m for layer in ref.layers() for m, _ in layer.modules}
+  packages = {name for name, _ in ref.packages()}
+  modules = ref.package_modules()
+  assert modules - named - packages == set(), 'modules the module map leaves out'
+  assert (named | packages) - modules == set(), 'the module map names no module'
+  assert len(named) == sum(len(layer.modules) for layer in ref.layers()), 'twice'
+
+
+def test_the_module_map_says_what_each_module_holds():
+  for layer in ref.layers():
+    for name, summary in layer.modules:
+      assert summary and '\n' not in summary, name
+  notes = [layer.note for layer in ref.layers() if layer.note]
+  assert any(note.startswith('The core') for note in notes), notes
+  for name, doc in ref.packages():
+    assert doc.strip(), f'flax_shardmeta.{name}: its __init__ has no docstring'
+
+
+def test_the_pages_use_the_generators():
+  modules_page = (DOCS / 'modules.md').read_text()
+  assert '.. fsm-module-layers::' in modules_page
+  assert '.. fsm-module-packages::' in modules_page
+  api_page = (DOCS / 'api.md').read_text()
+  for module in ('flax_shardmeta', 'flax_shardmeta.nnx', 'flax_shardmeta.testing'):
+    assert f'.. fsm-api-table:: {module}\n' in api_page, module
+    assert f'.. fsm-api-entries:: {module}\n' in api_page, module
+
+
+def test_the_generator_examples_run():
+  result = doctest.testmod(ref, optionflags=doctest.ELLIPSIS)
+  assert result.attempted and not result.failed
+
+
+# The errors page
+# ------------------------------------------------------------------------------
+
+
+def _slug(heading: str) -> str:
+  """The anchor MyST (``myst_heading_anchors``) and GitHub give a heading."""
+  return re.sub(r'[^\w\- ]', '', heading.strip().lower()).replace(' ', '-')
+
+
+SECTIONS = {
+  _slug(m.group(1)): m.group(1)
+  for m in re.finditer(r'^## (.+)$', ERRORS_PAGE, re.MULTILINE)
+}
+
+
+def _documented_classes() -> list[type]:
+  """Every error and warning class of the errors module."""
+  return [
+    cls
+    for _, cls in inspect.getmembers(_errors, inspect.isclass)
+    if cls.__module__ == _errors.__name__
+    and issubclass(cls, BaseException)
+    and not cls.__name__.startswith('_')
+  ]
+
+
+def test_every_error_and_warning_has_a_section_and_nothing_else_does():
+  classes = {cls.__name__ for cls in _documented_classes()}
+  assert {'FlaxShardmetaError', 'LaunchError', 'UnmappedNameWarning'} <= classes
+  assert set(SECTIONS.values()) == classes
+
+
+@pytest.mark.parametrize('cls', _documented_classes(), ids=lambda c: c.__name__)
+def test_every_message_ends_naming_its_section(cls):
+  line = _errors.errors_page_line(cls)
+  assert line == f'(errors page: docs/errors.md#{cls.__name__.lower()})'
+  assert cls.__name__.lower() in SECTIONS
+  arguments = {fsm.ShardingError: ([],), _errors.LaunchError: ('it failed', [])}
+  error = cls(*arguments.get(cls, ('it went wrong',)))
+  assert str(error) == f'{_errors.message(error)}\n{line}'
+  assert '(errors page' not in _errors.message(error)
+
+
+def test_a_subclass_made_elsewhere_names_its_base_section():
+  from flax_shardmeta import examples
+
+  with pytest.raises(fsm.FlaxShardmetaError) as info:
+    examples.model_rules('gpt')
+  assert str(info.value).endswith('\n(errors page: docs/errors.md#flaxshardmetaerror)')
+
+
+def test_a_quoted_error_inside_another_message_drops_its_section_line():
+  with pytest.raises(fsm.InvalidRulesError) as info:
+    fsm.match_partition_rules([('w', (0,))], {'w': jnp.ones((2, 2))})
+  # The InvalidNamesError quoted inside keeps no line of its own.
+  assert str(info.value).count('(errors page:') == 1
+  assert str(info.value).endswith('#invalidruleserror)')
+
+
+# The messages quoted on the errors page, produced as the page describes.
+
+
+def _message(error: BaseException) -> str:
+  kind = type(error)
+  return f'{kind.__module__}.{kind.__qualname__}: {error}'
+
+
+def _raised(kind: type[BaseException], call: Callable[[], object]) -> str:
+  with pytest.raises(kind) as info:
+    call()
+  return _message(info.value)
+
+
+def _warned(call: Callable[[], object]) -> str:
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    call()
+  (warning,) = caught
+  return f'{warning.category.__name__}: {warning.message}'
+
+
+def _sharding_error() -> str:
+  mesh = AbstractMesh((2, 4), ('data', 'model'), axis_types=AUTO)
+  tree = {'dense': {'kernel': fsm.Partitioned(jnp.zeros((6, 10)), ('data', 'model'))}}
+  return _raised(fsm.ShardingError, lambda: fsm.get_sharding(tree, mesh))
+
+
+def _repeated_names_error() -> str:
+  return _raised(
+    fsm.InvalidNamesError,
+    lambda: fsm.logical_to_mesh_axes(('embed', 'embed'), [('embed', 'data')]),
+  )
+
+
+def _malformed_names_in_a_tree_error() -> str:
+  mesh = AbstractMesh((2, 4), ('data', 'model'), axis_types=AUTO)
+  tree = {'dense': {'kernel': nn.Partitioned(jnp.zeros((8, 8)), (0, 'model'))}}
+  return _raised(fsm.InvalidNamesError, lambda: fsm.get_sharding(tree, mesh))
+
+
+def _invalid_rules_error() -> str:
+  return _raised(
+    fsm.InvalidRulesError, lambda: fsm.set_logical_axis_rules([('embed',)])
+  )
+
+
+def _rule_conflict_error() -> str:
+  return _raised(
+    fsm.RuleConflictError,
+    lambda: fsm.composite_rules([('embed', 'data')], [('embed', 'model')]),
+  )
+
+
+def _rule_context_error() -> str:
+  context = fsm.logical_axis_rules([('mlp', 'model')])
+  seen: list[str] = []
+
+  def exit_elsewhere():
+    seen.append(
+      _raised(fsm.RuleContextError, lambda: context.__exit__(None, None, None))
+    )
+
+  with context:
+    loader = threading.Thread(target=exit_elsewhere, name='loader')
+    loader.start()
+    loader.join()
+  return seen[0]
+
+
+def _no_mesh_error() -> str:
+  return _raised(
+    fsm.NoMeshError, lambda: fsm.shard_value(jnp.ones((8, 4)), ('data', None))
+  )
+
+
+def _none_mesh_error() -> str:
+  tree = {'w': fsm.Partitioned(jnp.zeros(3), ('data',))}
+  return _raised(fsm.NoMeshError, lambda: fsm.get_sharding(tree, None))  # type: ignore[arg-type]
+
+
+def _nnx_jit_error() -> str:
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=AUTO)
+  with jax.set_mesh(mesh):
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  def train_step(model, optimizer, x):
+    grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    optimizer.update(model, grads)
+
+  step = fsm.jit(lambda x: train_step(model, optimizer, x), mesh=mesh)
+  return _raised(fsm.NnxJitError, lambda: step(jnp.ones((8, 4))))
+
+
+def _mesh_shape_error() -> str:
+  return _raised(fsm.MeshShapeError, lambda: fsm.make_mesh((3, 4), ('data', 'model')))
+
+
+def _batch_layout_error() -> str:
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=AUTO)
+  return _raised(fsm.BatchLayoutError, lambda: fsm.data_layout(mesh, 7))
+
+
+def _topology_error() -> str:
+  return _raised(
+    fsm.TopologyError, lambda: fsm.make_mesh((4,), ('data',), topology='v5p-8')
+  )
+
+
+def _fit_error() -> str:
+  return _raised(fsm.FitError, lambda: fsm.fit(lambda x: x, hbm='lots'))
+
+
+def _indivisible_warning() -> str:
+  mesh = AbstractMesh((2, 4), ('data', 'model'), axis_types=AUTO)
+  tree = {'kernel': fsm.Partitioned(jnp.zeros((6, 10)), (None, 'model'))}
+  return _warned(lambda: fsm.get_sharding(tree, mesh, replicate_indivisible=True))
+
+
+def _unmapped_names(names: tuple[str, str], rules: list | None) -> Callable[[], str]:
+  def generate() -> str:
+    mesh = AbstractMesh((2, 4), ('data', 'model'), axis_types=AUTO)
+    kernel = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    tree = {'dense': {'kernel': fsm.LogicalPartitioned(kernel, names)}}
+    return _warned(lambda: fsm.get_sharding(tree, mesh, rules))
+
+  return generate
+
+
+def _text_blocks(section: str) -> list[str]:
+  """The ```text blocks of the errors page's section ``section``, as written."""
+  text = ERRORS_PAGE.split(f'\n## {section}\n', 1)[1].split('\n## ', 1)[0]
+  found = re.findall(r'^```text\n(.*?)^```', text, re.MULTILINE | re.DOTALL)
+  return [block.rstrip('\n') for block in found]
+
+
+def _without_flax_wording(text: str) -> str:
+  # NnxJitError quotes the first line of flax's own error, worded by flax.
+  return re.sub(r"(flax's error: ).*", r'\1...', text)
+
+
+@pytest.mark.parametrize(
+  'section, generate',
+  [
+    ('ShardingError', _sharding_error),
+    ('InvalidNamesError', _repeated_names_error),
+    ('InvalidNamesError', _malformed_names_in_a_tree_error),
+    ('InvalidRulesError', _invalid_rules_error),
+    ('RuleConflictError', _rule_conflict_error),
+    ('RuleContextError', _rule_context_error),
+    ('NoMeshError', _no_mesh_error),
+    ('NoMeshError', _none_mesh_error),
+    ('MeshShapeError', _mesh_shape_error),
+    ('BatchLayoutError', _batch_layout_error),
+    ('TopologyError', _topology_error),
+    ('FitError', _fit_error),
+    ('IndivisibleDimensionWarning', _indivisible_warning),
+    ('UnmappedNameWarning', _unmapped_names(('embed', 'mpl'), [('mlp', 'model')])),
+    ('UnmappedNameWarning', _unmapped_names(('embed', 'mlp'), None)),
+    (
+      'UnmappedMeshAxisNameWarning',
+      _unmapped_names(('data', 'mlp'), [('mlp', 'model')]),
+    ),
+  ],
+  ids=lambda value: value if isinstance(value, str) else value.__name__.strip('_'),
+)
+def test_quoted_message_is_what_is_raised(section, generate):
+  assert generate() in _text_blocks(section)
+
+
+def test_quoted_nnx_jit_error_is_what_is_raised():
+  (quoted,) = _text_blocks('NnxJitError')
+  assert _without_flax_wording(quoted) == _without_flax_wording(_nnx_jit_error())
+
+
+MLP_WITHOUT_OUT_SHARDING = textwrap.dedent("""
+    import flax.linen as nn, flax_shardmeta as fsm
+
+
+    class MLP(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        w1 = fsm.with_logical_partitioning(init, ('embed', 'mlp'))
+        w2 = fsm.with_logical_partitioning(init, ('mlp', 'embed'))
+        h = nn.relu(nn.Dense(16, kernel_init=w1)(x))
+        return nn.Dense(4, kernel_init=w2)(h)
+""")
+
+
+def _explicit_sharding_error(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+  (tmp_path / 'mlp.py').write_text(MLP_WITHOUT_OUT_SHARDING)
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.delitem(sys.modules, 'mlp', raising=False)
+  import mlp  # type: ignore[import-not-found]
+
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)
+  rules = [('batch', 'data'), ('mlp', 'model')]
+  model = mlp.MLP()
+  x = fsm.shard_value(jnp.ones((8, 4)), ('batch', None), rules, mesh)
+  with fsm.logical_axis_rules(rules):
+    variables = fsm.sharded_init(model.init, mesh)(jax.random.key(0), x)
+  forward = fsm.jit(model.apply, mesh=mesh, rules=rules)
+  return _raised(fsm.ExplicitShardingError, lambda: forward(variables, x))
+
+
+def _unnumbered(text: str) -> str:
+  # Source line numbers differ between flax releases; the rest must not.
+  return re.sub(r'\.py:\d+ in ', '.py:N in ', text)
+
+
+def test_quoted_explicit_sharding_error_is_what_is_raised(tmp_path, monkeypatch):
+  (quoted,) = _text_blocks('ExplicitShardingError')
+  generated = _explicit_sharding_error(tmp_path, monkeypatch)
+  assert _unnumbered(quoted) == _unnumbered(generated)
+
+
+# The site
+# ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_site_builds_with_warnings_as_errors(tmp_path):
+  pytest.importorskip(
+    'sphinx', reason='the docs extra is not installed (make docs installs it)'
+  )
+  pytest.importorskip('myst_nb', reason='the docs extra is not installed')
+  out = tmp_path / 'html'
+  done = subprocess.run(
+    [sys.executable, '-m', 'sphinx', '-W', '--keep-going', '-q', '-b', 'html']
+    + ['-d', str(tmp_path / 'doctrees'), str(DOCS), str(out)],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
+  assert done.returncode == 0, done.stderr[-5000:]
+  # The anchors the error messages name are the built page's section ids.
+  errors_html = (out / 'errors.html').read_text()
+  for cls in _documented_classes():
+    assert f'<section id="{cls.__name__.lower()}">' in errors_html, cls
+  api_html = (out / 'api.html').read_text()
+  for name in fsm.__all__:
+    if name not in ('nnx', 'testing'):
+      assert f'id="flax_shardmeta.{name}"' in api_html, name
+  for name in fsm.nnx.__all__:
+    assert f'id="flax_shardmeta.nnx.{name}"' in api_html, name
+  for notebook in sorted((ROOT / 'notebooks').glob('*.ipynb')):
+    assert (out / 'notebooks' / f'{notebook.stem}.html').is_file(), notebook
