@@ -122,3 +122,19 @@ def _reports_read_right(monkeypatch):
     if 'reader disagrees' in note
   ]
   assert not disagreeing, disagreeing
+
+
+@pytest.fixture(scope='session')
+def reference():
+  """``docs/_ext/fsm_reference.py``: what the reference pages list (no Sphinx)."""
+  import importlib.util
+  import pathlib
+  import sys
+
+  path = pathlib.Path(__file__).parents[1] / 'docs' / '_ext' / 'fsm_reference.py'
+  spec = importlib.util.spec_from_file_location('fsm_reference', path)
+  assert spec and spec.loader
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up there
+  spec.loader.exec_module(module)
+  return module

@@ -10,7 +10,6 @@ The whole site builds with warnings as errors (slow: ``make test-slow``).
 from __future__ import annotations
 
 import doctest
-import importlib.util
 import inspect
 import pathlib
 import re
@@ -18,7 +17,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import types
 import warnings
 from collections.abc import Callable
 
@@ -39,41 +37,26 @@ ERRORS_PAGE = (DOCS / 'errors.md').read_text()
 AUTO = (AxisType.Auto,) * 2
 
 
-def _load_reference() -> types.ModuleType:
-  """``docs/_ext/fsm_reference.py``: what the reference pages list (no Sphinx)."""
-  spec = importlib.util.spec_from_file_location(
-    'fsm_reference', DOCS / '_ext' / 'fsm_reference.py'
-  )
-  assert spec and spec.loader
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up there
-  spec.loader.exec_module(module)
-  return module
-
-
-ref = _load_reference()
-
-
 # The module map
 # ------------------------------------------------------------------------------
 
 
-def test_the_module_map_covers_every_module():
-  named = {m for layer in ref.layers() for m, _ in layer.modules}
-  packages = {name for name, _ in ref.packages()}
-  modules = ref.package_modules()
+def test_the_module_map_covers_every_module(reference):
+  named = {m for layer in reference.layers() for m, _ in layer.modules}
+  packages = {name for name, _ in reference.packages()}
+  modules = reference.package_modules()
   assert modules - named - packages == set(), 'modules the module map leaves out'
   assert (named | packages) - modules == set(), 'the module map names no module'
-  assert len(named) == sum(len(layer.modules) for layer in ref.layers()), 'twice'
+  assert len(named) == sum(len(layer.modules) for layer in reference.layers()), 'twice'
 
 
-def test_the_module_map_says_what_each_module_holds():
-  for layer in ref.layers():
+def test_the_module_map_says_what_each_module_holds(reference):
+  for layer in reference.layers():
     for name, summary in layer.modules:
       assert summary and '\n' not in summary, name
-  notes = [layer.note for layer in ref.layers() if layer.note]
+  notes = [layer.note for layer in reference.layers() if layer.note]
   assert any(note.startswith('The core') for note in notes), notes
-  for name, doc in ref.packages():
+  for name, doc in reference.packages():
     assert doc.strip(), f'flax_shardmeta.{name}: its __init__ has no docstring'
 
 
@@ -87,8 +70,8 @@ def test_the_pages_use_the_generators():
     assert f'.. fsm-api-entries:: {module}\n' in api_page, module
 
 
-def test_the_generator_examples_run():
-  result = doctest.testmod(ref, optionflags=doctest.ELLIPSIS)
+def test_the_generator_examples_run(reference):
+  result = doctest.testmod(reference, optionflags=doctest.ELLIPSIS)
   assert result.attempted and not result.failed
 
 

@@ -233,70 +233,34 @@ def test_subpackages_say_what_they_may_import():
     assert doc and 'may import' in doc, f'{sub}/__init__.py: say what it may import'
 
 
+# The parts above a whole init: plans, devices, steps, hosts and the adapters.
+ABOVE_THE_INIT = (
+  '_planning',
+  '_devices',
+  '_capacity',
+  '_hosts',
+  '_jit',
+  'nnx',
+  'examples',
+  'cli',
+)
 # What each part of the package never imports, whatever the layer order says.
 NEVER = {
   # The core builds no plans and costs no steps.
-  '': (
-    '_planning',
-    '_devices',
-    '_capacity',
-    '_hosts',
-    '_jit',
-    'nnx',
-    'examples',
-    'cli',
-  ),
+  '': ABOVE_THE_INIT,
   # Making a parameter knows nothing of whole inits, plans, devices, steps,
   # hosts or adapters.
-  '_generate': (
-    '_init',
-    '_planning',
-    '_devices',
-    '_capacity',
-    '_hosts',
-    '_jit',
-    'nnx',
-    'examples',
-    'cli',
-  ),
+  '_generate': ('_init', *ABOVE_THE_INIT),
   # Creating values knows nothing of plans, devices, steps, hosts or adapters.
-  '_init': (
-    '_planning',
-    '_devices',
-    '_capacity',
-    '_hosts',
-    '_jit',
-    'nnx',
-    'examples',
-    'cli',
-  ),
+  '_init': ABOVE_THE_INIT,
   # Planning and capacity run on abstract meshes with no processes.
   '_planning': ('_devices', '_capacity', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
   '_capacity': ('_hosts', '_jit', 'nnx', 'examples', 'cli'),
   # Devices are described, not used: nothing of layouts, plans or steps.
-  '_devices': (
-    '_generate',
-    '_init',
-    '_planning',
-    '_capacity',
-    '_hosts',
-    '_jit',
-    'nnx',
-    'examples',
-    'cli',
-  ),
+  '_devices': ('_generate', '_init', *(p for p in ABOVE_THE_INIT if p != '_devices')),
   '_jit': ('_planning', '_devices', '_capacity', '_hosts', 'nnx', 'examples', 'cli'),
   # The NNX adapter's implementation serves the public nnx module, not a plan.
-  '_nnx': (
-    '_planning',
-    '_devices',
-    '_capacity',
-    '_hosts',
-    '_jit',
-    'nnx',
-    'examples',
-    'cli',
-  ),
+  '_nnx': ABOVE_THE_INIT,
 }
 
 

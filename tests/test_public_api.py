@@ -24,24 +24,12 @@ DOCS = pathlib.Path(__file__).parents[1] / 'docs'
 DOCUMENTED_MODULES = ('flax_shardmeta', 'flax_shardmeta.nnx', 'flax_shardmeta.testing')
 
 
-def _api_rows(module: str) -> list:
-  """The rows the API page's table has for ``module``, as the site writes them."""
-  spec = importlib.util.spec_from_file_location(
-    'fsm_reference', DOCS / '_ext' / 'fsm_reference.py'
-  )
-  assert spec and spec.loader
-  reference = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = reference  # dataclasses look their module up there
-  spec.loader.exec_module(reference)
-  return reference.api_rows(module)
-
-
 @pytest.mark.parametrize('module', DOCUMENTED_MODULES)
-def test_the_api_page_documents_exactly_the_public_api(module):
+def test_the_api_page_documents_exactly_the_public_api(module, reference):
   # The public surface is each module's __all__ (for the package, __init__'s one
   # table); the API page is written from it, one row and one entry per name,
   # each described by the first paragraph of its docstring.
-  rows = _api_rows(module)
+  rows = reference.api_rows(module)
   assert [row.name for row in rows] == list(importlib.import_module(module).__all__)
   for row in rows:
     assert row.summary.strip(), row
