@@ -169,3 +169,21 @@ class JoinedPrefix:
 
   def __str__(self) -> str:
     return '/'.join(p for p in (str(self._outer), str(self._inner)) if p)
+
+
+def nest(items: Any) -> dict[str, Any]:
+  """``(path, value)`` pairs as nested dicts, one level per path component
+  (the tree a treescope view of a plan shows).
+
+  Example:
+    >>> nest([('params/dense/kernel', 1), ('params/bias', 2)])
+    {'params': {'dense': {'kernel': 1}, 'bias': 2}}
+  """
+  tree: dict[str, Any] = {}
+  for path, value in items:
+    node = tree
+    *parents, leaf = path.split('/')
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return tree

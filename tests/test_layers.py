@@ -50,6 +50,8 @@ LAYERS = [
   # _devices: what the chips are, GPU clusters and TPU topologies, meshes over
   # their devices; below both _hosts and _capacity.
   ['_devices.quiet', '_devices.chips', '_devices.gpu', '_devices.topology'],
+  # _restore: restoring a checkpoint onto another mesh, on plans' vocabulary.
+  ['_restore.chunks', '_restore.restore_plan'],
   # _capacity: what a whole step costs, in its vocabulary.
   [
     '_capacity.vocabulary',
@@ -145,6 +147,7 @@ SUBPACKAGES = (
   '_capacity',
   '_hosts',
   '_nnx',
+  '_restore',
 )
 # The capacity layer's rooms, one concept each.
 ROOMS = tuple(
@@ -258,6 +261,8 @@ NEVER = {
   '_capacity': ('_hosts', '_jit', 'nnx', 'examples', 'cli'),
   # Devices are described, not used: nothing of layouts, plans or steps.
   '_devices': ('_generate', '_init', *(p for p in ABOVE_THE_INIT if p != '_devices')),
+  # Restore plans run on abstract meshes too: plans and device figures only.
+  '_restore': ('_capacity', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
   '_jit': ('_planning', '_devices', '_capacity', '_hosts', 'nnx', 'examples', 'cli'),
   # The NNX adapter's implementation serves the public nnx module, not a plan.
   '_nnx': ABOVE_THE_INIT,

@@ -18,6 +18,7 @@ from typing import Any
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._caches import paused_gc
 from flax_shardmeta._errors import ShardingError, ShardingProblem
+from flax_shardmeta._paths import nest
 from flax_shardmeta._placement import check_mesh
 from flax_shardmeta._planning.entry import (
   PlanEntry,
@@ -236,13 +237,7 @@ class ShardingPlan:
     )
 
   def _treescope_view(self) -> dict[str, Any]:
-    modules: dict[str, Any] = {}
-    for e in self.entries:
-      node = modules
-      *parents, leaf = e.path.split('/')
-      for p in parents:
-        node = node.setdefault(p, {})
-      node[leaf] = e
+    modules = nest((e.path, e) for e in self.entries)
     return {
       'mesh': dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)),
       'bytes_per_device': format_bytes(self.bytes_per_device),

@@ -1,0 +1,484 @@
+"""Restore plans: a checkpoint saved on one mesh, restored onto another.
+
+Before a job starts, :func:`restore_plan` answers what each host reads and
+holds, the device memory before and after, how leaves can be restored in
+groups under a host-memory budget, and what is wrong, by parameter path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from jax.sharding import NamedSharding
+
+from flax_shardmeta import _annotation as ann_lib
+from flax_shardmeta._caches import paused_gc
+from flax_shardmeta._devices.chips import parse_bytes
+from flax_shardmeta._errors import ShardingProblem
+from flax_shardmeta._paths import nest
+from flax_shardmeta._planning.entry import nbytes
+from flax_shardmeta._planning.sharding_plan import _ipython_shell
+from flax_shardmeta._restore.chunks import (
+  LeafCost,
+  dim_axes,
+  explicit_axes,
+  host_of_devices,
+  leaf_cost,
+  saved_layout,
+  schedule,
+)
+from flax_shardmeta._sharding import (
+  effective_rules,
+  layout_of,
+  leaf_shape,
+  problems_of,
+)
+from flax_shardmeta._specs import format_spec, json_entry, spec_entries
+from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
+from flax_shardmeta._units import format_bytes, table
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RestoreEntry:
+  """One leaf of a restore: its saved and target layouts and bytes per host.
+
+  ``cost`` is None where the leaf cannot be restored as planned (see the
+  plan's problems); its byte figures are then 0.
+  """
+
+  path: str
+  saved_shape: tuple[int, ...] | None
+  shape: tuple[int, ...]
+  saved_dtype: Any
+  dtype: Any
+  saved_spec: Any
+  spec: Any
+  saved_memory_kind: str | None
+  memory_kind: str | None
+  moves: bool
+  cost: LeafCost | None = dataclasses.field(default=None, repr=False, compare=False)
+
+  @property
+  def bytes_needed(self) -> int:
+    """Bytes of target shards all hosts need, each host's distinct ones once."""
+    return 0 if self.cost is None else int(self.cost.needed.sum())
+
+  @property
+  def bytes_read(self) -> int:
+    """Bytes of saved chunks all hosts read (a chunk once per host reading it)."""
+    return 0 if self.cost is None else int(self.cost.read.sum())
+
+  @property
+  def over_read(self) -> int:
+    """Bytes read beyond those needed."""
+    return self.bytes_read - self.bytes_needed
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready form."""
+    return {
+      'path': self.path,
+      'saved_shape': None if self.saved_shape is None else list(self.saved_shape),
+      'shape': list(self.shape),
+      'saved_dtype': None if self.saved_dtype is None else str(self.saved_dtype),
+      'dtype': str(self.dtype),
+      'saved_spec': _json_spec(self.saved_spec),
+      'spec': _json_spec(self.spec),
+      'saved_memory_kind': self.saved_memory_kind,
+      'memory_kind': self.memory_kind,
+      'moves': self.moves,
+      'bytes_needed': self.bytes_needed,
+      'bytes_read': self.bytes_read,
+      'max_host_read': 0 if self.cost is None else int(self.cost.read.max()),
+    }
+
+
+class RestorePlan:
+  """What restoring a checkpoint onto a mesh reads and holds, per host and device.
+
+  Attributes:
+    entries: one :class:`RestoreEntry` per target array leaf, in tree order.
+    problems: what is wrong, each naming its path.
+    mesh: the target mesh.
+    num_hosts: hosts of the target mesh.
+    host_budget: the host-memory budget in bytes (None: no budget).
+    schedule: groups of leaf paths restored in turn (one group without a budget).
+    min_budget_bytes: the smallest budget any schedule meets: the largest
+      bytes one leaf makes one host read.
+    fits_budget: whether every group fits the budget (None without one).
+    read_per_host, needed_per_host: bytes per host over all leaves.
+    staging_peak_per_host: per host, the largest group's read bytes.
+    device_peak_bytes, device_after_bytes: per device, the most held during
+      the restore and what is held after it.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+    >>> old, new = AbstractMesh((4,), ('data',)), AbstractMesh((4,), ('model',))
+    >>> w = lambda m, s: jax.ShapeDtypeStruct((8, 4), jnp.float32,
+    ...                                       sharding=NamedSharding(m, s))
+    >>> r = fsm.restore_plan({'w': w(old, P('data'))}, {'w': w(new, P(None, 'model'))},
+    ...                      devices_per_host=2)
+    >>> r.needed_per_host, r.read_per_host, r.problems
+    ((64, 64), (128, 128), ())
+  """
+
+  def __init__(
+    self,
+    entries: tuple[RestoreEntry, ...],
+    problems: tuple[ShardingProblem, ...],
+    mesh: AnyMesh | None,
+    num_hosts: int,
+    host_budget: int | None,
+  ):
+    """Made by :func:`restore_plan`; not meant to be called directly."""
+    self.entries = entries
+    self.problems = problems
+    self.mesh = mesh
+    self.num_hosts = num_hosts
+    self.host_budget = host_budget
+    costs = [(e.path, e.cost) for e in entries if e.cost is not None]
+    ndev = math.prod(mesh.axis_sizes) if mesh is not None else 0
+    zeros = np.zeros(num_hosts, dtype=np.int64)
+    read = sum((c.read for _, c in costs), zeros)
+    self.read_per_host = tuple(int(x) for x in read)
+    needed = sum((c.needed for _, c in costs), zeros)
+    self.needed_per_host = tuple(int(x) for x in needed)
+    self.min_budget_bytes = max((int(c.read.max()) for _, c in costs), default=0)
+    groups = schedule(costs, host_budget, num_hosts)
+    self.schedule = tuple(tuple(p for p, _ in g) for g in groups)
+    self.fits_budget = (
+      None if host_budget is None else self.min_budget_bytes <= host_budget
+    )
+    staging, during = zeros.copy(), np.zeros(ndev, dtype=np.int64)
+    held = np.zeros(ndev, dtype=np.int64)
+    for group in groups:
+      group_read = sum((c.read for _, c in group), zeros)
+      staging = np.maximum(staging, group_read)
+      # Shards are put in place as they arrive: a device holds what is restored
+      # so far and the group being restored, never a second copy.
+      held = held + sum((c.device for _, c in group), np.zeros(ndev, np.int64))
+      during = np.maximum(during, held)
+    self.staging_peak_per_host = tuple(int(x) for x in staging)
+    self.device_peak_bytes = tuple(int(x) for x in during)
+    self.device_after_bytes = tuple(int(x) for x in held)
+
+  @property
+  def total_read(self) -> int:
+    """Bytes all hosts read."""
+    return sum(self.read_per_host)
+
+  @property
+  def total_needed(self) -> int:
+    """Bytes all hosts need."""
+    return sum(self.needed_per_host)
+
+  @property
+  def over_read(self) -> int:
+    """Bytes read beyond those needed, over all hosts."""
+    return self.total_read - self.total_needed
+
+  def entry(self, path: str) -> RestoreEntry:
+    """The entry at ``path`` (KeyError if none)."""
+    for e in self.entries:
+      if e.path == path:
+        return e
+    raise KeyError(f'No target array at {path!r} in this restore plan')
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-serializable form."""
+    mesh = self.mesh
+    return {
+      'mesh': None if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes)),
+      'num_hosts': self.num_hosts,
+      'entries': [e.to_dict() for e in self.entries],
+      'hosts': [
+        {'host': h, 'needed': n, 'read': r, 'staging_peak': s}
+        for h, (n, r, s) in enumerate(
+          zip(self.needed_per_host, self.read_per_host, self.staging_peak_per_host)
+        )
+      ],
+      'total_needed': self.total_needed,
+      'total_read': self.total_read,
+      'host_budget': self.host_budget,
+      'fits_budget': self.fits_budget,
+      'min_budget_bytes': self.min_budget_bytes,
+      'schedule': [list(g) for g in self.schedule],
+      'device_peak_bytes': max(self.device_peak_bytes, default=0),
+      'device_after_bytes': max(self.device_after_bytes, default=0),
+      'problems': [p.to_dict() for p in self.problems],
+    }
+
+  def __str__(self) -> str:
+    return _format(self)
+
+  def __repr__(self) -> str:
+    return (
+      f'RestorePlan({len(self.entries)} arrays, {self.num_hosts} hosts, '
+      f'total_read={self.total_read}, total_needed={self.total_needed}, '
+      f'problems={len(self.problems)})'
+    )
+
+  def _treescope_view(self) -> dict[str, Any]:
+    tree = nest(
+      (
+        e.path,
+        {
+          'saved_spec': format_spec(e.saved_spec),
+          'spec': format_spec(e.spec),
+          'moves': e.moves,
+          'read': format_bytes(e.bytes_read),
+          'needed': format_bytes(e.bytes_needed),
+        },
+      )
+      for e in self.entries
+    )
+    return {
+      'total_read': format_bytes(self.total_read),
+      'total_needed': format_bytes(self.total_needed),
+      'schedule': [list(g) for g in self.schedule],
+      'problems': [str(p) for p in self.problems],
+      'entries': tree,
+    }
+
+  def _repr_html_(self) -> str:
+    import treescope
+
+    return treescope.render_to_html(self._treescope_view())
+
+  def show(self) -> None:
+    """Displays the plan as a treescope tree in a notebook (else prints it)."""
+    if _ipython_shell() is None:
+      print(self)
+      return
+    from IPython.display import display
+
+    display({'text/html': self._repr_html_(), 'text/plain': str(self)}, raw=True)
+
+
+def _json_spec(spec: Any) -> list[Any] | None:
+  return None if spec is None else [json_entry(e) for e in spec_entries(spec)]
+
+
+def _format(p: RestorePlan) -> str:
+  """The plan as a table of leaves, then hosts, totals and problems."""
+  mesh = p.mesh
+  where = (
+    'no mesh'
+    if mesh is None
+    else ' x '.join(f'{n}={s}' for n, s in zip(mesh.axis_names, mesh.axis_sizes))
+  )
+  lines = [f'Restore plan: {len(p.entries)} arrays onto {where}, {p.num_hosts} hosts']
+  rows = [('array', 'shape', 'dtype', 'saved spec', 'target spec', 'read', 'needed')]
+  for e in p.entries:
+    rows.append(
+      (
+        e.path + (' *' if e.moves else ''),
+        'x'.join(map(str, e.shape)) or 'scalar',
+        str(e.dtype),
+        format_spec(e.saved_spec),
+        format_spec(e.spec),
+        format_bytes(e.bytes_read),
+        format_bytes(e.bytes_needed),
+      )
+    )
+  lines += table(rows, {5, 6})
+  lines.append('(* the layout changes)')
+  most = max(p.read_per_host, default=0)
+  lines.append(
+    f'total: read {format_bytes(p.total_read)}, needed '
+    f'{format_bytes(p.total_needed)}, over-read {format_bytes(p.over_read)}; '
+    f'most read by one host {format_bytes(most)}'
+  )
+  lines.append(
+    f'device: peak {format_bytes(max(p.device_peak_bytes, default=0))} during, '
+    f'{format_bytes(max(p.device_after_bytes, default=0))} after'
+  )
+  if p.host_budget is not None:
+    verdict = 'fits' if p.fits_budget else 'cannot be met'
+    lines.append(
+      f'host budget {format_bytes(p.host_budget)}: {verdict} in '
+      f'{len(p.schedule)} groups; staging peak '
+      f'{format_bytes(max(p.staging_peak_per_host, default=0))}; smallest '
+      f'budget {format_bytes(p.min_budget_bytes)}'
+    )
+  lines.append('problems: ' + ('none' if not p.problems else f'{len(p.problems)}'))
+  lines += [f'  {q}' for q in p.problems]
+  return '\n'.join(lines)
+
+
+def restore_plan(
+  source: PyTree,
+  target: PyTree,
+  *,
+  mesh: AnyMesh | None = None,
+  rules: LogicalRules | None = None,
+  host_budget: int | str | None = None,
+  devices_per_host: int | None = None,
+) -> RestorePlan:
+  """Plans restoring a checkpoint saved with ``source``'s layouts as ``target``.
+
+  Leaves are matched by path (boxes are not a path level). Each host reads,
+  whole, every saved chunk meeting the shards its devices hold; with
+  ``host_budget`` leaves are restored in groups whose reads fit it.
+
+  Args:
+    source: the saved layout on paper: ``ShapeDtypeStruct`` leaves carrying
+      the saved ``NamedSharding`` (None: saved unsharded). Only trees are
+      read for now, not a checkpoint directory's metadata.
+    target: the restore target: ``fsm.as_abstract`` output, shardings of a
+      plan as struct leaves, or annotated boxes (then ``mesh`` is needed).
+    mesh: the target mesh; default: the first target sharding's.
+    rules: logical axis rules for boxes; None uses the context rules.
+    host_budget: host memory for staging reads, in bytes or as ``'8GiB'``.
+    devices_per_host: group the mesh's devices into hosts of this many
+      (default: a concrete mesh by process, an abstract one as one host).
+
+  Returns:
+    The :class:`RestorePlan`; problems are collected, never raised.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+    >>> from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+    >>> saved = AbstractMesh((8,), ('data',))
+    >>> tree = {'w': fsm.LogicalPartitioned(
+    ...     jax.ShapeDtypeStruct((16, 8), jnp.float32), ('embed', 'mlp'))}
+    >>> source = fsm.as_abstract(tree, saved, [('embed', 'data')])
+    >>> r = fsm.restore_plan(source, tree, mesh=AbstractMesh((2, 4), ('data', 'model')),
+    ...                      rules=[('mlp', 'model')], devices_per_host=4)
+    >>> r.entry('w').spec, r.needed_per_host, r.read_per_host
+    (P(None, 'model'), (512, 512), (512, 512))
+  """
+  budget = None if host_budget is None else parse_bytes(host_budget)
+  rules_t = effective_rules(rules)
+  problems: list[ShardingProblem] = []
+  with paused_gc():
+    saved = _arrays(source)
+    targets = _targets(target, mesh, rules_t, problems)
+  if mesh is None:
+    mesh = next((s.mesh for _, _, s in targets if s is not None), None)
+  hosts = host_of_devices(mesh, devices_per_host) if mesh is not None else None
+  num_hosts = 0 if hosts is None else int(hosts.max()) + 1
+  memo: dict[Any, LeafCost] = {}
+  entries = []
+  for path, value, sharding in targets:
+    old = saved.pop(path, None)
+    entries.append(
+      _entry(path, old, value, sharding, mesh, hosts, num_hosts, memo, problems)
+    )
+  for path, old in saved.items():
+    problems.append(
+      _problem(path, old, None, 'saved in the checkpoint but not in the target',
+               'add it to the target, or restore a subset of the checkpoint')
+    )  # fmt: skip
+  return RestorePlan(tuple(entries), tuple(problems), mesh, num_hosts, budget)
+
+
+def _arrays(tree: PyTree) -> dict[str, Any]:
+  """Path -> array-like value of every array leaf (boxes unboxed)."""
+  leaves, _ = ann_lib.walk(tree, every_path=True)
+  return {lf.path: lf.value for lf in leaves if leaf_shape(lf.value) is not None}
+
+
+def _targets(
+  tree: PyTree,
+  mesh: AnyMesh | None,
+  rules: tuple[tuple[str, Any], ...],
+  problems: list[ShardingProblem],
+) -> list[tuple[str, Any, NamedSharding | None]]:
+  """(path, value, target sharding or None) of every target array leaf."""
+  leaves, _ = ann_lib.walk(tree, every_path=True)
+  out = []
+  for lf in leaves:
+    shape = leaf_shape(lf.value)
+    if shape is None:
+      continue
+    sharding = getattr(lf.value, 'sharding', None)
+    if not isinstance(sharding, NamedSharding):
+      sharding = None
+    if sharding is None and lf.annotation is not None and mesh is not None:
+      layout = layout_of(shape, lf.annotation, mesh, rules)
+      problems.extend(problems_of(lf.path, lf, layout))
+      sharding = layout.sharding
+    out.append((lf.path, lf.value, sharding))
+  return out
+
+
+def _problem(
+  path: str, value: Any, spec: Any, reason: str, hint: str
+) -> ShardingProblem:
+  return ShardingProblem(path, leaf_shape(value), None, spec, reason, hint)
+
+
+def _entry(
+  path: str,
+  old: Any,
+  value: Any,
+  sharding: NamedSharding | None,
+  mesh: AnyMesh | None,
+  hosts: np.ndarray | None,
+  num_hosts: int,
+  memo: dict[Any, LeafCost],
+  problems: list[ShardingProblem],
+) -> RestoreEntry:
+  """One target leaf's entry; its problems appended to ``problems``."""
+  shape, dtype = leaf_shape(value) or (), getattr(value, 'dtype', None)
+  spec = None if sharding is None else sharding.spec
+  kind = None if sharding is None else sharding.memory_kind or 'device'
+  old_sharding = getattr(old, 'sharding', None)
+  old_spec, old_chunk, old_sizes = saved_layout(old)
+  old_kind = (
+    None if old is None else getattr(old_sharding, 'memory_kind', None) or 'device'
+  )
+  add = lambda reason, hint: problems.append(_problem(path, value, spec, reason, hint))  # noqa: E731
+  ok = True
+  if old is None:
+    ok = False
+    add('not in the checkpoint', 'save it, or drop it from the target')
+  elif leaf_shape(old) != shape:
+    ok = False
+    add(f'saved with shape {leaf_shape(old)}', 'restore into the saved shape')
+  elif old.dtype != dtype:
+    add(f'saved as {old.dtype}, restored as {dtype}', 'check the cast is meant')
+  if sharding is None:
+    ok = False
+    add(
+      'the target has no sharding: it would restore with the saved layout',
+      'pass fsm.as_abstract(tree, mesh) or give it a NamedSharding',
+    )
+  elif mesh is not None and (
+    tuple(sharding.mesh.axis_names),
+    tuple(sharding.mesh.axis_sizes),
+  ) != (tuple(mesh.axis_names), tuple(mesh.axis_sizes)):
+    ok = False
+    add('the target is on another mesh than the plan', 'use one target mesh')
+  if old is not None and kind is not None and old_kind != kind:
+    add(f'memory kind changes from {old_kind} to {kind}', 'check it is meant')
+  lost = explicit_axes(old_sharding) - explicit_axes(sharding)
+  if old is not None and sharding is not None and lost:
+    add(
+      f'saved on Explicit mesh axes {sorted(lost)} the target mesh does not make '
+      'Explicit',
+      'make those axes Explicit on the target mesh, or accept Auto ones',
+    )
+  n = len(shape)
+  new_axes = dim_axes(spec, n) if sharding is not None else ()
+  moves = old is not None and (
+    dim_axes(old_spec, n) != new_axes
+    or (old_sizes is not None and sharding is not None
+        and old_sizes != dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes)))
+  )  # fmt: skip
+  cost = None
+  if ok and old is not None and sharding is not None and hosts is not None:
+    key = (shape, old_chunk, nbytes((), old.dtype), new_axes, nbytes((), dtype))
+    cost = memo.get(key)
+    if cost is None:
+      cost = memo[key] = leaf_cost(
+        shape, old_chunk, key[2], new_axes, key[4], sharding.mesh, hosts, num_hosts
+      )
+  return RestoreEntry(
+    path, leaf_shape(old), shape, getattr(old, 'dtype', None), dtype,
+    old_spec, spec, old_kind, kind, bool(moves), cost,
+  )  # fmt: skip
