@@ -104,7 +104,7 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     explain_resolution as explain_resolution,
     logical_to_mesh_axes as logical_to_mesh_axes,
   )
-  from flax_shardmeta._restore.restore_plan import (
+  from flax_shardmeta._restore.reading_plan import (
     RestorePlan as RestorePlan,
     restore_plan as restore_plan,
   )
