@@ -569,9 +569,11 @@ def test_each_command_is_a_module_adding_its_own_arguments():
 
   from flax_shardmeta.cli.main import COMMANDS, build_parser
 
-  assert list(COMMANDS) == ['demo', 'plan', 'fit', 'suggest', 'snapshot', 'diff']
+  names = ['demo', 'plan', 'fit', 'suggest', 'snapshot', 'diff', 'restore-plan']
+  assert list(COMMANDS) == names
   for name, command in COMMANDS.items():
-    assert command is importlib.import_module(f'flax_shardmeta.cli.{name}')
+    module = name.replace('-', '_')
+    assert command is importlib.import_module(f'flax_shardmeta.cli.{module}')
     assert callable(command.add_arguments) and callable(command.run)
   sub = next(a for a in build_parser()._actions if a.dest == 'command')
   assert list(sub.choices or ()) == list(COMMANDS)

@@ -51,7 +51,7 @@ LAYERS = [
   # their devices; below both _hosts and _capacity.
   ['_devices.quiet', '_devices.chips', '_devices.gpu', '_devices.topology'],
   # _restore: restoring a checkpoint onto another mesh, on plans' vocabulary.
-  ['_restore.chunks', '_restore.reading_plan'],
+  ['_restore.chunks', '_restore.checkpoint', '_restore.reading_plan'],
   # _capacity: what a whole step costs, in its vocabulary.
   [
     '_capacity.vocabulary',
@@ -132,6 +132,7 @@ LAYERS = [
     'cli.suggest',
     'cli.snapshot',
     'cli.diff',
+    'cli.restore_plan',
     'cli.main',
     'cli',
     '__main__',

@@ -17,6 +17,7 @@ import functools
 import math
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
@@ -81,7 +82,8 @@ def host_of_devices(mesh: AnyMesh, devices_per_host: int | None) -> np.ndarray:
   n = math.prod(mesh.axis_sizes)
   if devices_per_host is not None:
     return np.arange(n, dtype=np.int64) // max(1, devices_per_host)
-  devices = getattr(mesh, 'devices', None)
+  # An AbstractMesh raises (not AttributeError) when asked for its devices.
+  devices = mesh.devices if isinstance(mesh, jax.sharding.Mesh) else None
   if isinstance(devices, np.ndarray):
     procs = np.array([d.process_index for d in devices.flat], dtype=np.int64)
     _, hosts = np.unique(procs, return_inverse=True)

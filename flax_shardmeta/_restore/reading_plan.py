@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from flax_shardmeta._errors import ShardingProblem
 from flax_shardmeta._paths import nest
 from flax_shardmeta._planning.entry import nbytes
 from flax_shardmeta._planning.sharding_plan import _ipython_shell
+from flax_shardmeta._restore.checkpoint import Chunks, read_checkpoint
 from flax_shardmeta._restore.chunks import (
   LeafCost,
   dim_axes,
@@ -310,7 +312,7 @@ def _format(p: RestorePlan) -> str:
 
 
 def restore_plan(
-  source: PyTree,
+  source: PyTree | str | os.PathLike[str],
   target: PyTree,
   *,
   mesh: AnyMesh | None = None,
@@ -325,9 +327,10 @@ def restore_plan(
   ``host_budget`` leaves are restored in groups whose reads fit it.
 
   Args:
-    source: the saved layout on paper: ``ShapeDtypeStruct`` leaves carrying
-      the saved ``NamedSharding`` (None: saved unsharded). Only trees are
-      read for now, not a checkpoint directory's metadata.
+    source: an orbax checkpoint directory (its metadata is read, not its
+      arrays; chunks as orbax wrote them), or the saved layout on paper:
+      ``ShapeDtypeStruct`` leaves carrying the saved ``NamedSharding``
+      (None: saved unsharded).
     target: the restore target: ``fsm.as_abstract`` output, shardings of a
       plan as struct leaves, or annotated boxes (then ``mesh`` is needed).
     mesh: the target mesh; default: the first target sharding's.
@@ -354,6 +357,9 @@ def restore_plan(
   budget = None if host_budget is None else parse_bytes(host_budget)
   rules_t = effective_rules(rules)
   problems: list[ShardingProblem] = []
+  chunks: Chunks = {}
+  if isinstance(source, (str, os.PathLike)):
+    source, chunks = read_checkpoint(source)
   with paused_gc():
     saved = _arrays(source)
     targets = _targets(target, mesh, rules_t, problems)
@@ -365,9 +371,8 @@ def restore_plan(
   entries = []
   for path, value, sharding in targets:
     old = saved.pop(path, None)
-    entries.append(
-      _entry(path, old, value, sharding, mesh, hosts, num_hosts, memo, problems)
-    )
+    where = (hosts, num_hosts, chunks.get(path))
+    entries.append(_entry(path, old, value, sharding, mesh, where, memo, problems))
   for path, old in saved.items():
     problems.append(
       _problem(path, old, None, 'saved in the checkpoint but not in the target',
@@ -418,17 +423,22 @@ def _entry(
   value: Any,
   sharding: NamedSharding | None,
   mesh: AnyMesh | None,
-  hosts: np.ndarray | None,
-  num_hosts: int,
+  where: tuple[np.ndarray | None, int, tuple[int, ...] | None],
   memo: dict[Any, LeafCost],
   problems: list[ShardingProblem],
 ) -> RestoreEntry:
-  """One target leaf's entry; its problems appended to ``problems``."""
+  """One target leaf's entry; its problems appended to ``problems``.
+
+  ``where`` is the hosts of the mesh's devices, their count, and the chunk
+  shape the leaf was written in if known (else its saved shard shape).
+  """
+  hosts, num_hosts, chunk = where
   shape, dtype = leaf_shape(value) or (), getattr(value, 'dtype', None)
   spec = None if sharding is None else sharding.spec
   kind = None if sharding is None else sharding.memory_kind or 'device'
   old_sharding = getattr(old, 'sharding', None)
   old_spec, old_chunk, old_sizes = saved_layout(old)
+  old_chunk = chunk or old_chunk
   old_kind = (
     None if old is None else getattr(old_sharding, 'memory_kind', None) or 'device'
   )

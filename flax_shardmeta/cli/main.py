@@ -1,8 +1,8 @@
 """The ``flax-shardmeta`` parser, built from each command's module, and ``main``.
 
-Each command (``demo``, ``plan``, ``fit``, ``suggest``, ``snapshot``, ``diff``)
-is a module of this package with the shape of :class:`Command`; adding one is
-adding a module and a line to :data:`COMMANDS`.
+Each command (``demo``, ``plan``, ``fit``, ``suggest``, ``snapshot``, ``diff``,
+``restore-plan``) is a module of this package with the shape of
+:class:`Command`; adding one is adding a module and a line to :data:`COMMANDS`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from flax_shardmeta.cli import (
   options,
   plan,
   process,
+  restore_plan,
   snapshot,
   suggest,
 )
@@ -61,6 +62,7 @@ COMMANDS: dict[str, Command] = {
   'suggest': suggest,
   'snapshot': snapshot,
   'diff': diff,
+  'restore-plan': restore_plan,
 }
 """Each subcommand's module, in the order ``flax-shardmeta --help`` lists them."""
 
@@ -78,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     dest='command',
     required=True,
     parser_class=options.Parser,
-    metavar='{plan,fit,suggest,snapshot,diff,demo}',
+    metavar='{plan,fit,suggest,snapshot,diff,restore-plan,demo}',
   )
   for name, command in COMMANDS.items():
     p = options.add_command(

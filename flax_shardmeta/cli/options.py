@@ -238,3 +238,24 @@ def add_output(p: argparse.ArgumentParser, *, table: str, cache: bool) -> None:
     action='store_true',
     help='when your factory or its model fails, print the whole traceback',
   )
+
+
+def add_optimizer(p: argparse.ArgumentParser, what: str) -> None:
+  """``--optimizer``: the built-in optimizer whose state comes with the
+  parameters (``what``: planned, restored...)."""
+  from flax_shardmeta.examples import state as example_state
+
+  p.add_argument(
+    '--optimizer',
+    choices=example_state.OPTIMIZERS,
+    default='adam',
+    help=f'optimizer state {what} with the parameters',
+  )
+
+
+def add_state(p: argparse.ArgumentParser, what: str) -> None:
+  """The abstract state a layout is made for: ``--rules``, ``--optimizer``
+  (its state ``what`` with the parameters), ``--api`` and ``--dtype``."""
+  add_rules(p)
+  add_optimizer(p, what)
+  add_front_end(p, api='the Flax front end', dtype='float32')

@@ -54,14 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     help="the mesh axes' type (jax.sharding.AxisType); unreduced and reduced "
     'axes need explicit',
   )
-  options.add_rules(p)
-  p.add_argument(
-    '--optimizer',
-    choices=example_state.OPTIMIZERS,
-    default='adam',
-    help='optimizer state planned with the parameters',
-  )
-  options.add_front_end(p, api='the Flax front end', dtype='float32')
+  options.add_state(p, 'planned')
   p.add_argument(
     '--allow-problems',
     action='store_true',
@@ -107,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = rule_files.param_dtype(args)
     state = example_state.abstract_state(args.model, args.api, args.optimizer, dtype)
   else:
-    state, left_out = _user_state(factory, mesh, rules, args.api, args.optimizer)
+    state, left_out = user_state(factory, mesh, rules, args.api, args.optimizer)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
     result = plan(
@@ -144,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
   return 0
 
 
-def _user_state(
+def user_state(
   factory: Factory, mesh: Any, rules: Any, api: str, optimizer_name: str
 ) -> tuple[Any, tuple[str, ...]]:
   """The abstract state of ``--module pkg.mod:factory`` (see the module doc),

@@ -1,0 +1,77 @@
+"""``flax-shardmeta restore-plan``: a checkpoint of the built-in mlp's train
+state, saved on ``data=8``, planned onto ``data=2 x model=4``."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+import pytest
+
+import flax_shardmeta as fsm
+from flax_shardmeta import cli
+from flax_shardmeta.examples import state as example_state
+
+
+@pytest.fixture(scope='module')
+def ckpt(tmp_path_factory):
+  """The mlp's adam train state as zeros, its kernels sharded over data=8."""
+  # Auto axes, as the built-in models are written for.
+  mesh = jax.make_mesh((8,), ('data',), axis_types=(jax.sharding.AxisType.Auto,))
+  state = example_state.abstract_state('mlp', 'linen', 'adam')
+  saved = fsm.as_abstract(state, mesh, [('hidden', 'data')])
+  arrays = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), saved)
+  path = tmp_path_factory.mktemp('ckpt') / 'state'
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(path, arrays)
+  checkpointer.wait_until_finished()
+  return str(path)
+
+
+def run(capsys, *argv):
+  code = cli.main(['restore-plan', *argv])
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def args(ckpt, *more):
+  return [ckpt, '--model', 'mlp', '--mesh', 'data=2,model=4', *more]
+
+
+def test_table_totals(capsys, ckpt):
+  code, out, err = run(capsys, *args(ckpt, '--devices-per-host', '4'))
+  assert code == 0, err
+  assert 'Restore plan: 7 arrays onto data=2 x model=4, 2 hosts' in out
+  # Six 4x1024x1024 float32 leaves of 16 MiB each (and the step count): the
+  # target shards them over model only, so each host, a data row of 4
+  # devices, holds and reads all of them: 2 x 96 MiB.
+  assert 'total: read 192.00 MiB, needed 192.00 MiB, over-read 0 B' in out
+  assert 'problems: none' in out
+
+
+def test_json_and_budget_that_holds(capsys, ckpt):
+  code, out, _ = run(capsys, *args(ckpt, '--host-budget', '40MiB', '--format', 'json'))
+  data = json.loads(out)
+  assert code == 0
+  assert data['fits_budget'] is True and data['num_hosts'] == 1
+  assert data['min_budget_bytes'] == 16 * 2**20
+  saved = {e['path']: e['saved_spec'] for e in data['entries']}
+  assert saved['params/ScanDotReluDot_0/W2'] == [None, 'data', None]
+
+
+def test_budget_too_small_exits_1_with_the_smallest(capsys, ckpt):
+  code, out, err = run(capsys, *args(ckpt, '--host-budget', '1MiB'))
+  assert code == 1
+  assert 'cannot be met' in out
+  assert 'the smallest budget is 16.00 MiB' in err
+
+
+def test_bad_budget_exits_2_in_one_line(capsys, ckpt):
+  code, out, err = run(capsys, *args(ckpt, '--host-budget', 'abc'))
+  assert code == 2 and out == ''
+  assert err.startswith('flax-shardmeta: error: --host-budget') and err.count('\n') == 1
+
+
+def test_not_a_checkpoint_exits_2(capsys, tmp_path):
+  code, _, err = run(capsys, *args(str(tmp_path)))
+  assert code == 2 and str(tmp_path) in err
