@@ -245,3 +245,13 @@ def explicit_axes(sharding: Any) -> frozenset[str]:
   return frozenset(
     n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit
   )
+
+
+def lost_explicit_axes(saved: Any, target: Any) -> frozenset[str]:
+  """The saved sharding's Explicit axes a restore onto ``target`` loses: those
+  the target's mesh has under the same name but not Explicit, or all of them
+  when it has no Explicit axis at all (other names, all Auto)."""
+  was, kept = explicit_axes(saved), explicit_axes(target)
+  names = set(getattr(getattr(target, 'mesh', None), 'axis_names', ()))
+  same_name = frozenset(a for a in was if a in names and a not in kept)
+  return same_name or (was if not kept else frozenset())

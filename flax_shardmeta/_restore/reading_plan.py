@@ -26,9 +26,9 @@ from flax_shardmeta._restore.checkpoint import Chunks, read_checkpoint
 from flax_shardmeta._restore.chunks import (
   LeafCost,
   dim_axes,
-  explicit_axes,
   host_of_devices,
   leaf_cost,
+  lost_explicit_axes,
   saved_layout,
   schedule,
 )
@@ -117,8 +117,11 @@ class RestorePlan:
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
-    >>> from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
-    >>> old, new = AbstractMesh((4,), ('data',)), AbstractMesh((4,), ('model',))
+    >>> from jax.sharding import AbstractMesh, AxisType, NamedSharding
+    >>> from jax.sharding import PartitionSpec as P
+    >>> auto = (AxisType.Auto,)
+    >>> old = AbstractMesh((4,), ('data',), axis_types=auto)
+    >>> new = AbstractMesh((4,), ('model',), axis_types=auto)
     >>> w = lambda m, s: jax.ShapeDtypeStruct((8, 4), jnp.float32,
     ...                                       sharding=NamedSharding(m, s))
     >>> r = fsm.restore_plan({'w': w(old, P('data'))}, {'w': w(new, P(None, 'model'))},
@@ -466,7 +469,7 @@ def _entry(
     add('the target is on another mesh than the plan', 'use one target mesh')
   if old is not None and kind is not None and old_kind != kind:
     add(f'memory kind changes from {old_kind} to {kind}', 'check it is meant')
-  lost = explicit_axes(old_sharding) - explicit_axes(sharding)
+  lost = lost_explicit_axes(old_sharding, sharding)
   if old is not None and sharding is not None and lost:
     add(
       f'saved on Explicit mesh axes {sorted(lost)} the target mesh does not make '
