@@ -18,6 +18,7 @@ SCRIPTS = (
   'startup.py',
   'memory.py',
   'plan_405b.py',
+  'restore_memory.py',
   'fit.py',
   'suggest.py',
   'fit_gpu.py',

@@ -63,6 +63,7 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     MeshShapeError as MeshShapeError,
     NnxJitError as NnxJitError,
     NoMeshError as NoMeshError,
+    RestoreError as RestoreError,
     RuleConflictError as RuleConflictError,
     RuleContextError as RuleContextError,
     ShardingError as ShardingError,
@@ -108,6 +109,7 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     RestorePlan as RestorePlan,
     restore_plan as restore_plan,
   )
+  from flax_shardmeta._restore.restore import restore as restore
   from flax_shardmeta._rules import (
     composite_rules as composite_rules,
     get_logical_axis_rules as get_logical_axis_rules,

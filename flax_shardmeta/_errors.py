@@ -2,61 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-
-@dataclasses.dataclass(frozen=True)
-class ShardingProblem:
-  """One thing wrong with one leaf's sharding.
-
-  Attributes:
-    path: '/'-joined key path of the leaf, e.g. ``params/Dense_0/kernel``.
-    shape: the leaf's shape (None when unknown).
-    names: the annotation as written (None for an unannotated leaf).
-    spec: the resolved PartitionSpec (None when resolution itself failed).
-    reason: what is wrong.
-    hint: how to fix it.
-    dims: the array dimensions concerned (``replicate_indivisible=True``
-      replicates them).
-
-  Example:
-    >>> import flax_shardmeta as fsm
-    >>> problem = fsm.ShardingProblem(
-    ...     'dense/kernel', (6, 10), ('data', 'model'), None,
-    ...     "mesh has no axis 'model'", "use one of the mesh's axes")
-    >>> print(problem)
-    dense/kernel: shape (6, 10), names ('data', 'model'), spec None: mesh has no
-    axis 'model'. Fix: use one of the mesh's axes
-  """
-
-  path: str
-  shape: tuple[int, ...] | None
-  names: Any
-  spec: Any
-  reason: str
-  hint: str
-  dims: tuple[int, ...] = ()
-
-  def __str__(self) -> str:
-    return (
-      f'{self.path}: shape {self.shape}, names {_format(self.names)}, '
-      f'spec {_format(self.spec)}: {self.reason}. Fix: {self.hint}'
-    )
-
-  def to_dict(self) -> dict[str, Any]:
-    """JSON-ready form."""
-    return {
-      'path': self.path,
-      'shape': list(self.shape) if self.shape is not None else None,
-      'names': _format(self.names) if self.names is not None else None,
-      'spec': _format(self.spec) if self.spec is not None else None,
-      'reason': self.reason,
-      'hint': self.hint,
-    }
-
+# Re-exported: the records travel with the errors that carry them.
+from flax_shardmeta._problem import ShardingProblem as ShardingProblem
 
 ERRORS_PAGE = 'docs/errors.md'
 """The page with a section per error and warning class: what raises it, what to do."""
@@ -321,6 +272,24 @@ class FitError(FlaxShardmetaError):
     ...
     flax_shardmeta._errors.FitError: hbm='lots': 'lots' is not a size; ...
   """
+
+
+class RestoreError(FlaxShardmetaError):
+  """Raised by ``fsm.restore`` before anything is read when the restore plan
+  has a problem a restore cannot go past (a leaf missing or saved with another
+  shape, a target with no sharding, a saved leaf not in the target) or no
+  schedule meets ``host_budget``; and if a leaf read landed with another
+  layout. ``problems`` lists them by path (``fsm.restore`` shows a restore).
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> issubclass(fsm.RestoreError, ValueError), fsm.RestoreError('no').problems
+    (True, ())
+  """
+
+  def __init__(self, message: str, problems: Sequence[ShardingProblem] = ()):
+    self.problems = tuple(problems)
+    super().__init__(message)
 
 
 class NnxJitError(FlaxShardmetaError):

@@ -28,6 +28,12 @@ import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from flax import nnx  # noqa: E402
 from flax.training import train_state  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import (  # noqa: E402
+  AxisType,
+  NamedSharding,
+  PartitionSpec as P,  # noqa: E402
+)
 
 import flax_shardmeta as fsm  # noqa: E402
 from flax_shardmeta.examples import (
@@ -283,11 +289,163 @@ def disagreeing_batch(outdir: Path) -> dict:
   return {}
 
 
+# A tree saved on 'data'=8 and restored across processes. Random values (not
+# a ramp): they barely compress, so the bytes each process reads stay close
+# to the leaves' size and a few KiB of metadata reads are a small fraction.
+RESTORED = {
+  'dense': ((2048, 512), np.float32),  # 4 MiB
+  'embed': ((1024, 512), jnp.bfloat16),  # 1 MiB
+  'codes': ((65536,), np.int8),  # 64 KiB
+  'step': ((), np.int32),
+}
+
+
+def _restore_values() -> dict[str, np.ndarray]:
+  """The saved values, identical in every process (one seeded generator)."""
+  rng = np.random.default_rng(0)
+  out = {}
+  for name, (shape, dtype) in RESTORED.items():
+    if np.issubdtype(dtype, np.integer):
+      info = np.iinfo(dtype)
+      out[name] = rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+    else:
+      out[name] = rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+  return out
+
+
+def _bytes_read() -> int:
+  """Bytes this process has read so far (its read/pread calls, all threads)."""
+  for line in Path('/proc/self/io').read_text().splitlines():
+    if line.startswith('rchar:'):
+      return int(line.split()[1])
+  raise RuntimeError('/proc/self/io has no rchar line')
+
+
+def _restored_as_planned(ckpt: Path, target: dict, values: dict) -> tuple[dict, dict]:
+  """Restores ``ckpt`` as ``target`` lays it out; what this process read,
+  what the plan said it would, and whether every local shard is as saved."""
+  # The smallest budget the reads can run under: here it lets one read of
+  # 'embed' run at a time (see ``reads_alone``).
+  budget = fsm.restore_plan(ckpt, target).min_budget_bytes
+  plan = fsm.restore_plan(ckpt, target, host_budget=budget)
+  if plan.problems or not plan.fits_budget:
+    raise AssertionError(f'unexpected plan: {plan.problems} {plan.fits_budget}')
+  me = jax.process_index()
+  # A leaf's reads whose footprints orbax admits only one at a time. Reads of
+  # one leaf meeting one saved chunk each fetch it when they run in turn (as
+  # the plan counts); running together, they may share a fetch.
+  alone = {
+    path: group.limit is not None and group.limit < 2 * int(cost.footprint[me])
+    for group in plan.groups
+    for path, cost in group.items
+  }
+  before = _bytes_read()
+  out = fsm.restore(ckpt, target, host_budget=budget)
+  read = _bytes_read() - before
+  same_sharding, same_values = {}, {}
+  for name, want in target.items():
+    got = out[name]
+    same_sharding[name] = got.sharding == want.sharding
+    same_values[name] = bool(got.addressable_shards) and all(
+      _bit_identical(np.asarray(shard.data), values[name][shard.index])
+      for shard in got.addressable_shards
+    )
+  return {
+    'num_hosts': plan.num_hosts,
+    'planned_read': plan.read_per_host[me],
+    'measured_read': read,
+    'read_per_host': list(plan.read_per_host),
+    'needed_per_host': list(plan.needed_per_host),
+    'staging_peak_per_host': list(plan.staging_peak_per_host),
+    'host_budget': budget,
+    'groups': [list(g) for g in plan.schedule],
+    'reads_alone': alone,
+    'same_sharding': same_sharding,
+    'same_values': same_values,
+  }, out
+
+
+def _saved(tree: dict, where: Path) -> Path:
+  """``tree`` saved with orbax at ``where`` by every process; its path."""
+  where = where.resolve()
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(where, tree)
+    checkpointer.wait_until_finished()
+  # Every process sees the finished checkpoint before any reads it.
+  multihost_utils.sync_global_devices(f'saved {where.name}')
+  return where
+
+
+def _bit_identical(a: np.ndarray, b: np.ndarray) -> bool:
+  return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def restore_round_trip(outdir: Path) -> dict:
+  """Saved on 'data'=8, restored onto ('data' 2, 'model' 4) and back.
+
+  Each process writes ``restore-<process index>.json``: per direction the
+  bytes the plan says it reads, the bytes it read (``rchar``), and whether
+  each leaf landed with the target's sharding and the saved values.
+  """
+  # Auto axes throughout: the shardings are placements, not sharding-in-types.
+  flat = jax.make_mesh((8,), ('data',), axis_types=(AxisType.Auto,))
+  mesh = jax.make_mesh(
+    (2, 4), ('data', 'model'), axis_types=(AxisType.Auto, AxisType.Auto)
+  )
+  values = _restore_values()
+
+  def placed(spec_of) -> dict:
+    return {name: NamedSharding(*spec_of(name)) for name in RESTORED}
+
+  saved_on = placed(lambda name: (flat, P() if name == 'step' else P('data')))
+  state = {
+    name: jax.make_array_from_callback(
+      v.shape, saved_on[name], lambda index, v=v: np.asarray(v[index])
+    )
+    for name, v in values.items()
+  }
+  ckpt = _saved(state, outdir / 'ckpt-restore')
+
+  def structs(shardings: dict) -> dict:
+    return {
+      name: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[name])
+      for name, v in values.items()
+    }
+
+  specs = {
+    # Each process reads its half, one saved chunk per shard.
+    'dense': P(('data', 'model'), None),
+    # Each process reads its half, whole: its 4 shards meet the same saved
+    # chunks (rows, all columns), each read fetches them.
+    'embed': P('data', 'model'),
+    # 'model' is within a process: each reads it all.
+    'codes': P('model'),
+    'step': P(),
+  }
+  onto_mesh = structs(placed(lambda name: (mesh, specs[name])))
+  whole = fsm.restore_plan(ckpt, structs(placed(lambda name: (mesh, P()))))
+  report = {
+    'process_index': jax.process_index(),
+    'process_count': jax.process_count(),
+    'mesh_processes': [[d.process_index for d in row] for row in mesh.devices],
+    # What one host reads to hold every leaf whole: the checkpoint as stored.
+    'checkpoint_bytes': whole.read_per_host[0],
+  }
+  report['onto_mesh'], restored = _restored_as_planned(ckpt, onto_mesh, values)
+  # The restored tree saved with its (2, 4) layouts, restored onto 'data'=8.
+  again = _saved(restored, outdir / 'ckpt-restore-again')
+  report['back'], _ = _restored_as_planned(again, structs(saved_on), values)
+  name = f'restore-{jax.process_index()}.json'
+  (outdir / name).write_text(json.dumps(report, indent=1))
+  return report
+
+
 SCENARIOS = {
   'linen': linen,
   'linen-model-across-hosts': lambda out: linen(out, dcn='model'),
   'nnx': nnx_eager,
   'disagreeing-batch': disagreeing_batch,
+  'restore': restore_round_trip,
 }
 
 

@@ -44,8 +44,10 @@ def test_table_totals(capsys, ckpt):
   assert 'Restore plan: 7 arrays onto data=2 x model=4, 2 hosts' in out
   # Six 4x1024x1024 float32 leaves of 16 MiB each (and the step count): the
   # target shards them over model only, so each host, a data row of 4
-  # devices, holds and reads all of them: 2 x 96 MiB.
-  assert 'total: read 192.00 MiB, needed 192.00 MiB, over-read 0 B' in out
+  # devices, holds all of them: 2 x 96 MiB. The saved zeros are compressed
+  # on disk, so the reads fetch far less.
+  assert ', needed 192.00 MiB, over-read' in out
+  assert 'total: read 192.00 MiB' not in out
   assert 'problems: none' in out
 
 
@@ -54,7 +56,9 @@ def test_json_and_budget_that_holds(capsys, ckpt):
   data = json.loads(out)
   assert code == 0
   assert data['fits_budget'] is True and data['num_hosts'] == 1
-  assert data['min_budget_bytes'] == 16 * 2**20
+  # A read stages its 4 MiB shard, one decoded 2 MiB chunk (4x128x1024 of
+  # the saved layout) and the few stored bytes of the compressed zeros.
+  assert 6 * 2**20 < data['min_budget_bytes'] < 6 * 2**20 + 2**12
   saved = {e['path']: e['saved_spec'] for e in data['entries']}
   assert saved['params/ScanDotReluDot_0/W2'] == [None, 'data', None]
 
@@ -63,7 +67,7 @@ def test_budget_too_small_exits_1_with_the_smallest(capsys, ckpt):
   code, out, err = run(capsys, *args(ckpt, '--host-budget', '1MiB'))
   assert code == 1
   assert 'cannot be met' in out
-  assert 'the smallest budget is 16.00 MiB' in err
+  assert 'the smallest budget is 6.00 MiB' in err
 
 
 def test_bad_budget_exits_2_in_one_line(capsys, ckpt):
@@ -75,3 +79,15 @@ def test_bad_budget_exits_2_in_one_line(capsys, ckpt):
 def test_not_a_checkpoint_exits_2(capsys, tmp_path):
   code, _, err = run(capsys, *args(str(tmp_path)))
   assert code == 2 and str(tmp_path) in err
+
+
+def test_checkpoint_manager_root_and_step(capsys, ckpt, tmp_path):
+  # A CheckpointManager's layout: <root>/<step>/<item>/.
+  (tmp_path / '5').mkdir()
+  (tmp_path / '5' / 'default').symlink_to(ckpt)
+  for argv in ([str(tmp_path)], [str(tmp_path), '--step', '5'], [str(tmp_path / '5')]):
+    code, out, err = run(capsys, *args(argv[0], *argv[1:]))
+    assert code == 0, err
+    assert 'Restore plan: 7 arrays' in out
+  code, _, err = run(capsys, *args(str(tmp_path), '--step', '7'))
+  assert code == 2 and 'no step 7: its steps are [5]' in err

@@ -17,7 +17,7 @@ PACKAGE = pathlib.Path(flax_shardmeta.__file__).parent
 LAYERS = [
   # The core: vocabulary -> rules -> placement -> boxes -> shardings -> constraints.
   ['_typing', '_specs', '_caches', '_frames', '_units', '_arrays'],
-  ['_errors'],
+  ['_problem', '_errors'],
   # How the rules enter jax.jit's cache key (the rule context sets it).
   ['_jit_key'],
   ['_names', '_unmapped'],
@@ -51,7 +51,15 @@ LAYERS = [
   # their devices; below both _hosts and _capacity.
   ['_devices.quiet', '_devices.chips', '_devices.gpu', '_devices.topology'],
   # _restore: restoring a checkpoint onto another mesh, on plans' vocabulary.
-  ['_restore.chunks', '_restore.checkpoint', '_restore.reading_plan'],
+  [
+    '_restore.chunks',
+    '_restore.checkpoint',
+    '_restore.reads',
+    '_restore.schedule',
+    '_restore.plan_text',
+    '_restore.reading_plan',
+    '_restore.restore',
+  ],
   # _capacity: what a whole step costs, in its vocabulary.
   [
     '_capacity.vocabulary',

@@ -40,14 +40,21 @@ def test_moved_leaf_bytes_per_host_by_hand(meshes):
   r = fsm.restore_plan(source, tgt, devices_per_host=2)
   # Hosts are device pairs of the (2, 4) mesh: host 0 holds target cells
   # (data 0, model 0..1) = rows 0-63 x columns 0-31 = 64*32*4 = 8192 bytes.
-  # Saved chunks are 16 whole rows (16*64*4 = 4096 bytes); rows 0-63 meet
-  # chunks 0-3, read whole: 4 * 4096 = 16384 bytes.
+  # Saved chunks are 16 whole rows (16*64*4 = 4096 bytes). orbax reads each
+  # cell on its own: rows 0-63 meet chunks 0-3, fetched whole, once per
+  # cell: 2 * 4 * 4096 = 32768 bytes.
   assert r.num_hosts == 4
   assert r.needed_per_host == (8192,) * 4
-  assert r.read_per_host == (16384,) * 4
+  assert r.read_per_host == (32768,) * 4
   e = r.entry('w')
   assert e.moves and e.saved_spec == P('data') and e.spec == P('data', 'model')
-  assert (e.bytes_needed, e.bytes_read, e.over_read) == (32768, 65536, 32768)
+  assert (e.bytes_needed, e.bytes_read, e.over_read) == (32768, 131072, 98304)
+  # A read stages its 64x16 shard, its 4 chunks and one decoded chunk, and
+  # reserves its chunk-aligned box (64 rows x 64 columns) with orbax.
+  cost = e.cost
+  assert cost.staged.tolist() == [4096 + 16384 + 4096] * 4
+  assert cost.footprint.tolist() == [16384] * 4
+  assert r.min_budget_bytes == 24576
   # Each device holds its 64x16 shard after the restore.
   assert r.device_after_bytes == (4096,) * 8
   assert r.problems == ()
@@ -64,8 +71,10 @@ def test_cells_agree_with_jax_devices_indices_map(meshes):
     for idx in sharding.devices_indices_map((128, 64)).values()
   ]
   assert r.device_after_bytes == tuple(sizes)
-  # Saved unsharded: the one chunk is the whole array.
-  assert r.read_per_host == r.needed_per_host == (128 * 64 * 4,)
+  # Saved unsharded: the one chunk is the whole array, fetched by each of the
+  # host's 8 reads.
+  assert r.needed_per_host == (128 * 64 * 4,)
+  assert r.read_per_host == (8 * 128 * 64 * 4,)
 
 
 def test_leaf_that_does_not_move_reads_exactly_its_bytes(meshes):
@@ -136,26 +145,42 @@ def _three_leaves(meshes):
   return source, tgt
 
 
-def test_budget_below_the_largest_leaf_cannot_be_met(meshes):
+def test_budget_below_the_largest_read_cannot_be_met(meshes):
   source, tgt = _three_leaves(meshes)
-  # One host (all 8 devices): each leaf is read whole; 'a' is 32 KiB.
+  # One host (all 8 devices). A read of 'a' is a 128x16 column block: it
+  # fetches all 8 saved chunks of 16 rows (32 KiB), decodes one (4 KiB) and
+  # fills its 8 KiB shard: 44 KiB staged.
   r = fsm.restore_plan(source, tgt, host_budget='16KiB')
   assert r.fits_budget is False
-  assert r.min_budget_bytes == 128 * 64 * 4
+  assert r.min_budget_bytes == 44 * 1024
   assert 'cannot be met' in str(r)
 
 
-def test_schedule_groups_leaves_within_the_budget(meshes):
+def test_schedule_splits_where_a_read_stages_more_per_reserved_byte(meshes):
+  save, target = meshes
   source, tgt = _three_leaves(meshes)
+  # 'ab' does not move: each read is one whole chunk, decoded in place, so
+  # it stages 2 bytes (stored chunk and shard) per byte orbax reserves;
+  # 'a', 'b' and 'c' stage 1.375 (44 KiB per 32 KiB box for 'a').
+  source['ab'] = struct((128, 64), save, P('data'))
+  tgt['ab'] = struct((128, 64), target, P(('data', 'model')))
   r = fsm.restore_plan(source, tgt, host_budget=48 * 1024)
-  # a (32 KiB) + b (16 KiB) fit 48 KiB; c (8 KiB) starts a second group.
+  # In tree order a, ab, b, c. With 'ab', the group's limit would be 24 KiB
+  # of boxes, under a's 32 KiB box: 'ab' starts a new group, which 'b'
+  # (16 KiB boxes) and 'c' join.
   assert r.fits_budget is True
-  assert r.schedule == (('a', 'b'), ('c',))
-  assert r.staging_peak_per_host == (48 * 1024,)
+  assert r.schedule == (('a',), ('ab', 'b', 'c'))
+  assert [g.limit for g in r.groups] == [int(48 * 1024 / 1.375), 24 * 1024]
+  # One read of 'a' at a time (44 KiB); then one of b's 16 KiB boxes (22 KiB
+  # staged) at a time.
+  assert r.staging_peak_per_host == (44 * 1024,)
   without = fsm.restore_plan(source, tgt)
-  assert without.fits_budget is None and without.schedule == (('a', 'b', 'c'),)
-  # Shards go in place: the device peak is what it holds after.
-  assert r.device_peak_bytes == r.device_after_bytes == (56 * 1024 // 4,) * 8
+  assert without.fits_budget is None and without.schedule == (('a', 'ab', 'b', 'c'),)
+  # Shards go in place: the device peak is what it holds after (a quarter of
+  # a, b and c, replicated over data; an eighth of ab).
+  assert (
+    r.device_peak_bytes == r.device_after_bytes == ((56 // 4 + 32 // 8) * 1024,) * 8
+  )
 
 
 def test_big_abstract_plan_totals_add_up():
@@ -208,7 +233,8 @@ def test_to_dict_is_json_and_str_has_the_totals(meshes):
   source, tgt = _three_leaves(meshes)
   r = fsm.restore_plan(source, tgt, host_budget='48KiB')
   d = json.loads(json.dumps(r.to_dict()))
-  assert d['total_read'] == r.total_read and d['schedule'] == [['a', 'b'], ['c']]
+  assert d['total_read'] == r.total_read and d['schedule'] == [['a', 'b', 'c']]
   text = str(r)
-  assert 'total: read 56.00 KiB, needed 56.00 KiB' in text
+  # Each of the 4 column reads of a leaf fetches all of its saved chunks.
+  assert 'total: read 224.00 KiB, needed 56.00 KiB' in text
   assert 'problems: none' in text

@@ -8,7 +8,9 @@ saved axis sizes and names, so its devices need not exist here.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from typing import Any
 
 import jax
@@ -22,16 +24,39 @@ from flax_shardmeta._typing import PyTree
 Chunks = dict[str, tuple[int, ...]]
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> tuple[PyTree, Chunks]:
-  """The saved layout of the orbax checkpoint at ``path``, and its chunk shapes.
+@dataclasses.dataclass(frozen=True)
+class SavedCheckpoint:
+  """What a checkpoint's metadata says, nothing of its arrays read.
 
-  Returns a tree of ``jax.ShapeDtypeStruct`` carrying the saved
-  ``NamedSharding`` (None for a leaf saved without one: unsharded), nested as
-  saved, and per leaf path the chunk shape orbax wrote it in, where recorded.
-  Raises ``FlaxShardmetaError`` naming ``path`` if it is not a checkpoint.
+  Attributes:
+    directory: the checkpoint's directory (a step's item folder, resolved).
+    tree: ``jax.ShapeDtypeStruct`` leaves carrying the saved ``NamedSharding``
+      (None for a leaf saved without one), nested as saved.
+    chunks: per leaf path, the chunk shape orbax wrote it in, where recorded.
+    stored: per leaf path, the bytes each chunk takes on disk (compressed), as
+      an array over the chunk grid, where the storage says (OCDBT).
+    keys: per leaf path, its keys in the saved tree (boxes' ``value``
+      included), as orbax's restore arguments nest them.
+    metadata: orbax's metadata tree, nested as saved.
+  """
+
+  directory: str
+  tree: PyTree
+  chunks: Chunks
+  stored: dict[str, np.ndarray]
+  keys: dict[str, tuple[str, ...]]
+  metadata: PyTree = None
+
+
+def checkpoint_directory(path: str | os.PathLike[str], step: int | None = None) -> str:
+  """The item folder of the checkpoint at ``path``.
+
+  ``path`` is a checkpoint (it holds ``_METADATA``), a step folder of a
+  ``CheckpointManager`` holding one item, or the manager's root: then the
+  step ``step`` (default: the latest) is taken.
 
   Example:
-    >>> read_checkpoint('/no/such/dir')
+    >>> checkpoint_directory('/no/such/dir')
     Traceback (most recent call last):
     ...
     flax_shardmeta._errors.FlaxShardmetaError: /no/such/dir is not a directory...
@@ -42,10 +67,49 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[PyTree, Chunks]:
       f'{where} is not a directory: pass the directory of an orbax checkpoint '
       '(the one holding its _METADATA file)'
     )
-  flat = _metadata_leaves(where)
+  if os.path.exists(os.path.join(where, '_METADATA')):
+    return where
+  steps = sorted(int(n) for n in os.listdir(where) if n.isdigit())
+  if steps:
+    if step is not None and step not in steps:
+      raise FlaxShardmetaError(
+        f'{where} has no step {step}: its steps are {steps}; pass one of them'
+      )
+    where = os.path.join(where, str(steps[-1] if step is None else step))
+  items = [
+    n for n in sorted(os.listdir(where))
+    if os.path.exists(os.path.join(where, n, '_METADATA'))
+  ]  # fmt: skip
+  if len(items) == 1:
+    return os.path.join(where, items[0])
+  raise FlaxShardmetaError(
+    f'{where} holds no orbax checkpoint'
+    + (f' but items {items}: pass the one to restore' if items else '')
+    + ' (pass the directory holding its _METADATA file, a step folder of a '
+    'CheckpointManager, or its root)'
+  )
+
+
+def read_checkpoint(
+  path: str | os.PathLike[str], step: int | None = None
+) -> SavedCheckpoint:
+  """The saved layout of the orbax checkpoint at ``path`` (see
+  :func:`checkpoint_directory` for what ``path`` and ``step`` may name).
+
+  Raises ``FlaxShardmetaError`` naming ``path`` if it is not a checkpoint.
+
+  Example:
+    >>> read_checkpoint('/no/such/dir')
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._errors.FlaxShardmetaError: /no/such/dir is not a directory...
+  """
+  where = checkpoint_directory(path, step)
   structs: list[tuple[str, Any]] = []
   chunks: Chunks = {}
-  for leaf_path, meta in flat:
+  keys: dict[str, tuple[str, ...]] = {}
+  metadata = _metadata_tree(where)
+  for leaf_path, leaf_keys, meta in _metadata_leaves(metadata):
     shape = getattr(meta, 'shape', None)
     dtype = getattr(meta, 'dtype', None)
     if shape is None or dtype is None:
@@ -53,14 +117,16 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[PyTree, Chunks]:
     shape = tuple(int(n) for n in shape)
     sharding = _sharding(getattr(meta, 'sharding', None))
     structs.append((leaf_path, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)))
+    keys[leaf_path] = leaf_keys
     chunk = _chunk(getattr(meta, 'storage', None), len(shape))
     if chunk is not None:
       chunks[leaf_path] = chunk
-  return nest(structs), chunks
+  stored = _stored_bytes(where, keys, dict(structs), chunks)
+  return SavedCheckpoint(where, nest(structs), chunks, stored, keys, metadata)
 
 
-def _metadata_leaves(where: str) -> list[tuple[str, Any]]:
-  """(path, orbax leaf metadata) of every leaf of the checkpoint at ``where``."""
+def _metadata_tree(where: str) -> PyTree:
+  """orbax's metadata tree of the checkpoint at ``where``."""
   import orbax.checkpoint as ocp
 
   try:
@@ -79,17 +145,86 @@ def _metadata_leaves(where: str) -> list[tuple[str, Any]]:
       'orbax checkpoint (the one holding its _METADATA file), e.g. a step '
       "directory's item folder"
     )
+  return tree
+
+
+def saved_keys(tree: PyTree) -> list[tuple[tuple[str, ...], Any]]:
+  """(keys as text, leaf) of every leaf of a tree nested as saved."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  paths = [tuple(_key(k) for k in keys) for keys, _ in flat]
+  return [(tuple(_key(k) for k in keys), leaf) for keys, leaf in flat]
+
+
+def _metadata_leaves(tree: PyTree) -> list[tuple[str, tuple[str, ...], Any]]:
+  """(path, saved keys, orbax leaf metadata) of every leaf of the metadata."""
+  flat = saved_keys(tree)
+  paths = [p for p, _ in flat]
   children: dict[tuple[str, ...], int] = {}
   for p in paths:
     children[p[:-1]] = children.get(p[:-1], 0) + 1
   # A box (flax's Partitioned, fsm's) is saved as a node with one 'value'
   # field; plans do not count boxes as a path level, so neither is it here.
   return [
-    ('/'.join(p[:-1] if p[-1:] == ('value',) and children[p[:-1]] == 1 else p), leaf)
+    ('/'.join(p[:-1] if p[-1:] == ('value',) and children[p[:-1]] == 1 else p), p, leaf)
     for p, (_, leaf) in zip(paths, flat)
   ]
+
+
+def _stored_bytes(
+  where: str,
+  keys: dict[str, tuple[str, ...]],
+  structs: dict[str, Any],
+  chunks: Chunks,
+) -> dict[str, np.ndarray]:
+  """Per leaf path, the on-disk bytes of each chunk, from the OCDBT b-tree.
+
+  Compressed chunks make a read fetch fewer bytes than it decodes; tensorstore
+  lists each stored value's length without reading it. Empty where the
+  checkpoint is not OCDBT (then reads are planned at decoded size).
+  """
+  try:
+    import tensorstore as ts
+
+    store = ts.KvStore.open(f'file://{os.path.abspath(where)}/').result()
+    lengths = dict(_ocdbt_values(ts, store))
+  except Exception:  # noqa: BLE001 - not OCDBT, or a format this reader predates
+    return {}
+  by_name = {'.'.join(k): path for path, k in keys.items()}
+  grids = {
+    path: np.zeros(
+      tuple(-(-n // max(c, 1)) for n, c in zip(structs[path].shape, chunks[path])),
+      dtype=np.int64,
+    )
+    for path in keys if path in chunks
+  }  # fmt: skip
+  for key, length in lengths.items():
+    name, _, chunk = key.rpartition('/')
+    path = by_name.get(name)
+    index = tuple(int(i) for i in re.findall(r'\d+', chunk))
+    if path in grids and len(index) == grids[path].ndim and chunk[:1] != '.':
+      grids[path][index] = length
+  # A leaf with no listed chunk (a b-tree this reader cannot walk) is planned
+  # at decoded size rather than as free.
+  return {path: g for path, g in grids.items() if g.any()}
+
+
+def _ocdbt_values(ts: Any, store: Any, node: str | None = None) -> Any:
+  """(key, stored length) of every value in the OCDBT b-tree under ``node``."""
+  dump = ts.ocdbt.dump(store, node).result()
+  if node is None:
+    versions = dump.get('versions') or []
+    if versions:
+      yield from _ocdbt_values(ts, store, versions[-1]['root']['location'])
+    return
+  for entry in dump.get('entries', ()):
+    key = entry.get('key', b'')
+    key = key.decode() if isinstance(key, bytes) else str(key)
+    if 'indirect_value' in entry:
+      yield key, int(str(entry['indirect_value']).rsplit(':', 1)[-1])
+    elif 'inline_value' in entry:
+      yield key, len(entry['inline_value'])
+    for child in ('node', 'location'):
+      if isinstance(entry.get(child), str):
+        yield from _ocdbt_values(ts, store, entry[child])
 
 
 def _key(entry: Any) -> str:

@@ -22,16 +22,15 @@ from flax_shardmeta._errors import ShardingProblem
 from flax_shardmeta._paths import nest
 from flax_shardmeta._planning.entry import nbytes
 from flax_shardmeta._planning.sharding_plan import _ipython_shell
-from flax_shardmeta._restore.checkpoint import Chunks, read_checkpoint
+from flax_shardmeta._restore.checkpoint import SavedCheckpoint, read_checkpoint
 from flax_shardmeta._restore.chunks import (
-  LeafCost,
   dim_axes,
   host_of_devices,
-  leaf_cost,
   lost_explicit_axes,
   saved_layout,
-  schedule,
 )
+from flax_shardmeta._restore.reads import LeafCost, leaf_cost
+from flax_shardmeta._restore.schedule import Group, min_budget, schedule
 from flax_shardmeta._sharding import (
   effective_rules,
   layout_of,
@@ -40,7 +39,11 @@ from flax_shardmeta._sharding import (
 )
 from flax_shardmeta._specs import format_spec, json_entry, spec_entries
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
-from flax_shardmeta._units import format_bytes, table
+from flax_shardmeta._units import format_bytes
+
+# Reasons of problems a restore reports but goes past: the target asks for them.
+CAST, KIND, TYPES = 'saved as ', 'memory kind changes', 'saved on Explicit mesh axes'
+NOTES = (CAST, KIND, TYPES)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,13 +73,13 @@ class RestoreEntry:
 
   @property
   def bytes_read(self) -> int:
-    """Bytes of saved chunks all hosts read (a chunk once per host reading it)."""
+    """Stored bytes all hosts' reads fetch (each read its chunks, whole)."""
     return 0 if self.cost is None else int(self.cost.read.sum())
 
   @property
   def over_read(self) -> int:
-    """Bytes read beyond those needed."""
-    return self.bytes_read - self.bytes_needed
+    """Decoded bytes read beyond the shards kept (as saved, before a cast)."""
+    return 0 if self.cost is None else int((self.cost.decoded - self.cost.shards).sum())
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-ready form."""
@@ -107,11 +110,16 @@ class RestorePlan:
     num_hosts: hosts of the target mesh.
     host_budget: the host-memory budget in bytes (None: no budget).
     schedule: groups of leaf paths restored in turn (one group without a budget).
-    min_budget_bytes: the smallest budget any schedule meets: the largest
-      bytes one leaf makes one host read.
+    groups: the schedule's groups with the byte limit each is read under.
+    min_budget_bytes: the smallest budget any schedule meets: the most one
+      read stages on one host (its stored chunks, one decoded chunk and its
+      shard; see ``_restore/reads.py``).
     fits_budget: whether every group fits the budget (None without one).
-    read_per_host, needed_per_host: bytes per host over all leaves.
-    staging_peak_per_host: per host, the largest group's read bytes.
+    needed_per_host: bytes of the target shards each host holds.
+    read_per_host: stored bytes each host fetches, every read its chunks
+      whole: exact when reads run one at a time, at most that otherwise.
+    staging_peak_per_host: per host, the most its reads stage at once (with
+      no budget, every read at once: at most).
     device_peak_bytes, device_after_bytes: per device, the most held during
       the restore and what is held after it.
 
@@ -127,7 +135,7 @@ class RestorePlan:
     >>> r = fsm.restore_plan({'w': w(old, P('data'))}, {'w': w(new, P(None, 'model'))},
     ...                      devices_per_host=2)
     >>> r.needed_per_host, r.read_per_host, r.problems
-    ((64, 64), (128, 128), ())
+    ((64, 64), (256, 256), ())
   """
 
   def __init__(
@@ -137,8 +145,10 @@ class RestorePlan:
     mesh: AnyMesh | None,
     num_hosts: int,
     host_budget: int | None,
+    checkpoint: SavedCheckpoint | None = None,
   ):
     """Made by :func:`restore_plan`; not meant to be called directly."""
+    self.checkpoint = checkpoint
     self.entries = entries
     self.problems = problems
     self.mesh = mesh
@@ -151,24 +161,29 @@ class RestorePlan:
     self.read_per_host = tuple(int(x) for x in read)
     needed = sum((c.needed for _, c in costs), zeros)
     self.needed_per_host = tuple(int(x) for x in needed)
-    self.min_budget_bytes = max((int(c.read.max()) for _, c in costs), default=0)
-    groups = schedule(costs, host_budget, num_hosts)
-    self.schedule = tuple(tuple(p for p, _ in g) for g in groups)
+    self.min_budget_bytes = min_budget(costs)
+    self.groups: tuple[Group, ...] = tuple(schedule(costs, host_budget, num_hosts))
+    self.schedule = tuple(g.paths for g in self.groups)
     self.fits_budget = (
       None if host_budget is None else self.min_budget_bytes <= host_budget
     )
     staging, during = zeros.copy(), np.zeros(ndev, dtype=np.int64)
     held = np.zeros(ndev, dtype=np.int64)
-    for group in groups:
-      group_read = sum((c.read for _, c in group), zeros)
-      staging = np.maximum(staging, group_read)
+    for group in self.groups:
+      staging = np.maximum(staging, group.staging)
       # Shards are put in place as they arrive: a device holds what is restored
       # so far and the group being restored, never a second copy.
-      held = held + sum((c.device for _, c in group), np.zeros(ndev, np.int64))
+      held = held + sum((c.device for _, c in group.items), np.zeros(ndev, np.int64))
       during = np.maximum(during, held)
     self.staging_peak_per_host = tuple(int(x) for x in staging)
     self.device_peak_bytes = tuple(int(x) for x in during)
     self.device_after_bytes = tuple(int(x) for x in held)
+
+  @property
+  def blocking(self) -> tuple[ShardingProblem, ...]:
+    """The problems a restore cannot go past: all but a cast, a memory-kind
+    change and axis types the target chose, which it reports."""
+    return tuple(p for p in self.problems if not p.reason.startswith(NOTES))
 
   @property
   def total_read(self) -> int:
@@ -182,8 +197,8 @@ class RestorePlan:
 
   @property
   def over_read(self) -> int:
-    """Bytes read beyond those needed, over all hosts."""
-    return self.total_read - self.total_needed
+    """Decoded bytes read beyond the shards kept, over all hosts."""
+    return sum(e.over_read for e in self.entries)
 
   def entry(self, path: str) -> RestoreEntry:
     """The entry at ``path`` (KeyError if none)."""
@@ -217,7 +232,9 @@ class RestorePlan:
     }
 
   def __str__(self) -> str:
-    return _format(self)
+    from flax_shardmeta._restore.plan_text import plan_text
+
+    return plan_text(self)
 
   def __repr__(self) -> str:
     return (
@@ -267,53 +284,6 @@ def _json_spec(spec: Any) -> list[Any] | None:
   return None if spec is None else [json_entry(e) for e in spec_entries(spec)]
 
 
-def _format(p: RestorePlan) -> str:
-  """The plan as a table of leaves, then hosts, totals and problems."""
-  mesh = p.mesh
-  where = (
-    'no mesh'
-    if mesh is None
-    else ' x '.join(f'{n}={s}' for n, s in zip(mesh.axis_names, mesh.axis_sizes))
-  )
-  lines = [f'Restore plan: {len(p.entries)} arrays onto {where}, {p.num_hosts} hosts']
-  rows = [('array', 'shape', 'dtype', 'saved spec', 'target spec', 'read', 'needed')]
-  for e in p.entries:
-    rows.append(
-      (
-        e.path + (' *' if e.moves else ''),
-        'x'.join(map(str, e.shape)) or 'scalar',
-        str(e.dtype),
-        format_spec(e.saved_spec),
-        format_spec(e.spec),
-        format_bytes(e.bytes_read),
-        format_bytes(e.bytes_needed),
-      )
-    )
-  lines += table(rows, {5, 6})
-  lines.append('(* the layout changes)')
-  most = max(p.read_per_host, default=0)
-  lines.append(
-    f'total: read {format_bytes(p.total_read)}, needed '
-    f'{format_bytes(p.total_needed)}, over-read {format_bytes(p.over_read)}; '
-    f'most read by one host {format_bytes(most)}'
-  )
-  lines.append(
-    f'device: peak {format_bytes(max(p.device_peak_bytes, default=0))} during, '
-    f'{format_bytes(max(p.device_after_bytes, default=0))} after'
-  )
-  if p.host_budget is not None:
-    verdict = 'fits' if p.fits_budget else 'cannot be met'
-    lines.append(
-      f'host budget {format_bytes(p.host_budget)}: {verdict} in '
-      f'{len(p.schedule)} groups; staging peak '
-      f'{format_bytes(max(p.staging_peak_per_host, default=0))}; smallest '
-      f'budget {format_bytes(p.min_budget_bytes)}'
-    )
-  lines.append('problems: ' + ('none' if not p.problems else f'{len(p.problems)}'))
-  lines += [f'  {q}' for q in p.problems]
-  return '\n'.join(lines)
-
-
 def restore_plan(
   source: PyTree | str | os.PathLike[str],
   target: PyTree,
@@ -322,6 +292,7 @@ def restore_plan(
   rules: LogicalRules | None = None,
   host_budget: int | str | None = None,
   devices_per_host: int | None = None,
+  step: int | None = None,
 ) -> RestorePlan:
   """Plans restoring a checkpoint saved with ``source``'s layouts as ``target``.
 
@@ -330,8 +301,9 @@ def restore_plan(
   ``host_budget`` leaves are restored in groups whose reads fit it.
 
   Args:
-    source: an orbax checkpoint directory (its metadata is read, not its
-      arrays; chunks as orbax wrote them), or the saved layout on paper:
+    source: an orbax checkpoint directory, a ``CheckpointManager`` step
+      folder or root (its metadata is read, not its arrays; chunks as orbax
+      wrote them, at their stored size), or the saved layout on paper:
       ``ShapeDtypeStruct`` leaves carrying the saved ``NamedSharding``
       (None: saved unsharded).
     target: the restore target: ``fsm.as_abstract`` output, shardings of a
@@ -341,6 +313,8 @@ def restore_plan(
     host_budget: host memory for staging reads, in bytes or as ``'8GiB'``.
     devices_per_host: group the mesh's devices into hosts of this many
       (default: a concrete mesh by process, an abstract one as one host).
+    step: with ``source`` a ``CheckpointManager``'s root, the step to plan
+      (default: the latest).
 
   Returns:
     The :class:`RestorePlan`; problems are collected, never raised.
@@ -355,14 +329,15 @@ def restore_plan(
     >>> r = fsm.restore_plan(source, tree, mesh=AbstractMesh((2, 4), ('data', 'model')),
     ...                      rules=[('mlp', 'model')], devices_per_host=4)
     >>> r.entry('w').spec, r.needed_per_host, r.read_per_host
-    (P(None, 'model'), (512, 512), (512, 512))
+    (P(None, 'model'), (512, 512), (2048, 2048))
   """
   budget = None if host_budget is None else parse_bytes(host_budget)
   rules_t = effective_rules(rules)
   problems: list[ShardingProblem] = []
-  chunks: Chunks = {}
+  saved_ckpt = None
   if isinstance(source, (str, os.PathLike)):
-    source, chunks = read_checkpoint(source)
+    saved_ckpt = read_checkpoint(source, step)
+    source = saved_ckpt.tree
   with paused_gc():
     saved = _arrays(source)
     targets = _targets(target, mesh, rules_t, problems)
@@ -374,14 +349,16 @@ def restore_plan(
   entries = []
   for path, value, sharding in targets:
     old = saved.pop(path, None)
-    where = (hosts, num_hosts, chunks.get(path))
+    where = (hosts, num_hosts, saved_ckpt, path)
     entries.append(_entry(path, old, value, sharding, mesh, where, memo, problems))
   for path, old in saved.items():
     problems.append(
       _problem(path, old, None, 'saved in the checkpoint but not in the target',
-               'add it to the target, or restore a subset of the checkpoint')
+               'add it to the target, or restore a subset with partial=True')
     )  # fmt: skip
-  return RestorePlan(tuple(entries), tuple(problems), mesh, num_hosts, budget)
+  return RestorePlan(
+    tuple(entries), tuple(problems), mesh, num_hosts, budget, saved_ckpt
+  )
 
 
 def _arrays(tree: PyTree) -> dict[str, Any]:
@@ -426,16 +403,18 @@ def _entry(
   value: Any,
   sharding: NamedSharding | None,
   mesh: AnyMesh | None,
-  where: tuple[np.ndarray | None, int, tuple[int, ...] | None],
+  where: tuple[np.ndarray | None, int, SavedCheckpoint | None, str],
   memo: dict[Any, LeafCost],
   problems: list[ShardingProblem],
 ) -> RestoreEntry:
   """One target leaf's entry; its problems appended to ``problems``.
 
-  ``where`` is the hosts of the mesh's devices, their count, and the chunk
-  shape the leaf was written in if known (else its saved shard shape).
+  ``where`` is the hosts of the mesh's devices, their count, the checkpoint
+  read (None: planned on paper) and the leaf's path in it.
   """
-  hosts, num_hosts, chunk = where
+  hosts, num_hosts, ckpt, saved_path = where
+  chunk = None if ckpt is None else ckpt.chunks.get(saved_path)
+  stored = None if ckpt is None else ckpt.stored.get(saved_path)
   shape, dtype = leaf_shape(value) or (), getattr(value, 'dtype', None)
   spec = None if sharding is None else sharding.spec
   kind = None if sharding is None else sharding.memory_kind or 'device'
@@ -454,7 +433,7 @@ def _entry(
     ok = False
     add(f'saved with shape {leaf_shape(old)}', 'restore into the saved shape')
   elif old.dtype != dtype:
-    add(f'saved as {old.dtype}, restored as {dtype}', 'check the cast is meant')
+    add(f'{CAST}{old.dtype}, restored as {dtype}', 'check the cast is meant')
   if sharding is None:
     ok = False
     add(
@@ -468,12 +447,11 @@ def _entry(
     ok = False
     add('the target is on another mesh than the plan', 'use one target mesh')
   if old is not None and kind is not None and old_kind != kind:
-    add(f'memory kind changes from {old_kind} to {kind}', 'check it is meant')
+    add(f'{KIND} from {old_kind} to {kind}', 'check it is meant')
   lost = lost_explicit_axes(old_sharding, sharding)
   if old is not None and sharding is not None and lost:
     add(
-      f'saved on Explicit mesh axes {sorted(lost)} the target mesh does not make '
-      'Explicit',
+      f'{TYPES} {sorted(lost)} the target mesh does not make Explicit',
       'make those axes Explicit on the target mesh, or accept Auto ones',
     )
   n = len(shape)
@@ -485,11 +463,12 @@ def _entry(
   )  # fmt: skip
   cost = None
   if ok and old is not None and sharding is not None and hosts is not None:
-    key = (shape, old_chunk, nbytes((), old.dtype), new_axes, nbytes((), dtype))
+    sizes = (nbytes((), old.dtype), nbytes((), dtype))
+    key = (shape, old_chunk, sizes, new_axes, None if stored is None else saved_path)
     cost = memo.get(key)
     if cost is None:
       cost = memo[key] = leaf_cost(
-        shape, old_chunk, key[2], new_axes, key[4], sharding.mesh, hosts, num_hosts
+        shape, old_chunk, stored, sizes, new_axes, sharding.mesh, hosts, num_hosts
       )
   return RestoreEntry(
     path, leaf_shape(old), shape, getattr(old, 'dtype', None), dtype,

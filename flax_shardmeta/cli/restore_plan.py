@@ -31,7 +31,17 @@ EPILOG = (__doc__ or '').split('\n\n', 1)[1] + '\n\n' + CONTRACT
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
   """The ``restore-plan`` subcommand's options."""
-  p.add_argument('checkpoint', metavar='CKPT', help='an orbax checkpoint directory')
+  p.add_argument(
+    'checkpoint',
+    metavar='CKPT',
+    help="an orbax checkpoint directory, or a CheckpointManager's step folder or root",
+  )
+  p.add_argument(
+    '--step',
+    type=int,
+    metavar='N',
+    help="with CKPT a CheckpointManager's root, the step (default: the latest)",
+  )
   options.add_model_or_module(p, 'your own model, as for plan')
   options.add_mesh(p, 'data=2,model=4')
   options.add_state(p, 'restored')
@@ -83,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     host_budget=args.host_budget,
     # An abstract mesh has no processes: without the flag it is one host.
     devices_per_host=args.devices_per_host or math.prod(axis_sizes),
+    step=args.step,
   )
   rule_files.note_default_rules(args)
   print(json.dumps(result.to_dict(), indent=1) if args.format == 'json' else result)

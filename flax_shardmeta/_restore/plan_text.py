@@ -1,0 +1,67 @@
+"""A restore plan as text: a table of leaves, then hosts, totals and problems."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax_shardmeta._specs import format_spec
+from flax_shardmeta._units import format_bytes, table
+
+
+def plan_text(p: Any) -> str:
+  """A ``RestorePlan`` as a table of leaves, then hosts, totals and problems."""
+  mesh = p.mesh
+  where = (
+    'no mesh'
+    if mesh is None
+    else ' x '.join(f'{n}={s}' for n, s in zip(mesh.axis_names, mesh.axis_sizes))
+  )
+  lines = [
+    f'Restore plan: {_count(len(p.entries), "array")} onto {where}, '
+    f'{_count(p.num_hosts, "host")}'
+  ]
+  rows = [('array', 'shape', 'dtype', 'saved spec', 'target spec', 'read', 'needed')]
+  for e in p.entries:
+    rows.append(
+      (
+        e.path + (' *' if e.moves else ''),
+        'x'.join(map(str, e.shape)) or 'scalar',
+        str(e.dtype),
+        format_spec(e.saved_spec),
+        format_spec(e.spec),
+        format_bytes(e.bytes_read),
+        format_bytes(e.bytes_needed),
+      )
+    )
+  lines += table(rows, {5, 6})
+  lines.append('(* the layout changes)')
+  most = max(p.read_per_host, default=0)
+  lines.append(
+    f'total: read {format_bytes(p.total_read)}, needed '
+    f'{format_bytes(p.total_needed)}, over-read {format_bytes(p.over_read)}; '
+    f'most read by one host {format_bytes(most)}'
+  )
+  lines.append(
+    f'device: peak {format_bytes(max(p.device_peak_bytes, default=0))} during, '
+    f'{format_bytes(max(p.device_after_bytes, default=0))} after'
+  )
+  staging = format_bytes(max(p.staging_peak_per_host, default=0))
+  if p.host_budget is not None:
+    verdict = 'fits' if p.fits_budget else 'cannot be met'
+    lines.append(
+      f'host budget {format_bytes(p.host_budget)}: {verdict} in '
+      f'{_count(len(p.schedule), "group")}; staging peak {staging}; smallest '
+      f'budget {format_bytes(p.min_budget_bytes)}'
+    )
+  else:
+    lines.append(
+      f'host staging: at most {staging} (no budget: every read at once); '
+      f'smallest budget {format_bytes(p.min_budget_bytes)}'
+    )
+  lines.append('problems: ' + ('none' if not p.problems else f'{len(p.problems)}'))
+  lines += [f'  {q}' for q in p.problems]
+  return '\n'.join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+  return f'{n} {noun}' + ('' if n == 1 else 's')
