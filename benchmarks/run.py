@@ -19,6 +19,7 @@ SCRIPTS = (
   'memory.py',
   'plan_405b.py',
   'restore_memory.py',
+  'explicit_audit.py',
   'fit.py',
   'suggest.py',
   'fit_gpu.py',

@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     Annotation as Annotation,
     register_annotation_type as register_annotation_type,
   )
+  from flax_shardmeta._audit.audit_explicit import audit_explicit as audit_explicit
+  from flax_shardmeta._audit.audit_report import ExplicitAudit as ExplicitAudit
   from flax_shardmeta._boxes import (
     PARTITION_NAME as PARTITION_NAME,
     LogicalPartitioned as LogicalPartitioned,

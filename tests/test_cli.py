@@ -569,7 +569,16 @@ def test_each_command_is_a_module_adding_its_own_arguments():
 
   from flax_shardmeta.cli.main import COMMANDS, build_parser
 
-  names = ['demo', 'plan', 'fit', 'suggest', 'snapshot', 'diff', 'restore-plan']
+  names = [
+    'demo',
+    'plan',
+    'fit',
+    'suggest',
+    'snapshot',
+    'diff',
+    'restore-plan',
+    'audit',
+  ]
   assert list(COMMANDS) == names
   for name, command in COMMANDS.items():
     module = name.replace('-', '_')

@@ -16,7 +16,7 @@ PACKAGE = pathlib.Path(flax_shardmeta.__file__).parent
 # own layer when listed before it.
 LAYERS = [
   # The core: vocabulary -> rules -> placement -> boxes -> shardings -> constraints.
-  ['_typing', '_specs', '_caches', '_frames', '_units', '_arrays'],
+  ['_typing', '_specs', '_caches', '_frames', '_units', '_arrays', '_views'],
   ['_problem', '_errors'],
   # How the rules enter jax.jit's cache key (the rule context sets it).
   ['_jit_key'],
@@ -108,6 +108,10 @@ LAYERS = [
     '_capacity.suggest.suggestions',
     '_capacity.snapshot.record',
   ],
+  # _audit: a step written for Auto axes, traced on Explicit ones; the
+  # compiled programs read as _capacity reads them.
+  ['_audit', '_audit.intercept', '_audit.replay', '_audit.figures', '_audit.sites'],
+  ['_audit.notes', '_audit.audit_report', '_audit.audit_explicit'],
   # _hosts: devices, processes, data and transfers.
   ['_hosts.launch', '_hosts.mesh', '_hosts.data'],
   ['_hosts.transfer'],
@@ -137,6 +141,7 @@ LAYERS = [
     'cli.demo',
     'cli.plan',
     'cli.fit',
+    'cli.audit',
     'cli.suggest',
     'cli.snapshot',
     'cli.diff',
@@ -157,6 +162,7 @@ SUBPACKAGES = (
   '_hosts',
   '_nnx',
   '_restore',
+  '_audit',
 )
 # The capacity layer's rooms, one concept each.
 ROOMS = tuple(
@@ -250,6 +256,7 @@ ABOVE_THE_INIT = (
   '_planning',
   '_devices',
   '_capacity',
+  '_audit',
   '_hosts',
   '_jit',
   'nnx',
@@ -267,12 +274,23 @@ NEVER = {
   '_init': ABOVE_THE_INIT,
   # Planning and capacity run on abstract meshes with no processes.
   '_planning': ('_devices', '_capacity', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
-  '_capacity': ('_hosts', '_jit', 'nnx', 'examples', 'cli'),
+  '_capacity': ('_audit', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
   # Devices are described, not used: nothing of layouts, plans or steps.
   '_devices': ('_generate', '_init', *(p for p in ABOVE_THE_INIT if p != '_devices')),
   # Restore plans run on abstract meshes too: plans and device figures only.
-  '_restore': ('_capacity', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
-  '_jit': ('_planning', '_devices', '_capacity', '_hosts', 'nnx', 'examples', 'cli'),
+  '_restore': ('_capacity', '_audit', '_hosts', '_jit', 'nnx', 'examples', 'cli'),
+  # The audit compiles steps and reads them as the capacity layer does.
+  '_audit': ('_hosts', '_jit', 'nnx', 'examples', 'cli'),
+  '_jit': (
+    '_planning',
+    '_devices',
+    '_capacity',
+    '_audit',
+    '_hosts',
+    'nnx',
+    'examples',
+    'cli',
+  ),
   # The NNX adapter's implementation serves the public nnx module, not a plan.
   '_nnx': ABOVE_THE_INIT,
 }

@@ -210,7 +210,7 @@ def packages() -> list[tuple[str, str]]:
 
   Example:
     >>> [name for name, _ in packages()][:2]
-    ['', '_capacity']
+    ['', '_audit']
   """
   found = sorted(p.parent for p in PACKAGE.rglob('__init__.py'))
   names = ['.'.join(p.relative_to(PACKAGE).parts) for p in found]

@@ -40,9 +40,10 @@ from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 from flax_shardmeta._units import format_bytes
 from flax_shardmeta._unmapped import Unmapped, report as report_unmapped
 from flax_shardmeta._validate import replicate_option, warn_replicated
+from flax_shardmeta._views import ShownWithTreescope
 
 
-class ShardingPlan:
+class ShardingPlan(ShownWithTreescope):
   """Every array leaf of a tree with its layout on a mesh, totals and problems.
 
   Problems are found when the plan is made; entries (with their paths), totals
@@ -246,37 +247,6 @@ class ShardingPlan:
       'adjustments': list(self.adjustments),
       'entries': modules,
     }
-
-  def _repr_html_(self) -> str:
-    import treescope
-
-    return treescope.render_to_html(self._treescope_view())
-
-  def show(self) -> None:
-    """Displays the plan as an interactive treescope tree in a notebook (the
-    table where only text can be shown).
-
-    Outside a running IPython shell (where treescope has nowhere to display)
-    prints the table instead. Whether IPython is merely installed does not
-    matter: the decision is made by ``get_ipython()``.
-    """
-    if _ipython_shell() is None:
-      print(self)
-      return
-    from IPython.display import display
-
-    # The table is the plain-text fallback: treescope's own would put whole
-    # modules on one line of several hundred characters.
-    display({'text/html': self._repr_html_(), 'text/plain': str(self)}, raw=True)
-
-
-def _ipython_shell() -> Any:
-  """The running IPython shell, or None (also when IPython is not installed)."""
-  try:
-    from IPython import get_ipython
-  except ImportError:
-    return None
-  return get_ipython()
 
 
 def plan(

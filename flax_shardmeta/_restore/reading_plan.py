@@ -21,7 +21,6 @@ from flax_shardmeta._devices.chips import parse_bytes
 from flax_shardmeta._errors import ShardingProblem
 from flax_shardmeta._paths import nest
 from flax_shardmeta._planning.entry import nbytes
-from flax_shardmeta._planning.sharding_plan import _ipython_shell
 from flax_shardmeta._restore.checkpoint import SavedCheckpoint, read_checkpoint
 from flax_shardmeta._restore.chunks import (
   dim_axes,
@@ -40,6 +39,7 @@ from flax_shardmeta._sharding import (
 from flax_shardmeta._specs import format_spec, json_entry, spec_entries
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 from flax_shardmeta._units import format_bytes
+from flax_shardmeta._views import ShownWithTreescope
 
 # Reasons of problems a restore reports but goes past: the target asks for them.
 CAST, KIND, TYPES = 'saved as ', 'memory kind changes', 'saved on Explicit mesh axes'
@@ -100,7 +100,7 @@ class RestoreEntry:
     }
 
 
-class RestorePlan:
+class RestorePlan(ShownWithTreescope):
   """What restoring a checkpoint onto a mesh reads and holds, per host and device.
 
   Attributes:
@@ -264,20 +264,6 @@ class RestorePlan:
       'problems': [str(p) for p in self.problems],
       'entries': tree,
     }
-
-  def _repr_html_(self) -> str:
-    import treescope
-
-    return treescope.render_to_html(self._treescope_view())
-
-  def show(self) -> None:
-    """Displays the plan as a treescope tree in a notebook (else prints it)."""
-    if _ipython_shell() is None:
-      print(self)
-      return
-    from IPython.display import display
-
-    display({'text/html': self._repr_html_(), 'text/plain': str(self)}, raw=True)
 
 
 def _json_spec(spec: Any) -> list[Any] | None:

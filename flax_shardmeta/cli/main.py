@@ -1,7 +1,7 @@
 """The ``flax-shardmeta`` parser, built from each command's module, and ``main``.
 
 Each command (``demo``, ``plan``, ``fit``, ``suggest``, ``snapshot``, ``diff``,
-``restore-plan``) is a module of this package with the shape of
+``restore-plan``, ``audit``) is a module of this package with the shape of
 :class:`Command`; adding one is adding a module and a line to :data:`COMMANDS`.
 """
 
@@ -15,6 +15,7 @@ from typing import Protocol
 
 from flax_shardmeta._errors import FlaxShardmetaError, errors_page_line, message
 from flax_shardmeta.cli import (
+  audit,
   demo,
   diff,
   fit,
@@ -63,6 +64,7 @@ COMMANDS: dict[str, Command] = {
   'snapshot': snapshot,
   'diff': diff,
   'restore-plan': restore_plan,
+  'audit': audit,
 }
 """Each subcommand's module, in the order ``flax-shardmeta --help`` lists them."""
 
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     dest='command',
     required=True,
     parser_class=options.Parser,
-    metavar='{plan,fit,suggest,snapshot,diff,restore-plan,demo}',
+    metavar='{plan,fit,suggest,snapshot,diff,restore-plan,audit,demo}',
   )
   for name, command in COMMANDS.items():
     p = options.add_command(

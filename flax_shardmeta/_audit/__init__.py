@@ -1,0 +1,13 @@
+"""The Explicit-axes audit: a step written for Auto axes, traced on the same
+mesh with Explicit ones.
+
+``intercept`` (the user's step traced on Explicit axes, going on past each
+refusal with its fix), ``replay`` (the Auto program replayed to read XLA's
+layout of chosen values), ``sites`` (refusals at the user's lines, with the
+code to write), ``notes`` (size-1 axes, rules naming one axis twice, opaque
+calls), ``figures`` (a compiled program's collectives, annotations,
+transposes, memory), ``audit_report`` (``ExplicitAudit``) and
+``audit_explicit`` (``fsm.audit_explicit``).
+Modules here may import the core, the plans and the capacity layer's HLO
+reading, never the CLI or the examples.
+"""
