@@ -7,14 +7,19 @@ one or the other. Nothing here imports treescope or IPython until asked.
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 
-class ShownWithTreescope:
+class ShownWithTreescope(abc.ABC):
   """``_repr_html_`` and ``show()`` from ``_treescope_view()`` and ``str()``."""
 
+  # No instance dictionary of its own: a plan keeps its __slots__.
+  __slots__ = ()
+
+  @abc.abstractmethod
   def _treescope_view(self) -> Any:
-    raise NotImplementedError
+    """The tree treescope renders."""
 
   def _repr_html_(self) -> str:
     import treescope
