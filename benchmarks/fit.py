@@ -9,10 +9,11 @@ with it on, for the two targets of the feature:
   4096, full remat.
 
 Then compares the estimate on an ``AbstractMesh`` (no compiler) with the
-compiled figures on a TPU topology of the same shape, for five models
+compiled figures on a TPU topology of the same shape, for six models
 (``error_models()``: the built-in MLP and Llama-3 8B and 70B, cut to a few
-layers, and a T5-style encoder-decoder and a mixture-of-experts decoder from
-``_shapes.py``) x remat on/off x two meshes, and publishes the error. Needs
+layers, a T5-style encoder-decoder and a mixture-of-experts decoder from
+``_shapes.py``, and an unrolled GPT of plain flax layers from ``_gpt.py``) x
+remat on/off x two meshes, and publishes the error. Needs
 libtpu (``pip install '.[tpu]'``). Usage: ``python benchmarks/fit.py
 [--no-write]``; ``--errors-only`` prints the error table alone (no timing
 runs, nothing written).
@@ -116,13 +117,17 @@ MODELS_SENTENCE = (
   'decoder layers of width 1024, batch 16, 1,024 input and 256 target tokens) '
   'and a mixture-of-experts decoder (4 layers of 8 experts, top-2 routing by '
   "dense dispatch and combine einsums, experts over 'model', batch 16 x "
-  "1,024); bfloat16 parameters except the MLP's."
+  "1,024); bfloat16 parameters except the MLP's and the GPT's. And a 27M GPT "
+  'as a user writes it (`benchmarks/_gpt.py`: plain flax layers annotated with '
+  '`nn.with_logical_partitioning`, 6 layers unrolled in Python, heads split '
+  'out of the features by a reshape, float32, batch 8 x 256).'
 )
 
 
 def error_models() -> list[tuple[str, Callable[..., Any]]]:
   """``(label, build)`` of each model the error table measures, where
   ``build(mesh, remat)`` returns ``(step, *abstract_args)``."""
+  import _gpt
   import _shapes
   import jax.numpy as jnp
 
@@ -140,6 +145,10 @@ def error_models() -> list[tuple[str, Callable[..., Any]]]:
     ('llama3-70b, 2 layers', builtin('llama3-70b', batch=8, seq=2048, num_layers=2)),
     ('T5 encoder-decoder, 4+4 layers', shaped('t5', batch=16, seq=1024)),
     ('MoE, 8 experts top-2, 4 layers', shaped('moe', batch=16, seq=1024)),
+    (
+      'GPT 27M, 6 unrolled layers, flax layers',
+      lambda mesh, remat: _gpt.train_step(mesh, remat=remat),
+    ),
   ]
 
 

@@ -56,9 +56,11 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
   )
   from flax_shardmeta._errors import (
     BatchLayoutError as BatchLayoutError,
+    CheckpointDamagedError as CheckpointDamagedError,
     ExplicitShardingError as ExplicitShardingError,
     FitError as FitError,
     FlaxShardmetaError as FlaxShardmetaError,
+    HostBudgetError as HostBudgetError,
     IndivisibleDimensionWarning as IndivisibleDimensionWarning,
     InvalidNamesError as InvalidNamesError,
     InvalidRulesError as InvalidRulesError,
@@ -112,6 +114,7 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     restore_plan as restore_plan,
   )
   from flax_shardmeta._restore.restore import restore as restore
+  from flax_shardmeta._restore.save import save as save
   from flax_shardmeta._rules import (
     composite_rules as composite_rules,
     get_logical_axis_rules as get_logical_axis_rules,

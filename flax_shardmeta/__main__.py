@@ -1,15 +1,12 @@
-"""``python -m flax_shardmeta``: the command-line interface."""
+"""``python -m flax_shardmeta``: the command-line interface.
 
-import os
+Exactly the ``flax-shardmeta`` console script: each command sets up the
+simulated devices it needs itself (``demo`` its 8, ``audit`` one per mesh
+device), so nothing is set here.
+"""
+
 import sys
 
-# The demo runs on 8 simulated CPU devices; the flag must be set before jax
-# is imported and only adds host devices, so real accelerators are untouched.
-if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (
-    os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
-  ).strip()
-
-from flax_shardmeta.cli import main  # noqa: E402
+from flax_shardmeta.cli import main
 
 sys.exit(main())

@@ -14,6 +14,7 @@ import jax.core
 from jax.sharding import PartitionSpec
 
 from flax_shardmeta._annotation import path_str
+from flax_shardmeta._axis_typos import with_typo_hint
 from flax_shardmeta._errors import (
   InvalidNamesError,
   ShardingError,
@@ -133,7 +134,7 @@ def shard_value(
     return value
   rules_t = _value_rules(rules, logical)
   mesh = require_mesh(mesh, 'shard_value')
-  call = _Call(mesh, replicate, strict)
+  call = _Call(mesh, replicate, strict, rules_t or ())
 
   def one(x: Any, n: Any, where: str) -> Any:
     return _shard_one(x, n, where, rules_t, rules is None, call)
@@ -158,17 +159,30 @@ def _value_rules(
 class _Call:
   """What one call collects while it lays a value (or a tree of them) out."""
 
-  def __init__(self, mesh: AnyMesh, replicate: bool, strict: bool):
+  def __init__(
+    self,
+    mesh: AnyMesh,
+    replicate: bool,
+    strict: bool,
+    rules: tuple[tuple[str, Any], ...] = (),
+  ):
     self.mesh, self.replicate, self.strict = mesh, replicate, strict
+    self.rules = rules  # for the "did you mean" of a misspelt mesh axis
     self.changes: list[tuple[str, tuple[str, ...]]] = []
     self.unmapped: list[Unmapped] = []
 
   def place(self, x: Any, entries: tuple[Any, ...], where: str, names: Any) -> Any:
     """Lays ``x`` out as ``entries`` say (see ``_placement.apply_spec``)."""
     replicated: list[str] | None = [] if self.replicate else None
-    out = apply_spec(
-      x, entries, self.mesh, path=where, names=names, replicated=replicated
-    )
+    try:
+      out = apply_spec(
+        x, entries, self.mesh, path=where, names=names, replicated=replicated
+      )
+    except ShardingError as e:
+      hinted = with_typo_hint(e.problems, self.mesh.axis_names, self.rules)
+      if tuple(hinted) == e.problems:
+        raise
+      raise ShardingError(hinted) from None
     if replicated:
       self.changes.append((where, tuple(replicated)))
     return out
@@ -439,7 +453,7 @@ def with_logical_constraint(
   mesh = mesh if mesh is not None else context_mesh()
   if not rules_t or mesh is None or names is None:
     return x
-  call = _Call(check_mesh(mesh, 'with_logical_constraint'), replicate, strict)
+  call = _Call(check_mesh(mesh, 'with_logical_constraint'), replicate, strict, rules_t)
 
   def one(v: Any, n: Any, where: str) -> Any:
     return _constrain_one(v, n, where, rules_t, fallback, rules is None, call)

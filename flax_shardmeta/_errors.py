@@ -196,7 +196,9 @@ class RuleContextError(FlaxShardmetaError):
 
 
 class MeshShapeError(FlaxShardmetaError):
-  """Raised when mesh axis sizes do not fit the devices or the hosts.
+  """Raised when mesh axis sizes do not fit the devices or the hosts, or the
+  axis names or ``axis_types`` are malformed (not distinct strings, not one
+  ``AxisType`` per axis).
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -290,6 +292,32 @@ class RestoreError(FlaxShardmetaError):
   def __init__(self, message: str, problems: Sequence[ShardingProblem] = ()):
     self.problems = tuple(problems)
     super().__init__(message)
+
+
+class CheckpointDamagedError(RestoreError):
+  """Raised by ``fsm.restore`` and ``fsm.restore_plan`` when a checkpoint's
+  files are damaged: its values differ from the checksums ``fsm.save``
+  recorded, a leaf's array data cannot be read, or orbax's metadata files are
+  corrupt. The message names the leaf or the file and the reason; restore
+  from another checkpoint. A ``RestoreError``.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> issubclass(fsm.CheckpointDamagedError, fsm.RestoreError)
+    True
+  """
+
+
+class HostBudgetError(FlaxShardmetaError):
+  """Raised by ``fsm.restore`` and ``fsm.restore_plan`` when ``host_budget`` is
+  not a positive number of bytes: bool, nan, inf, zero, negative, a fraction of
+  a byte, or text that is not a size.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> issubclass(fsm.HostBudgetError, ValueError)
+    True
+  """
 
 
 class NnxJitError(FlaxShardmetaError):

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib, _unmapped as unmapped_lib
+from flax_shardmeta._axis_typos import with_typo_hint
 from flax_shardmeta._caches import paused_gc
 from flax_shardmeta._errors import (
   FlaxShardmetaError,
@@ -301,6 +303,7 @@ def layout_tree(
   ``every_path``: the caller reads every leaf's path (see ``walk``).
   """
   rules_t = effective_rules(rules)
+  _check_not_function(tree)
   with paused_gc():  # a few objects per leaf: see _caches
     leaves, build = ann_lib.walk(tree, every_path)
     # mesh, rules and replicate are fixed for this call: memoize on what varies.
@@ -316,6 +319,29 @@ def layout_tree(
         layout = memo[key] = layout_of(key[0], key[1], mesh, rules_t, replicate)
       layouts.append(layout)
   return leaves, layouts, build
+
+
+def _check_not_function(tree: Any) -> None:
+  """A function given where its output belongs (``model.init``, a factory)
+  would be one non-array leaf: an empty plan, said to have no problems."""
+  jitted = callable(tree) and hasattr(tree, 'lower') and hasattr(tree, 'trace')
+  if not (inspect.isroutine(tree) or isinstance(tree, functools.partial) or jitted):
+    return
+  name = getattr(tree, '__qualname__', None) or type(tree).__name__
+  raise ShardingError(
+    [
+      ShardingProblem(
+        '(root)',
+        None,
+        None,
+        None,
+        f'the tree is the function {name}, not the tree it makes; a function '
+        'holds no arrays to lay out',
+        'pass its abstract output, e.g. jax.eval_shape(model.init, key, x) '
+        '(Linen) or nnx.eval_shape(lambda: Model(rngs=nnx.Rngs(0))) (NNX)',
+      )
+    ]
+  )
 
 
 def unmapped_record(
@@ -408,7 +434,7 @@ def get_sharding(
     unmapped, mesh.axis_names, strict, no_rules=source == SOURCE_NONE
   )
   if problems:
-    raise ShardingError(problems)
+    raise ShardingError(with_typo_hint(problems, mesh.axis_names, rules_t))
   if adjusted:
     warn_replicated(adjusted)
   with paused_gc():

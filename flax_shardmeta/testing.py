@@ -14,11 +14,16 @@ import os
 import pathlib
 from typing import Any
 
-from flax_shardmeta._capacity.snapshot.compare import VERSION, outdated, snapshot_diff
+from flax_shardmeta._capacity.snapshot.compare import snapshot_diff
+from flax_shardmeta._capacity.snapshot.schema import check_snapshot
 from flax_shardmeta._errors import FitError
 
 UPDATE_VARIABLE = 'FLAX_SHARDMETA_UPDATE_SNAPSHOTS'
-"""The environment variable that, set to ``1``, rewrites every golden file."""
+"""The environment variable that, set to ``1`` (or ``true``, ``yes``, ``on``),
+rewrites every golden file."""
+
+_YES = ('1', 'true', 'yes', 'on')
+_NO = ('', '0', 'false', 'no', 'off')
 
 __all__ = ['UPDATE_VARIABLE', 'SnapshotMismatch', 'assert_snapshot']
 
@@ -50,7 +55,8 @@ def assert_snapshot(snapshot: dict[str, Any], path: str | os.PathLike[str]) -> N
 
   The file is written (JSON, one-space indent, sorted keys, a trailing
   newline; its folders made) when it does not exist or when the environment
-  variable ``FLAX_SHARDMETA_UPDATE_SNAPSHOTS`` is ``1``. Otherwise it is read
+  variable ``FLAX_SHARDMETA_UPDATE_SNAPSHOTS`` is ``1`` (or ``true``, ``yes``,
+  ``on``, in any case). Otherwise it is read
   and compared with :func:`flax_shardmeta.snapshot_diff`.
 
   Args:
@@ -60,7 +66,9 @@ def assert_snapshot(snapshot: dict[str, Any], path: str | os.PathLike[str]) -> N
   Raises:
     SnapshotMismatch: (an ``AssertionError``) the layouts differ; the message
       lists the differences and how to record the new layout.
-    FitError: the file holds no snapshot of this format; one of an older
+    FitError: the file cannot be read, is a directory, holds no snapshot of
+      this format (a field is named with what it should be), or the variable
+      has a value that is neither on nor off; one of an older
       version (written by an older flax_shardmeta) must be recorded again,
       with ``FLAX_SHARDMETA_UPDATE_SNAPSHOTS=1``.
 
@@ -79,23 +87,63 @@ def assert_snapshot(snapshot: dict[str, Any], path: str | os.PathLike[str]) -> N
     If the change is meant, record the new layout: run the tests again with FLAX_SHARDMETA_UPDATE_SNAPSHOTS=1.
   """  # noqa: E501
   __tracebackhide__ = True  # pytest shows the caller's line, not this one
-  # Through JSON and back: tuples become lists, as in the file.
-  text = json.dumps(snapshot, indent=1, sort_keys=True) + '\n'
+  text = _text(snapshot)
   golden = pathlib.Path(path)
-  if os.environ.get(UPDATE_VARIABLE) == '1' or not golden.exists():
+  if golden.is_dir():
+    raise FitError(
+      f'{os.fspath(path)} is a directory; the golden file is a JSON file, '
+      'e.g. tests/layouts/train_step.json.'
+    )
+  if _updating() or not golden.exists():
     golden.parent.mkdir(parents=True, exist_ok=True)
     golden.write_text(text)
     return
-  try:
-    recorded = json.loads(golden.read_text())
-  except ValueError as e:
-    raise FitError(
-      f'{os.fspath(path)} holds no JSON ({e}): delete it or record '
-      f'it again with {UPDATE_VARIABLE}=1.'
-    ) from None
-  if isinstance(recorded, dict) and recorded.get('version', VERSION) != VERSION:
-    # Named by its path: which golden file to record again.
-    raise FitError(f'{os.fspath(path)} {outdated(recorded["version"])}')
+  recorded = _read(golden)
+  # Named by its path: which golden file to correct or record again.
+  check_snapshot(recorded, os.fspath(path))
   lines = snapshot_diff(recorded, json.loads(text))
   if lines:
     raise SnapshotMismatch(path, lines)
+
+
+def _updating() -> bool:
+  """Whether ``FLAX_SHARDMETA_UPDATE_SNAPSHOTS`` asks to record: a value not
+  understood is an error, never a silent comparison."""
+  value = os.environ.get(UPDATE_VARIABLE, '').strip().lower()
+  if value in _YES or value in _NO:
+    return value in _YES
+  raise FitError(
+    f'{UPDATE_VARIABLE}={os.environ[UPDATE_VARIABLE]!r} is neither on '
+    f'({", ".join(_YES)}) nor off ({", ".join(repr(v) for v in _NO)}): set it '
+    'to 1 to record the golden files, or unset it to compare with them.'
+  )
+
+
+def _read(golden: pathlib.Path) -> Any:
+  """The golden file's JSON; fsm's error naming the file when it cannot be
+  read or holds no JSON."""
+  try:
+    text = golden.read_text()
+  except (OSError, UnicodeDecodeError) as e:
+    raise FitError(f'cannot read {os.fspath(golden)}: {e}') from None
+  try:
+    return json.loads(text)
+  except ValueError as e:
+    raise FitError(
+      f'{os.fspath(golden)} holds no JSON ({e}): delete it or record '
+      f'it again with {UPDATE_VARIABLE}=1.'
+    ) from None
+
+
+def _text(snapshot: Any) -> str:
+  """The snapshot as the golden file's text, checked first: what is no
+  snapshot is never written as one."""
+  try:
+    text = json.dumps(snapshot, indent=1, sort_keys=True, allow_nan=False) + '\n'
+  except (TypeError, ValueError) as e:
+    raise FitError(
+      f'the snapshot given is not JSON ({e}); pass what fsm.snapshot returns.'
+    ) from None
+  # Through JSON and back: tuples become lists, as in the file.
+  check_snapshot(json.loads(text), 'the snapshot given')
+  return text

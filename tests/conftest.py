@@ -76,14 +76,14 @@ def pytest_runtest_setup(item):
     if not gpu.cuda_plugin_available():
       pytest.skip(
         "jax's CUDA plugin is not installed "
-        "(pip install 'flax_shardmeta[gpu]'; CI has it)"
+        "(pip install '.[gpu]' from a checkout; CI has it)"
       )
   if item.get_closest_marker('libtpu'):
     from flax_shardmeta._devices import topology
 
     if not topology.libtpu_available():
       pytest.skip(
-        "libtpu is not installed (pip install 'flax_shardmeta[tpu]'; CI has it)"
+        "libtpu is not installed (pip install '.[tpu]' from a checkout; CI has it)"
       )
 
 

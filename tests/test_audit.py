@@ -93,10 +93,14 @@ def test_linen_sites_all_listed_in_one_run(linen_audit):
   assert lines_of(report) == linen_lines
   by_line = {int(s.where.rsplit(':', 1)[1]): s for s in report.sites}
   dense, matmul = (by_line[n] for n in sorted(linen_lines))
-  # The Linen layer takes the contraction it runs; a bare @ takes out_sharding.
+  # The Linen layer takes the contraction it runs, at the line making it (the
+  # one before its call); a bare @ takes out_sharding.
   assert dense.op == 'dot_general' and dense.from_auto
+  made = int(dense.where.rsplit(':', 1)[1]) - 1
+  assert dense.replaces == (made, made)
   assert dense.fix == (
-    'where the Dense is made: nn.Dense(..., dot_general=functools.partial('
+    "mlp_in = nn.Dense(MLP, kernel_init=logical(('embed', 'mlp')), use_bias=False, "
+    'dot_general=functools.partial('
     f'jax.lax.dot_general, out_sharding={fsm._specs.format_spec(dense.spec)}))'
   )
   assert matmul.fix.startswith('return x + jnp.matmul(h, w, out_sharding=P(')
@@ -263,6 +267,7 @@ def test_sites_on_a_tpu_topology(case):
   assert report.mesh.devices.flat[0].platform == 'tpu'
   # Every collective of the Auto program is there, within 10%, or listed.
   listed = ' '.join(report.costs_more())
+  assert report.auto is not None and report.explicit is not None
   for key, auto in report.auto.collectives.items():
     explicit = report.explicit.collectives.get(key, 0)
     assert abs(explicit - auto) <= 0.1 * auto or f'{key[0]} over' in listed

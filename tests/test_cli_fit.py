@@ -193,12 +193,16 @@ def test_a_failing_step_exits_2_naming_the_factory(capsys, my_step):
   assert err.startswith('flax-shardmeta: error: 2 leaves cannot be sharded as')
 
 
-def eager_error(target, far):
+def eager_error(target, far, code):
+  """The error naming the line of my_step.py whose ``code`` ran eagerly."""
+  line = MY_STEP.splitlines().index(code) + 1
   return (
-    f'flax-shardmeta: error: --module {target} computes an array eagerly under a '
-    f'{far} mesh, of devices this machine does not have; build the arguments '
-    'abstractly: jax.eval_shape(...) / jax.ShapeDtypeStruct; a concrete array '
-    f"cannot live on the {far}'s devices (--traceback shows where)\n"
+    f'flax-shardmeta: error: --module {target} computes an array eagerly at '
+    f'my_step.py:{line} (`{code.strip()}`) under a {far} mesh, of devices this '
+    'machine does not have, where no concrete array can live; build it '
+    'abstractly: jax.eval_shape(lambda: jax.random.key(0)) for a PRNG key, '
+    'jax.ShapeDtypeStruct(shape, dtype) for an input, jax.eval_shape(...) for '
+    'parameters (--traceback shows where)\n'
   )
 
 
@@ -206,7 +210,9 @@ def eager_error(target, far):
 def test_an_eager_array_on_a_topology_says_to_build_abstractly(capsys, my_step):
   argv = ['fit', '--module', 'my_step:eager', '--topology', 'v5p:2x2x1']
   assert error_line(capsys, *argv, '--mesh', 'data=2,model=2') == eager_error(
-    'my_step:eager', 'TPU pod'
+    'my_step:eager',
+    'TPU pod',
+    '  w = jax.random.normal(jax.random.key(0), (256, 512))',
   )
 
 
@@ -215,7 +221,7 @@ def test_an_eager_key_on_a_gpu_cluster_names_the_gpus(capsys, my_step):
   # A concrete PRNG key under a mesh of 8 H100s (Auto axes) from the CUDA plugin.
   argv = ['fit', '--module', 'my_step:eager_key', '--topology', 'h100:1x8']
   assert error_line(capsys, *argv, '--mesh', 'data=2,model=4') == eager_error(
-    'my_step:eager_key', 'GPU cluster'
+    'my_step:eager_key', 'GPU cluster', '  return step, jax.random.key(0), x'
   )
 
 
@@ -315,8 +321,12 @@ def test_the_default_rules_are_said_with_the_output(capsys, my_step):
   ],
 )
 def test_gpu_run_options_are_checked(capsys, command, flags, message):
-  pod = ['--topology', 'h100:1x8'] if command == 'suggest' else []
+  pod = ['--topology', 'h100:1x8'] if command == 'suggest' else ['--chip', 'h100']
   mesh = [] if command == 'suggest' else ['--mesh', 'data=2,model=4']
+  if command == 'snapshot':
+    pod = []  # snapshot judges no memory: a well-formed --reserve is refused too
+    if flags[0] == '--reserve':
+      message = '--reserve: snapshot records the step'
   err = error_line(
     capsys, command, '--model', 'mlp', '--batch', '8', *pod, *mesh, *flags
   )
@@ -337,7 +347,7 @@ def test_gpu_run_options_are_passed_only_when_given(
     raise Called(kwargs)
 
   monkeypatch.setattr(fsm, function, stand_in)
-  pod = ['--topology', 'h100:1x8'] if command == 'suggest' else []
+  pod = ['--topology', 'h100:1x8'] if command == 'suggest' else ['--chip', 'h100']
   mesh = [] if command == 'suggest' else ['--mesh', 'data=2,model=4']
   argv = [command, '--model', 'mlp', '--batch', '8', *pod, *mesh]
   with pytest.raises(Called) as given:

@@ -389,7 +389,7 @@ def test_topology_meshes_and_their_errors(monkeypatch):
   with pytest.raises(fsm.MeshShapeError, match='does not fit 4 devices'):
     fsm.make_mesh((8,), ('data',), topology='v5p:2x2x1')
   monkeypatch.setattr(topology, 'libtpu_available', lambda: False)
-  with pytest.raises(fsm.TopologyError, match=r"pip install 'flax_shardmeta\[tpu\]'"):
+  with pytest.raises(fsm.TopologyError, match=r"pip install '\.\[tpu\]'"):
     fsm.make_mesh((8,), ('data',), topology='v5p:2x2x2')
 
 

@@ -99,7 +99,7 @@ def test_unknown_gpus_and_forms_list_the_accepted_names():
 
 def test_a_missing_plugin_names_the_extra(monkeypatch):
   monkeypatch.setattr(gpu, 'cuda_plugin_available', lambda: False)
-  with pytest.raises(fsm.TopologyError, match=r'flax_shardmeta\[gpu\]'):
+  with pytest.raises(fsm.TopologyError, match=r"pip install '\.\[gpu\]'"):
     fsm.make_mesh((2, 8), ('data', 'model'), topology='h100:2x8')
 
 

@@ -20,7 +20,7 @@ LAYERS = [
   ['_problem', '_errors'],
   # How the rules enter jax.jit's cache key (the rule context sets it).
   ['_jit_key'],
-  ['_names', '_unmapped'],
+  ['_names', '_unmapped', '_axis_typos'],
   ['_rules'],
   ['_resolution', '_standard_rules'],
   ['_validate'],
@@ -53,18 +53,27 @@ LAYERS = [
   # _restore: restoring a checkpoint onto another mesh, on plans' vocabulary.
   [
     '_restore.chunks',
+    '_restore.checksums',
+    '_restore.damage',
     '_restore.checkpoint',
     '_restore.reads',
     '_restore.schedule',
     '_restore.plan_text',
+    '_restore.casts',
+    '_restore.inputs',
+    '_restore.targets',
     '_restore.reading_plan',
     '_restore.restore',
+    '_restore.save',
   ],
   # _capacity: what a whole step costs, in its vocabulary.
   [
     '_capacity.vocabulary',
+    '_capacity.snapshot.schema',
     '_capacity.fit.source_map',
     '_capacity.fit.figure_cache',
+    '_capacity.fit.donation',
+    '_capacity.fit.host_memory',
   ],
   # The memory a GPU run gives XLA, and compiling for it.
   ['_capacity.fit.usable'],
@@ -74,6 +83,7 @@ LAYERS = [
   # there, then its loops, collectives and work.
   [
     '_capacity.hlo.name_stacks',
+    '_capacity.why.traced_lines',
     '_capacity.hlo.text',
     '_capacity.hlo.flow',
     '_capacity.hlo.attribution',
@@ -93,6 +103,7 @@ LAYERS = [
   # The step, the estimate without a compiler, the compiled figures, fit.
   [
     '_capacity.fit.traced_step',
+    '_capacity.estimate.coverage',
     '_capacity.estimate.liveness',
     '_capacity.estimate.estimator',
   ],
@@ -110,7 +121,15 @@ LAYERS = [
   ],
   # _audit: a step written for Auto axes, traced on Explicit ones; the
   # compiled programs read as _capacity reads them.
-  ['_audit', '_audit.intercept', '_audit.replay', '_audit.figures', '_audit.sites'],
+  [
+    '_audit',
+    '_audit.intercept',
+    '_audit.arguments',
+    '_audit.replay',
+    '_audit.figures',
+    '_audit.rewrite',
+    '_audit.sites',
+  ],
   ['_audit.notes', '_audit.audit_report', '_audit.audit_explicit'],
   # _hosts: devices, processes, data and transfers.
   ['_hosts.launch', '_hosts.mesh', '_hosts.data'],

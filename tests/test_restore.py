@@ -97,7 +97,9 @@ def test_linen_state_with_optimizer_onto_other_meshes(linen_state, shape):
   kernel = restored['params']['ScanDotReluDot_0']['Dense_0']['kernel']
   assert isinstance(kernel, nn.LogicallyPartitioned)
   assert isinstance(kernel.value, jax.Array)
-  assert kernel.value.sharding.mesh.shape == dict(zip(('data', 'model'), shape))
+  sharding = kernel.value.sharding
+  assert isinstance(sharding, NamedSharding)
+  assert sharding.mesh.shape == dict(zip(('data', 'model'), shape))
   assert fsm.verify(restored, planned) == []
   assert_bit_identical(restored, state)
 
@@ -277,10 +279,20 @@ def test_budget_below_one_read_names_the_smallest(mixed, no_reads):
 def test_cast_is_restored_as_the_target_asks(mixed):
   path, tree = mixed
   target = mixed_target(mesh_of((2, 4)))
+  # bfloat16 into float32 keeps every value: restored without being asked.
+  target['bf16'] = jax.ShapeDtypeStruct(
+    (32, 64), jnp.float32, sharding=target['bf16'].sharding
+  )
+  restored = fsm.restore(path, target)
+  assert restored['bf16'].dtype == jnp.float32
+  np.testing.assert_array_equal(restored['bf16'], tree['bf16'].astype(jnp.float32))
+  # float32 into bfloat16 rounds: only with allow_cast=True.
   target['f32'] = jax.ShapeDtypeStruct(
     (64, 32), jnp.bfloat16, sharding=target['f32'].sharding
   )
-  restored = fsm.restore(path, target)
+  with pytest.raises(fsm.RestoreError, match='f32.*float32, restored as bfloat16'):
+    fsm.restore(path, target)
+  restored = fsm.restore(path, target, allow_cast=True)
   assert restored['f32'].dtype == jnp.bfloat16
   np.testing.assert_array_equal(restored['f32'], tree['f32'].astype(jnp.bfloat16))
 

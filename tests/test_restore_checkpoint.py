@@ -121,7 +121,7 @@ def test_dtype_mismatch_is_reported_by_path(saved):
   target = structs(target_mesh(), TARGET, {'w': jnp.bfloat16})
   r = fsm.restore_plan(str(saved), target, devices_per_host=8)
   assert [(p.path, p.reason) for p in r.problems] == [
-    ('w', 'saved as float32, restored as bfloat16')
+    ('w', 'a cast that can lose values: saved as float32, restored as bfloat16')
   ]
 
 

@@ -11,7 +11,9 @@ import json
 import sys
 from pathlib import Path
 
+import jax
 import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_multihost import run_processes  # noqa: E402  (the same launcher)
@@ -55,3 +57,31 @@ def test_restore_reads_what_the_plan_says_in_each_process(tmp_path):
   for way in ('onto_mesh', 'back'):
     assert all(0 < b < 0.9 * whole for b in reports[0][way]['read_per_host']), way
     assert all(r[way]['measured_read'] < 0.9 * whole for r in reports), way
+
+
+@pytest.mark.slow
+def test_checksums_combine_across_processes_and_catch_damage_in_one(tmp_path):
+  import multihost_scenarios as scenarios
+
+  import flax_shardmeta as fsm
+
+  run_processes('restore-checked', tmp_path)
+  reports = [json.loads((tmp_path / f'checked-{i}.json').read_text()) for i in range(2)]
+  # The same values saved in this one process, laid out another way: the
+  # checksums the two processes combined are the same, leaf by leaf.
+  mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Auto,) * 2)
+  here = {
+    name: jax.device_put(v, NamedSharding(mesh, P('model') if v.ndim else P()))
+    for name, v in scenarios._restore_values().items()
+  }
+  mine = json.loads(
+    (Path(fsm.save(tmp_path / 'one-process', here)) / '_FSM_CHECKSUMS.json').read_text()
+  )
+  for r in reports:
+    assert r['checksums'] == mine
+    assert sorted(r['checked']) == sorted(scenarios.RESTORED)
+    assert all(r['same_values'].values()), r['same_values']
+    # Process 1's data file was damaged; both processes raise, naming 'dense'.
+    assert r['damaged'] is not None, r['process_index']
+    assert r['damaged']['paths'] == ['dense'], r['damaged']
+  assert reports[0]['damaged'] == reports[1]['damaged']

@@ -3,7 +3,8 @@ mesh with Explicit ones.
 
 ``intercept`` (the user's step traced on Explicit axes, going on past each
 refusal with its fix), ``replay`` (the Auto program replayed to read XLA's
-layout of chosen values), ``sites`` (refusals at the user's lines, with the
+layout of chosen values), ``rewrite`` (a statement with its refused calls
+fixed, as code to paste), ``sites`` (refusals at the user's lines, with the
 code to write), ``notes`` (size-1 axes, rules naming one axis twice, opaque
 calls), ``figures`` (a compiled program's collectives, annotations,
 transposes, memory), ``audit_report`` (``ExplicitAudit``) and

@@ -28,10 +28,14 @@ class ExplicitAudit(ShownWithTreescope):
       Explicit axes.
     mesh: the Explicit mesh.
     auto, explicit: the compiled programs' figures (``explicit`` is None if
-      the fixed step did not compile; ``error`` says why).
-    error: empty when the fixed step compiled under Explicit axes.
+      the fixed step did not compile, ``auto`` if the step stops under Auto
+      axes too; ``error`` says why).
+    error: empty when the fixed step compiled under Explicit axes; else where
+      and why it stopped (the sites are those found before that point).
     fixed_step: the step with every fix applied, on the Explicit mesh; takes
       the step's arguments.
+    auto_error: where the step stops under Auto axes (its own error, not a
+      sharding one), or empty.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -49,10 +53,11 @@ class ExplicitAudit(ShownWithTreescope):
   sites: tuple[Site, ...]
   notes: tuple[Note, ...]
   mesh: Any
-  auto: ProgramFigures
+  auto: ProgramFigures | None
   explicit: ProgramFigures | None
   error: str
   fixed_step: Callable[..., Any] = dataclasses.field(repr=False, compare=False)
+  auto_error: str = ''
 
   @property
   def compiles(self) -> bool:
@@ -62,7 +67,7 @@ class ExplicitAudit(ShownWithTreescope):
   def costs_more(self) -> list[str]:
     """Where the Explicit program spends more than the Auto one (by over
     :data:`MORE`), in words; empty when it does not."""
-    if self.explicit is None:
+    if self.explicit is None or self.auto is None:
       return []
     out = []
     a, e = self.auto, self.explicit
@@ -92,7 +97,8 @@ class ExplicitAudit(ShownWithTreescope):
       'notes': [n.to_dict() for n in self.notes],
       'compiles': self.compiles,
       'error': self.error,
-      'auto': self.auto.to_dict(),
+      'auto_error': self.auto_error,
+      'auto': None if self.auto is None else self.auto.to_dict(),
       'explicit': None if self.explicit is None else self.explicit.to_dict(),
       'costs_more': self.costs_more(),
     }
@@ -132,20 +138,17 @@ def _text(r: ExplicitAudit) -> str:
     lines.append(f'{i}. {s.where}  {s.op}' + (f'  ({", ".join(tags)})' if tags else ''))
     lines.append(f'   operands: {", ".join(s.operands) or "-"}')
     lines.append(f'   jax: {s.reason}')
-    lines.append(f'   fix: {s.fix}')
+    lines += [f'   {line}' for line in s.fix_lines()]
   if r.notes:
     lines.append('Also:')
     lines += [f'- {n.kind}: {n.where}: {n.what}. Fix: {n.fix}' for n in r.notes]
   if not r.compiles:
-    lines.append(
-      f'With these fixes the step does not trace or compile under Explicit axes: '
-      f'{r.error}'
-    )
+    lines += _stopped(r)
     return '\n'.join(lines)
   lines.append(
     'With every fix the step compiles under Explicit axes. Per chip per step:'
   )
-  assert r.explicit is not None
+  assert r.explicit is not None and r.auto is not None
   a, e = r.auto, r.explicit
   rows = [('', 'Auto', 'Explicit')]
   for key in sorted(set(a.collectives) | set(e.collectives)):
@@ -165,3 +168,22 @@ def _text(r: ExplicitAudit) -> str:
     'Explicit costs more: ' + ('; '.join(more) if more else 'nowhere (within 10%)')
   )
   return '\n'.join(lines)
+
+
+def _stopped(r: ExplicitAudit) -> list[str]:
+  """Where the step stopped, and what the sites above are then."""
+  found = (
+    'The sites above are those found before that point'
+    if r.sites
+    else ('No site was found before that point')
+  )
+  if r.auto_error:
+    return [
+      f'The step stops under Auto axes too, for its own reason: {r.auto_error}.',
+      f'{found}; nothing was compiled, and the fixes are not proven.',
+    ]
+  return [
+    f'With these fixes the step does not trace or compile under Explicit axes: '
+    f'{r.error}.',
+    f'{found}; the step is not proven to compile.',
+  ]

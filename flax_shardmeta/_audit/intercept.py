@@ -10,6 +10,12 @@ asked for. The trace then goes on as the user's code does, so autodiff
 derives the gradient from the fixed operation as it would from the edited
 code, and a fix that makes a later operation fail shows that one too. Each
 bind is fixed once: nothing loops.
+
+jax caches the trace of a jitted function (``jnp.matmul`` is one) by its
+operands' types: a trace holding one line's fix would be reused, fix and
+all, at another line calling it with the same types, and that line's own
+refusal never seen. Each fix therefore moves a jit cache key
+(:data:`_FIXES`): a trace made after it is never one made before.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,6 +38,10 @@ from flax_shardmeta._frames import is_library_file
 
 Key = tuple[str, int, str, tuple[tuple[int, ...], ...]]
 """(file, line, primitive, operand shapes): a bind told apart across traces."""
+
+_FIXES = jax.make_user_context(None)
+"""Part of jax's trace cache key: a new value at each fix (never reused)."""
+_COUNT = itertools.count()
 
 # Params that give a primitive's result its layout.
 _OUT_PARAM = {'dot_general': 'out_sharding', 'reshape': 'sharding',
@@ -53,6 +64,8 @@ class Refused:
     value_bytes: bytes of the result.
     layer: the flax layer making it, as ``'linen.Dense'`` / ``'nnx.Linear'``
       (its fix is a layer argument), or None.
+    position: the user's call being run, as (line, end line, column, end
+      column) of its expression, or None: which call of the line it is.
   """
 
   key: Key
@@ -65,6 +78,7 @@ class Refused:
   gradient: bool
   value_bytes: int = 0
   layer: str | None = None
+  position: tuple[int, int, int, int] | None = None
 
 
 class Recorder:
@@ -81,6 +95,14 @@ class Recorder:
     self.specs = specs or {}
     self.refused: list[Refused] = []
     self.opaque: dict[Key, str] = {}
+    self.contexts = contextlib.ExitStack()
+
+  def record(self, refused: Refused) -> None:
+    """Records a refusal; traces made from now on are new ones."""
+    if refused.position is None:
+      refused.position = user_position()
+    self.refused.append(refused)
+    self.contexts.enter_context(_FIXES(next(_COUNT)))
 
   def fix(
     self, prim: Any, args: tuple[Any, ...], params: dict[str, Any],
@@ -99,7 +121,7 @@ class Recorder:
         result = None
     if result is None:
       result = _under_auto_axes(prim, args, params, spec, bind)
-    self.refused.append(Refused(
+    self.record(Refused(
       key, prim.name, str(error).strip().split('\n')[0],
       tuple(str(jax.typeof(a)) for a in args), spec, how, from_auto,
       _in_transpose(), _nbytes(result), _layer(),
@@ -119,7 +141,7 @@ class Recorder:
     spec = self.specs.get(key, PartitionSpec())
     result = probe if not from_auto else f(*args, **{**kwargs, 'out_sharding': spec})
     operands = tuple(str(jax.typeof(a)) for a in args if hasattr(a, 'shape'))
-    self.refused.append(Refused(
+    self.record(Refused(
       key, name, str(error).strip().split('\n')[0], operands, spec, 'out_sharding',
       from_auto, _in_transpose(), _nbytes(result), None,
     ))  # fmt: skip
@@ -133,7 +155,7 @@ class Recorder:
     key = (file, line, 'scan carry', tuple(_shape(a) for a in leaves))
     spec = next(iter(jax.tree.leaves(specs, is_leaf=_is_spec)), PartitionSpec())
     reason = str(error).strip().split('\n')[0]
-    self.refused.append(Refused(
+    self.record(Refused(
       key, 'scan carry', reason, tuple(str(jax.typeof(a)) for a in leaves), spec,
       'reshard', True, _in_transpose(), _nbytes(init), None,
     ))  # fmt: skip
@@ -165,13 +187,49 @@ def going_on(recorder: Recorder) -> Iterator[None]:
   for name, f in functions.items():
     setattr(jnp, name, _going_on_call(recorder, name, f))
   jax.lax.scan = _going_on_scan(recorder, scan)
+  recorder.contexts.enter_context(_FIXES(next(_COUNT)))
   try:
     yield
   finally:
+    recorder.contexts.close()
     primitive.bind = original  # type: ignore[method-assign]
     for name, f in functions.items():
       setattr(jnp, name, f)
     jax.lax.scan = scan
+
+
+@contextlib.contextmanager
+def same_mesh() -> Iterator[None]:
+  """Within it, a ``shard_map`` given the step's mesh (``mesh=m``) runs on
+  the audit's: the same devices and axes, with the axis types being traced
+  (as ``m`` made with those types would)."""
+  from jax._src import shard_map as module
+
+  checks = getattr(module, '_shmap_checks', None)
+  if checks is None:  # another jax: shard_map is left as it is
+    yield
+    return
+
+  def rebound(mesh: Any, *args: Any) -> Any:
+    context = jax.sharding.get_abstract_mesh()
+    if mesh is not None and not context.empty and _same_but_types(mesh, context):
+      mesh = None  # the context's: what shard_map does without mesh=
+    return checks(mesh, *args)
+
+  module._shmap_checks = rebound
+  try:
+    yield
+  finally:
+    module._shmap_checks = checks
+
+
+def _same_but_types(mesh: Any, context: Any) -> bool:
+  abstract = getattr(mesh, 'abstract_mesh', mesh)
+  return (
+    tuple(abstract.axis_names) == tuple(context.axis_names)
+    and tuple(abstract.axis_sizes) == tuple(context.axis_sizes)
+    and abstract != context
+  )
 
 
 def _going_on_scan(recorder: Recorder, scan: Callable[..., Any]) -> Any:
@@ -261,6 +319,22 @@ def _user_frame() -> tuple[str, int] | None:
     # ...>' is the interpreter's own.
     if not file.startswith('<frozen') and not _library(file):
       return file, frame.f_lineno
+    frame = frame.f_back
+  return None
+
+
+def user_position() -> tuple[int, int, int, int] | None:
+  """The span of the expression the user's frame is running now (a call,
+  an ``@``): its line, end line, column and end column."""
+  frame = sys._getframe(1)
+  while frame is not None:
+    file = frame.f_code.co_filename
+    if not file.startswith('<frozen') and not _library(file):
+      positions = list(frame.f_code.co_positions())
+      at = positions[frame.f_lasti // 2] if frame.f_lasti >= 0 else None
+      if at is None or None in at:
+        return None
+      return at  # type: ignore[return-value]
     frame = frame.f_back
   return None
 

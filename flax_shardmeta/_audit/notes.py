@@ -9,11 +9,15 @@
 - Calls whose sharding rules cannot see Explicit axes (a Pallas kernel, a
   ``custom_partitioning`` callback, an FFI or custom call): they see their
   operands as Auto, so each is wrapped in ``jax.sharding.auto_axes``.
+- Fixes naming a layout as ``P(...)``: jax reads the mesh axes it names from
+  the mesh in context where the line runs, so each such line needs one
+  there, initialization included.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from jax.sharding import PartitionSpec
@@ -27,8 +31,8 @@ class Note:
   """One thing the audit names that is not a refused operation.
 
   Attributes:
-    kind: ``'size-1 axis'``, ``'rule maps two names to one axis'`` or
-      ``'cannot see Explicit axes'``.
+    kind: ``'size-1 axis'``, ``'rule maps two names to one axis'``,
+      ``'cannot see Explicit axes'`` or ``'fixes need a mesh in context'``.
     where: the parameter path, rule or ``file:line``.
     what: what it is.
     fix: the way out.
@@ -45,14 +49,33 @@ class Note:
 
 
 def notes_of(
-  recorder: Any, in_specs: list[PartitionSpec], mesh: Any, args: Any, rules: Any
-) -> list[Note]:
-  """Every note of one audit, in that order."""
+  recorder: Any, in_specs: list[PartitionSpec], mesh: Any, args: Any, rules: Any,
+  fixes: Sequence[str] = (),
+) -> list[Note]:  # fmt: skip
+  """Every note of one audit, in that order (``fixes``: the sites' code)."""
   return [
     *_size_one(in_specs, mesh),
     *_two_names(args, mesh, rules),
     *_opaque(recorder),
+    *_mesh_context(fixes),
   ]
+
+
+def _mesh_context(fixes: Sequence[str]) -> list[Note]:
+  """A fix that names a layout ``P(...)`` runs only with a mesh in context."""
+  n = sum('P(' in fix for fix in fixes)
+  if not n:
+    return []
+  return [Note(
+    'fixes need a mesh in context', f'{n} of the fixes above',
+    'out_sharding=P(...) names mesh axes, and jax finds them in the mesh in '
+    'context where the line runs: outside one it raises, and with Auto axes '
+    'it refuses them, at initialization (init, eval_shape, an nnx '
+    'constructor) as in the step',
+    'run every call that reaches those lines, the model\'s initialization '
+    'included, inside `with jax.set_mesh(mesh):` on a mesh whose axes are '
+    'Explicit (axis_types=(AxisType.Explicit,) * n)',
+  )]  # fmt: skip
 
 
 def _size_one(specs: list[PartitionSpec], mesh: Any) -> list[Note]:

@@ -8,7 +8,11 @@ import textwrap
 from typing import Any
 
 from flax_shardmeta._capacity.estimate.unplaced import UnplacedValue, report_lines
-from flax_shardmeta._capacity.fit.usable import FRACTION_VARIABLES, UsableMemory
+from flax_shardmeta._capacity.fit.usable import (
+  FRACTION_VARIABLES,
+  UsableMemory,
+  fraction_text,
+)
 from flax_shardmeta._capacity.hlo.roofline import CollectiveRow, Roofline, by_link
 from flax_shardmeta._capacity.vocabulary import (  # `X as X`: read from here too
   ACTIVATIONS as ACTIVATIONS,
@@ -91,6 +95,9 @@ class FitReport:
       compiled total; a limit inside that band gets no verdict (``fits`` is
       None: too close to call without compiling).
     plan: what the compiler planned against and whether it rematerialized.
+    unmeasured: estimates only: what in the step none of the models its
+      error was measured on has (BENCHMARKS.md), e.g. ``'shard_map (per-device
+      code)'``; where any, the verdict says the band does not cover it.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -129,6 +136,7 @@ class FitReport:
   needed_fraction: float | None = None
   error_band: tuple[float, float] | None = None
   plan: CompilerPlan | None = None
+  unmeasured: tuple[str, ...] = ()
 
   @property
   def fits(self) -> bool | None:
@@ -245,6 +253,7 @@ class FitReport:
       'usable_memory': self.usable.to_dict() if self.usable else None,
       'needed_fraction': self.needed_fraction,
       'error_band': list(self.error_band) if self.error_band else None,
+      'unmeasured': list(self.unmeasured),
       'compiler_plan': self.plan.to_dict() if self.plan else None,
     }
 
@@ -276,7 +285,18 @@ class FitReport:
 
 def verdict(report: FitReport) -> str:
   """One line: FITS / FITS ONLY WITH / DOES NOT FIT / TOO CLOSE TO CALL, with
-  the headroom or the shortfall."""
+  the headroom or the shortfall; for an estimate of a step outside the
+  models its error was measured on, saying so."""
+  line = _verdict(report)
+  if report.unmeasured and report.hbm_bytes is not None:
+    line += (
+      "; the estimate's measured error does not cover this step "
+      f'({", ".join(report.unmeasured)}): compile it for a verdict that holds'
+    )
+  return line
+
+
+def _verdict(report: FitReport) -> str:
   if report.refusal is not None:
     r = report.refusal
     return (
@@ -300,10 +320,14 @@ def verdict(report: FitReport) -> str:
   if report.fits:
     return f'FITS{at}, headroom {signed_bytes(room)} ({share:.1%} {of})'
   over = f'{signed_bytes(-(room or 0))} over ({-(share or 0):.1%} {of})'
+  if report.usable is not None and not report.hbm_bytes:  # no share of nothing
+    over = f'{signed_bytes(-(room or 0))} over (the reserve leaves no usable memory)'
   if report.needed_fraction is not None:
     current, old = FRACTION_VARIABLES
     usable = report.usable
-    now = f' at {usable.fraction:.2f} ({usable.fraction_from})' if usable else ''
+    now = (
+      f' at {fraction_text(usable.fraction)} ({usable.fraction_from})' if usable else ''
+    )
     return (
       f'FITS ONLY WITH {current}={report.needed_fraction:.2f} ({old} in older '
       f'jax): {signed_bytes(-(room or 0))} over the usable memory{now}'
@@ -314,7 +338,8 @@ def verdict(report: FitReport) -> str:
 def _at_fraction(usable: UsableMemory | None) -> str:
   if usable is None:
     return ''
-  return f' at {FRACTION_VARIABLES[0]}={usable.fraction:.2f} ({usable.fraction_from})'
+  at = fraction_text(usable.fraction)
+  return f' at {FRACTION_VARIABLES[0]}={at} ({usable.fraction_from})'
 
 
 def format_report(report: FitReport) -> str:

@@ -1,14 +1,16 @@
 """Devices of an NVIDIA GPU cluster this machine does not have, from jax's CUDA
 plugin, compile-only.
 
-jax's CUDA PJRT plugin (``pip install 'flax_shardmeta[gpu]'``: ``jax[cuda12-local]``
+jax's CUDA PJRT plugin (``pip install '.[gpu]'`` from a checkout: ``jax[cuda12-local]``
 matching the installed jax, without NVIDIA's runtime wheels) describes any GPU
 from an XLA ``GpuTargetConfigProto`` in text form and gives compile-only devices
 for ``nodes x GPUs per node``: a ``Mesh`` over them lowers and compiles a sharded
 program as the cluster would, and XLA reports its per-GPU memory. The
 descriptions of the GPUs named here are the project's own, in ``gpu_targets/``
 (each figure with its source). The plugin starts only when jax's platforms are
-set to ``cpu`` before the first backend is made (``JAX_PLATFORMS=cpu``).
+set to ``cpu`` before the first backend is made (``JAX_PLATFORMS=cpu``), and
+reads the allocator fraction from the environment as it starts, which is
+checked here first (:func:`environment_fraction`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import importlib.util
+import math
+import numbers
 import os
 import re
 from typing import Any
@@ -46,6 +50,10 @@ _MEMORY_OF_KIND: dict[str, int] = {}
 # the same program for the memory a real run hands XLA (_capacity.fit.usable).
 _TEXT_OF_KIND: dict[str, str] = {}
 _PLUGINS = ('jax_plugins.xla_cuda12', 'jax_plugins.xla_cuda13')
+
+FRACTION_VARIABLES = ('XLA_CLIENT_MEM_FRACTION', 'XLA_PYTHON_CLIENT_MEM_FRACTION')
+"""The variables jaxlib reads for the allocator fraction, current name first
+(the old one is deprecated: openxla/xla#16457)."""
 
 
 def is_gpu_topology(name: Any) -> bool:
@@ -113,6 +121,7 @@ def gpu_devices(name: str, *, target_config: str | None = None) -> tuple[Any, ..
     16 NVIDIA H100 80GB HBM3 1
   """
   gpu, nodes, per_node = _parse(name)
+  environment_fraction(TopologyError)  # jaxlib reads it as the plugin starts
   if gpu == 'custom':
     if target_config is None:
       raise TopologyError(
@@ -132,10 +141,73 @@ def gpu_devices(name: str, *, target_config: str | None = None) -> tuple[Any, ..
 
     raise TopologyError(
       f"GPU topology {name!r} needs jax's CUDA plugin, which is not installed. "
-      f"Install the extra that brings it: pip install 'flax_shardmeta[gpu]' "
+      f"Install the extra that brings it, from a checkout: pip install '.[gpu]' "
       f'(jax[cuda12-local], matching jax {jax.__version__}; no NVIDIA runtime).'
     )
   return _devices(text, nodes, per_node, name)
+
+
+def checked_fraction(value: Any, where: str, error: type[Exception]) -> float:
+  """``value`` as an allocator fraction in (0, 1]: a number of any numeric
+  type (``0.9``, ``np.float32(0.9)``) or a numeric string (``'0.9'``).
+
+  Raises:
+    error: anything else (a bool, nan, a number out of range, other text),
+      naming ``where`` the value came from.
+
+  Example:
+    >>> import numpy as np
+    >>> checked_fraction(np.float32(0.9), 'mem_fraction=', ValueError)
+    0.9
+    >>> checked_fraction(' 0.001', 'XLA_CLIENT_MEM_FRACTION', ValueError)
+    0.001
+  """
+  number: float | None = None
+  if isinstance(value, str):
+    try:
+      number = float(value)
+    except ValueError:
+      pass
+  elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+    # A numpy scalar's shortest text is the value meant (0.9, not 0.89999998).
+    number = float(str(value)) if type(value).__module__ == 'numpy' else float(value)
+  if number is None or not math.isfinite(number) or not 0 < number <= 1:
+    raise error(
+      f'{where}{value!r}: the allocator fraction must be a number greater than '
+      '0 and at most 1, e.g. 0.9.'
+    )
+  return number
+
+
+def environment_fraction(error: type[Exception]) -> tuple[float, str] | None:
+  """``(fraction, variable)`` from the environment as jaxlib reads it (an
+  empty variable is unset), or None when neither variable is set.
+
+  jaxlib refuses both variables at once, whatever their values (no value
+  wins: it raises as its GPU plugin starts), and passes the one set to XLA.
+
+  Raises:
+    error: both variables set, or a value that is not a fraction in (0, 1].
+
+  Example:
+    >>> import os
+    >>> os.environ['XLA_CLIENT_MEM_FRACTION'] = '0.9'
+    >>> environment_fraction(ValueError)
+    (0.9, 'XLA_CLIENT_MEM_FRACTION')
+    >>> del os.environ['XLA_CLIENT_MEM_FRACTION']
+  """
+  given = [(v, os.environ[v]) for v in FRACTION_VARIABLES if os.environ.get(v)]
+  if len(given) > 1:
+    (new, a), (old, b) = given
+    raise error(
+      f'both {new}={a!r} and {old}={b!r} are set: jaxlib takes neither and '
+      f'refuses to start its GPU plugin. Unset {old} (deprecated) and keep '
+      f'{new}.'
+    )
+  if not given:
+    return None
+  name, text = given[0]
+  return checked_fraction(text, f'{name}=', error), name
 
 
 def node_local_check(sizes: Any, names: Any, devices: Any) -> None:

@@ -2,7 +2,7 @@
 cluster, from jax's CUDA plugin: ``gpu``), and meshes laid out over devices
 (``device_mesh``).
 
-``libtpu`` (``pip install 'flax_shardmeta[tpu]'``, which brings the
+``libtpu`` (``pip install '.[tpu]'` from a checkout`, which brings the
 ``jax[tpu]`` matching the installed jax) describes any TPU topology and gives
 compile-only devices for it: a ``Mesh`` over them lowers and compiles a
 sharded program exactly as the pod would, and XLA reports its per-chip
@@ -171,7 +171,7 @@ def topology_devices(
 
     raise TopologyError(
       f'TPU topology {name!r} needs libtpu, which is not installed. Install the '
-      f"extra that brings it: pip install 'flax_shardmeta[tpu]' (jax[tpu], "
+      f"extra that brings it, from a checkout: pip install '.[tpu]' (jax[tpu], "
       f'matching jax {jax.__version__}).'
     )
   return _devices(name.strip(), num_slices)

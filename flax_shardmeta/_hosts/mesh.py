@@ -72,8 +72,10 @@ def make_mesh(
     neighbouring mesh positions are neighbouring chips.
 
   Raises:
-    MeshShapeError: the sizes do not fit the devices or the hosts; the
-      message names both counts and a factorisation that would fit.
+    MeshShapeError: the sizes do not fit the devices or the hosts (the
+      message names both counts and a factorisation that would fit); the
+      names are not distinct strings; ``axis_types`` is not one ``AxisType``
+      per axis.
     TopologyError: an accelerator neither a GPU nor a TPU fsm knows (read
       before either platform is asked: ``'h900:1x8'`` names the closest
       known ones, ``h100`` or ``h200``); libtpu / the CUDA plugin is missing;
@@ -102,7 +104,7 @@ def make_mesh(
   sizes = _fill_wildcard(_as_ints(axis_sizes, names), names, len(devices), n_hosts)
   # Auto unless told otherwise (jax.make_mesh's own default is Explicit): see
   # the axis_types argument above for why.
-  types = tuple(axis_types) if axis_types is not None else (AxisType.Auto,) * len(names)
+  types = _axis_types(axis_types, names)
   dcn = None
   if dcn_axis_sizes is not None:
     dcn = _as_ints(dcn_axis_sizes, names, what='dcn_axis_sizes')
@@ -158,7 +160,7 @@ def _sizes_and_names(
         f'{tuple(axis_names)} too; the mapping already names the axes, so leave '
         'axis_names out.'
       )
-    return tuple(axis_sizes.values()), tuple(axis_sizes)
+    return tuple(axis_sizes.values()), _checked_names(tuple(axis_sizes))
   if axis_names is None:
     raise MeshShapeError(
       f'axis sizes {tuple(axis_sizes)} without axis_names; pass the names, e.g. '
@@ -169,7 +171,53 @@ def _sizes_and_names(
       f'axis_names={axis_names!r} is one string; give a tuple of names, e.g. '
       f'({axis_names!r},).'
     )
-  return axis_sizes, tuple(axis_names)
+  if isinstance(axis_sizes, str):
+    raise MeshShapeError(
+      f'axis sizes {axis_sizes!r} are one string; give a tuple of integers, '
+      'e.g. (2, 4).'
+    )
+  return axis_sizes, _checked_names(tuple(axis_names))
+
+
+def _checked_names(names: tuple[Any, ...]) -> tuple[str, ...]:
+  """Axis names are distinct, non-empty strings: rules and specs name the
+  axes by them, and jax would take a repeated name until a spec uses it."""
+  for name in names:
+    if not isinstance(name, str) or not name:
+      raise MeshShapeError(
+        f'axis names {names}: {name!r} is no name; each axis is named by a '
+        "non-empty string, e.g. ('data', 'model')."
+      )
+  twice = sorted({n for n in names if names.count(n) > 1})
+  if twice:
+    raise MeshShapeError(
+      f'axis names {names} name {twice[0]!r} twice; give each axis its own name.'
+    )
+  return names
+
+
+def _axis_types(
+  axis_types: Sequence[AxisType] | AxisType | None, names: tuple[str, ...]
+) -> tuple[AxisType, ...]:
+  """One ``AxisType`` per axis, checked here rather than in jax's Mesh."""
+  if axis_types is None:
+    return (AxisType.Auto,) * len(names)
+  example = f'(AxisType.Explicit,) * {len(names)}'
+  if isinstance(axis_types, (AxisType, str)):
+    raise MeshShapeError(
+      f'axis_types={axis_types!r} is one value; give one jax.sharding.AxisType '
+      f'per axis of {names}, e.g. axis_types={example}.'
+    )
+  types = tuple(axis_types)
+  bad = [t for t in types if not isinstance(t, AxisType)]
+  if bad or len(types) != len(names):
+    what = f'{bad[0]!r} is no jax.sharding.AxisType' if bad else 'not one per axis'
+    raise MeshShapeError(
+      f'axis_types={types} for axes {names}: {what}; give one '
+      f'jax.sharding.AxisType (Auto, Explicit or Manual) per axis, e.g. '
+      f'axis_types={example}.'
+    )
+  return types
 
 
 def _as_ints(

@@ -19,7 +19,7 @@ import jax
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
-from flax_shardmeta._errors import NnxJitError, UnmappedNameWarning
+from flax_shardmeta._errors import NnxJitError, NoMeshError, UnmappedNameWarning
 from flax_shardmeta._explicit import explain_sharding_type_errors
 from flax_shardmeta._frames import warn_at_user_code
 from flax_shardmeta._jit.graph import (
@@ -28,6 +28,7 @@ from flax_shardmeta._jit.graph import (
   graph_positions,
 )
 from flax_shardmeta._jit_key import own_trace
+from flax_shardmeta._placement import context_mesh
 from flax_shardmeta._resolution import logical_to_mesh_axes
 from flax_shardmeta._rules import (
   get_logical_axis_rules,
@@ -225,7 +226,7 @@ def _stage(jitted: Any, method: str | None) -> Callable[..., Any]:
 def jit(
   fn: Callable[..., Any],
   *,
-  mesh: AnyMesh,
+  mesh: AnyMesh | None,
   rules: LogicalRules | None = None,
   in_shardings: Any = None,
   out_shardings: Any = None,
@@ -248,7 +249,8 @@ def jit(
     fn: the function to compile.
     mesh: the mesh it runs on; an ``AbstractMesh`` (e.g. a pod planned from
       a laptop) gives a function that traces and lowers abstractly, for
-      :func:`flax_shardmeta.fit`, but cannot run.
+      :func:`flax_shardmeta.fit`, but cannot run. None takes the context
+      mesh (``jax.set_mesh``) at the time ``jit`` is called, and keeps it.
     rules: logical axis rules; None takes the context rules at the time
       ``jit`` is called, and keeps them.
     in_shardings: shardings of the arguments (see above), as for ``jax.jit``.
@@ -258,6 +260,9 @@ def jit(
 
   Returns:
     A :class:`JitWithContext`, called like ``fn``.
+
+  Raises:
+    NoMeshError: ``mesh=None`` with no context mesh.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -269,6 +274,13 @@ def jit(
     >>> g(jnp.ones((8, 4))).sharding.spec
     P('data', 'model')
   """
+  if mesh is None:
+    mesh = context_mesh()  # like rules=None: the context's, kept
+    if mesh is None:
+      raise NoMeshError(
+        'fsm.jit(mesh=None) takes the context mesh, and none is set: pass '
+        'mesh=... or call fsm.jit inside `with jax.set_mesh(mesh):`.'
+      )
   rules_t = normalize_rules(rules) if rules is not None else get_logical_axis_rules()
   if rules is None and not rules_t:
     _warn_if_logical(in_shardings, out_shardings)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flax_shardmeta import _annotation as ann_lib
+from flax_shardmeta._axis_typos import with_typo_hint
 from flax_shardmeta._caches import paused_gc
 from flax_shardmeta._errors import ShardingError, ShardingProblem
 from flax_shardmeta._paths import nest
@@ -305,6 +306,7 @@ def plan(
   problems += report_unmapped(
     unmapped, tuple(mesh.axis_names), strict, no_rules=source == SOURCE_NONE
   )
+  problems = with_typo_hint(problems, mesh.axis_names, rules_t)
   if adjusted:
     warn_replicated(adjusted)
   return ShardingPlan(

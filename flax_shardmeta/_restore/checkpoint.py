@@ -19,6 +19,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from flax_shardmeta._errors import FlaxShardmetaError
 from flax_shardmeta._paths import nest
+from flax_shardmeta._restore import checksums as checksums_lib, damage
 from flax_shardmeta._typing import PyTree
 
 Chunks = dict[str, tuple[int, ...]]
@@ -38,6 +39,8 @@ class SavedCheckpoint:
     keys: per leaf path, its keys in the saved tree (boxes' ``value``
       included), as orbax's restore arguments nest them.
     metadata: orbax's metadata tree, nested as saved.
+    checksums: the content checksums ``fsm.save`` wrote beside it (None:
+      none, so a restore cannot check the values it reads).
   """
 
   directory: str
@@ -46,6 +49,7 @@ class SavedCheckpoint:
   stored: dict[str, np.ndarray]
   keys: dict[str, tuple[str, ...]]
   metadata: PyTree = None
+  checksums: dict[str, Any] | None = None
 
 
 def checkpoint_directory(path: str | os.PathLike[str], step: int | None = None) -> str:
@@ -122,20 +126,27 @@ def read_checkpoint(
     if chunk is not None:
       chunks[leaf_path] = chunk
   stored = _stored_bytes(where, keys, dict(structs), chunks)
-  return SavedCheckpoint(where, nest(structs), chunks, stored, keys, metadata)
+  sums = checksums_lib.read(where)
+  return SavedCheckpoint(where, nest(structs), chunks, stored, keys, metadata, sums)
 
 
 def _metadata_tree(where: str) -> PyTree:
   """orbax's metadata tree of the checkpoint at ``where``."""
   import orbax.checkpoint as ocp
+  from etils import epath
 
+  # orbax logs a corrupt step metadata file and goes on; it is named here.
+  damage.check_metadata_files(where)
   try:
-    meta = ocp.StandardCheckpointer().metadata(where)
-  except (OSError, ValueError, KeyError, TypeError) as e:
+    # The handler itself: orbax's checkpointer logs its errors and returns none.
+    meta = ocp.StandardCheckpointHandler().metadata(epath.Path(where))
+  except FileNotFoundError as e:
     raise FlaxShardmetaError(
       f'{where}: orbax cannot read its metadata ({e}); pass the directory of '
       'an orbax checkpoint (the one holding its _METADATA file)'
     ) from e
+  except Exception as e:  # noqa: BLE001 - orbax and TensorStore raise bare ones
+    raise damage.metadata_error(where, e) from e
   # Newer orbax wraps the tree in step metadata, older returns it directly.
   item = getattr(meta, 'item_metadata', meta)
   tree = getattr(item, 'tree', item)

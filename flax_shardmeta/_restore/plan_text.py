@@ -1,4 +1,5 @@
-"""A restore plan as text: a table of leaves, then hosts, totals and problems."""
+"""A restore plan as text: a table of leaves, then hosts, totals, problems and
+notes."""
 
 from __future__ import annotations
 
@@ -58,8 +59,15 @@ def plan_text(p: Any) -> str:
       f'host staging: at most {staging} (no budget: every read at once); '
       f'smallest budget {format_bytes(p.min_budget_bytes)}'
     )
-  lines.append('problems: ' + ('none' if not p.problems else f'{len(p.problems)}'))
-  lines += [f'  {q}' for q in p.problems]
+  if p.checkpoint is not None:  # what a restore checks of the values it reads
+    lines.append(str(p.content_check))
+  blocking = p.blocking
+  lines.append('problems: ' + ('none' if not blocking else f'{len(blocking)}'))
+  lines += [f'  {q}' for q in blocking]
+  notes = [q for q in p.problems if q not in blocking]
+  if notes:  # restored as the target asks
+    lines.append(f'notes (restored as the target asks): {len(notes)}')
+    lines += [f'  {q}' for q in notes]
   return '\n'.join(lines)
 
 

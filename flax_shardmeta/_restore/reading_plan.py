@@ -13,14 +13,14 @@ import os
 from typing import Any
 
 import numpy as np
-from jax.sharding import NamedSharding
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._caches import paused_gc
-from flax_shardmeta._devices.chips import parse_bytes
-from flax_shardmeta._errors import ShardingProblem
+from flax_shardmeta._errors import RestoreError, ShardingProblem
 from flax_shardmeta._paths import nest
+from flax_shardmeta._placement import check_mesh
 from flax_shardmeta._planning.entry import nbytes
+from flax_shardmeta._restore.casts import CAST, saved_as_target
 from flax_shardmeta._restore.checkpoint import SavedCheckpoint, read_checkpoint
 from flax_shardmeta._restore.chunks import (
   dim_axes,
@@ -28,22 +28,26 @@ from flax_shardmeta._restore.chunks import (
   lost_explicit_axes,
   saved_layout,
 )
+from flax_shardmeta._restore.inputs import (
+  budget_bytes,
+  check_flag,
+  check_hosts,
+  check_step,
+  count,
+)
 from flax_shardmeta._restore.reads import LeafCost, leaf_cost
 from flax_shardmeta._restore.schedule import Group, min_budget, schedule
-from flax_shardmeta._sharding import (
-  effective_rules,
-  layout_of,
-  leaf_shape,
-  problems_of,
-)
+from flax_shardmeta._restore.targets import Target, target_leaves, target_mesh
+from flax_shardmeta._sharding import leaf_shape
 from flax_shardmeta._specs import format_spec, json_entry, spec_entries
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 from flax_shardmeta._units import format_bytes
 from flax_shardmeta._views import ShownWithTreescope
 
 # Reasons of problems a restore reports but goes past: the target asks for them.
-CAST, KIND, TYPES = 'saved as ', 'memory kind changes', 'saved on Explicit mesh axes'
+KIND, TYPES = 'memory kind changes', 'saved on Explicit mesh axes'
 NOTES = (CAST, KIND, TYPES)
+EXTRA = 'saved in the checkpoint but not in the target'
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,6 +126,8 @@ class RestorePlan(ShownWithTreescope):
       no budget, every read at once: at most).
     device_peak_bytes, device_after_bytes: per device, the most held during
       the restore and what is held after it.
+    partial, allow_cast: as planned: saved leaves the target lacks are left
+      unread; casts that can lose values are made (both notes, not problems).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -146,9 +152,13 @@ class RestorePlan(ShownWithTreescope):
     num_hosts: int,
     host_budget: int | None,
     checkpoint: SavedCheckpoint | None = None,
+    *,
+    partial: bool = False,
+    allow_cast: bool = False,
   ):
     """Made by :func:`restore_plan`; not meant to be called directly."""
     self.checkpoint = checkpoint
+    self.partial, self.allow_cast = partial, allow_cast
     self.entries = entries
     self.problems = problems
     self.mesh = mesh
@@ -181,9 +191,11 @@ class RestorePlan(ShownWithTreescope):
 
   @property
   def blocking(self) -> tuple[ShardingProblem, ...]:
-    """The problems a restore cannot go past: all but a cast, a memory-kind
-    change and axis types the target chose, which it reports."""
-    return tuple(p for p in self.problems if not p.reason.startswith(NOTES))
+    """The problems a restore cannot go past: all but the notes (a cast that
+    keeps values or one allowed, a memory-kind change, axis types the target
+    chose, with ``partial`` a saved leaf the target lacks), which it reports."""
+    notes = NOTES + ((EXTRA,) if self.partial else ())
+    return tuple(p for p in self.problems if not p.reason.startswith(notes))
 
   @property
   def total_read(self) -> int:
@@ -199,6 +211,14 @@ class RestorePlan(ShownWithTreescope):
   def over_read(self) -> int:
     """Decoded bytes read beyond the shards kept, over all hosts."""
     return sum(e.over_read for e in self.entries)
+
+  @property
+  def content_check(self) -> Any:
+    """Which leaves a restore checks against the checksums ``fsm.save`` wrote
+    (a ``ContentCheck``: ``algorithm`` None when the checkpoint has none)."""
+    from flax_shardmeta._restore.checksums import content_check
+
+    return content_check(self)
 
   def entry(self, path: str) -> RestoreEntry:
     """The entry at ``path`` (KeyError if none)."""
@@ -229,6 +249,9 @@ class RestorePlan(ShownWithTreescope):
       'device_peak_bytes': max(self.device_peak_bytes, default=0),
       'device_after_bytes': max(self.device_after_bytes, default=0),
       'problems': [p.to_dict() for p in self.problems],
+      # Of those, the ones a restore cannot go past (the rest are notes).
+      'blocking': [p.to_dict() for p in self.blocking],
+      'content_check': self.content_check.to_dict(),
     }
 
   def __str__(self) -> str:
@@ -279,6 +302,8 @@ def restore_plan(
   host_budget: int | str | None = None,
   devices_per_host: int | None = None,
   step: int | None = None,
+  partial: bool = False,
+  allow_cast: bool = False,
 ) -> RestorePlan:
   """Plans restoring a checkpoint saved with ``source``'s layouts as ``target``.
 
@@ -300,10 +325,20 @@ def restore_plan(
     devices_per_host: group the mesh's devices into hosts of this many
       (default: a concrete mesh by process, an abstract one as one host).
     step: with ``source`` a ``CheckpointManager``'s root, the step to plan
-      (default: the latest).
+      (default: the latest); with a step folder, only its own step.
+    partial: plan restoring the target's leaves of a checkpoint that has
+      more (those it lacks are then notes, not problems).
+    allow_cast: a target dtype that can lose saved values (float to int, a
+      narrower type) is a note, not a problem.
 
   Returns:
-    The :class:`RestorePlan`; problems are collected, never raised.
+    The :class:`RestorePlan`; problems of the leaves are collected, not raised.
+
+  Raises:
+    HostBudgetError: ``host_budget`` is not a positive number of bytes.
+    RestoreError: ``step`` is not a step, or not the one ``source`` holds;
+      ``devices_per_host`` is not a positive int.
+    FlaxShardmetaError: ``source`` is not a checkpoint.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -317,64 +352,57 @@ def restore_plan(
     >>> r.entry('w').spec, r.needed_per_host, r.read_per_host
     (P(None, 'model'), (512, 512), (2048, 2048))
   """
-  budget = None if host_budget is None else parse_bytes(host_budget)
-  rules_t = effective_rules(rules)
+  budget = budget_bytes(host_budget)
+  per_host = count('devices_per_host', devices_per_host, 1)
+  partial = check_flag('partial', partial)
+  allow_cast = check_flag('allow_cast', allow_cast)
+  mesh = None if mesh is None else check_mesh(mesh, 'restore_plan')
   problems: list[ShardingProblem] = []
   saved_ckpt = None
   if isinstance(source, (str, os.PathLike)):
-    saved_ckpt = read_checkpoint(source, step)
+    saved_ckpt = read_checkpoint(source, count('step', step, 0))
+    check_step(source, saved_ckpt.directory, step)
     source = saved_ckpt.tree
   with paused_gc():
     saved = _arrays(source)
-    targets = _targets(target, mesh, rules_t, problems)
-  if mesh is None:
-    mesh = next((s.mesh for _, _, s in targets if s is not None), None)
-  hosts = host_of_devices(mesh, devices_per_host) if mesh is not None else None
+    targets = target_leaves(target, mesh, rules, problems)
+  if not targets:
+    raise RestoreError(
+      f'the target holds no arrays (got {type(target).__name__}): pass the '
+      'tree to restore into, e.g. fsm.as_abstract(abstract_state, mesh)'
+    )
+  if not saved and saved_ckpt is None:
+    raise RestoreError(
+      f'the source holds no arrays (got {type(source).__name__}): pass an '
+      "orbax checkpoint's directory, or the saved layout as structs"
+    )
+  mesh, elsewhere = target_mesh(targets, mesh)
+  if mesh is not None:
+    check_hosts(math.prod(mesh.axis_sizes), per_host)
+  hosts = host_of_devices(mesh, per_host) if mesh is not None else None
   num_hosts = 0 if hosts is None else int(hosts.max()) + 1
   memo: dict[Any, LeafCost] = {}
   entries = []
-  for path, value, sharding in targets:
-    old = saved.pop(path, None)
-    where = (hosts, num_hosts, saved_ckpt, path)
-    entries.append(_entry(path, old, value, sharding, mesh, where, memo, problems))
+  for t in targets:
+    old = saved.pop(t.path, None)
+    where = (hosts, num_hosts, saved_ckpt, elsewhere(t.path), allow_cast)
+    entries.append(_entry(t, old, where, memo, problems))
   for path, old in saved.items():
     problems.append(
-      _problem(path, old, None, 'saved in the checkpoint but not in the target',
-               'add it to the target, or restore a subset with partial=True')
+      _problem(path, old, None, EXTRA,
+               'add it to the target, or restore a subset with partial=True '
+               '(restore-plan --partial)')
     )  # fmt: skip
   return RestorePlan(
-    tuple(entries), tuple(problems), mesh, num_hosts, budget, saved_ckpt
-  )
+    tuple(entries), tuple(problems), mesh, num_hosts, budget, saved_ckpt,
+    partial=partial, allow_cast=allow_cast,
+  )  # fmt: skip
 
 
 def _arrays(tree: PyTree) -> dict[str, Any]:
   """Path -> array-like value of every array leaf (boxes unboxed)."""
   leaves, _ = ann_lib.walk(tree, every_path=True)
   return {lf.path: lf.value for lf in leaves if leaf_shape(lf.value) is not None}
-
-
-def _targets(
-  tree: PyTree,
-  mesh: AnyMesh | None,
-  rules: tuple[tuple[str, Any], ...],
-  problems: list[ShardingProblem],
-) -> list[tuple[str, Any, NamedSharding | None]]:
-  """(path, value, target sharding or None) of every target array leaf."""
-  leaves, _ = ann_lib.walk(tree, every_path=True)
-  out = []
-  for lf in leaves:
-    shape = leaf_shape(lf.value)
-    if shape is None:
-      continue
-    sharding = getattr(lf.value, 'sharding', None)
-    if not isinstance(sharding, NamedSharding):
-      sharding = None
-    if sharding is None and lf.annotation is not None and mesh is not None:
-      layout = layout_of(shape, lf.annotation, mesh, rules)
-      problems.extend(problems_of(lf.path, lf, layout))
-      sharding = layout.sharding
-    out.append((lf.path, lf.value, sharding))
-  return out
 
 
 def _problem(
@@ -384,23 +412,22 @@ def _problem(
 
 
 def _entry(
-  path: str,
+  t: Target,
   old: Any,
-  value: Any,
-  sharding: NamedSharding | None,
-  mesh: AnyMesh | None,
-  where: tuple[np.ndarray | None, int, SavedCheckpoint | None, str],
+  where: tuple[np.ndarray | None, int, SavedCheckpoint | None, Any, bool],
   memo: dict[Any, LeafCost],
   problems: list[ShardingProblem],
 ) -> RestoreEntry:
   """One target leaf's entry; its problems appended to ``problems``.
 
   ``where`` is the hosts of the mesh's devices, their count, the checkpoint
-  read (None: planned on paper) and the leaf's path in it.
+  read (None: planned on paper), the (reason, hint) of a leaf on another mesh
+  than the plan's (None: on it) and ``allow_cast``.
   """
-  hosts, num_hosts, ckpt, saved_path = where
-  chunk = None if ckpt is None else ckpt.chunks.get(saved_path)
-  stored = None if ckpt is None else ckpt.stored.get(saved_path)
+  hosts, num_hosts, ckpt, elsewhere, allow_cast = where
+  path, value, sharding = t.path, t.value, t.sharding
+  chunk = None if ckpt is None else ckpt.chunks.get(path)
+  stored = None if ckpt is None else ckpt.stored.get(path)
   shape, dtype = leaf_shape(value) or (), getattr(value, 'dtype', None)
   spec = None if sharding is None else sharding.spec
   kind = None if sharding is None else sharding.memory_kind or 'device'
@@ -411,27 +438,22 @@ def _entry(
     None if old is None else getattr(old_sharding, 'memory_kind', None) or 'device'
   )
   add = lambda reason, hint: problems.append(_problem(path, value, spec, reason, hint))  # noqa: E731
-  ok = True
-  if old is None:
+  ok = saved_as_target(old, shape, dtype, allow_cast, add)
+  if t.faulty:
+    ok = False  # its layout's problems are listed: they say why
+  elif sharding is None:
     ok = False
-    add('not in the checkpoint', 'save it, or drop it from the target')
-  elif leaf_shape(old) != shape:
-    ok = False
-    add(f'saved with shape {leaf_shape(old)}', 'restore into the saved shape')
-  elif old.dtype != dtype:
-    add(f'{CAST}{old.dtype}, restored as {dtype}', 'check the cast is meant')
-  if sharding is None:
-    ok = False
+    other = getattr(value, 'sharding', None)
+    has = (
+      'no sharding' if other is None else f'a {type(other).__name__}, no NamedSharding'
+    )
     add(
-      'the target has no sharding: it would restore with the saved layout',
+      f'the target has {has}: it would restore with the saved layout',
       'pass fsm.as_abstract(tree, mesh) or give it a NamedSharding',
     )
-  elif mesh is not None and (
-    tuple(sharding.mesh.axis_names),
-    tuple(sharding.mesh.axis_sizes),
-  ) != (tuple(mesh.axis_names), tuple(mesh.axis_sizes)):
+  elif elsewhere is not None:
     ok = False
-    add('the target is on another mesh than the plan', 'use one target mesh')
+    add(*elsewhere)
   if old is not None and kind is not None and old_kind != kind:
     add(f'{KIND} from {old_kind} to {kind}', 'check it is meant')
   lost = lost_explicit_axes(old_sharding, sharding)
@@ -450,7 +472,7 @@ def _entry(
   cost = None
   if ok and old is not None and sharding is not None and hosts is not None:
     sizes = (nbytes((), old.dtype), nbytes((), dtype))
-    key = (shape, old_chunk, sizes, new_axes, None if stored is None else saved_path)
+    key = (shape, old_chunk, sizes, new_axes, None if stored is None else path)
     cost = memo.get(key)
     if cost is None:
       cost = memo[key] = leaf_cost(

@@ -23,13 +23,12 @@ from jax.sharding import NamedSharding
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._errors import RestoreError, ShardingProblem
+from flax_shardmeta._restore import checksums, damage
 from flax_shardmeta._restore.checkpoint import saved_keys
 from flax_shardmeta._restore.reading_plan import RestorePlan, restore_plan
 from flax_shardmeta._sharding import leaf_shape
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 from flax_shardmeta._units import format_bytes
-
-EXTRA = 'saved in the checkpoint but not in the target'
 
 
 def restore(
@@ -42,6 +41,7 @@ def restore(
   devices_per_host: int | None = None,
   step: int | None = None,
   partial: bool = False,
+  allow_cast: bool = False,
 ) -> PyTree:
   """Restores the orbax checkpoint at ``path`` as ``target`` lays it out.
 
@@ -63,16 +63,26 @@ def restore(
     rules: logical axis rules for boxes; None uses the context rules.
     host_budget: host memory for staging reads per host, bytes or ``'8GiB'``.
     devices_per_host: as for ``restore_plan`` (default: by process).
-    step: with ``path`` a ``CheckpointManager`` root, the step (default: latest).
+    step: with ``path`` a ``CheckpointManager`` root, the step (default:
+      latest); with a step folder, only its own step.
     partial: restore the target's leaves even though the checkpoint has more.
+    allow_cast: restore into target dtypes that can lose saved values (float
+      to int, a narrower type); casts that keep every value need no opt-in.
 
   Returns:
     ``target`` with ``jax.Array`` leaves in place of its structs (boxes hold
     arrays; an NNX module comes back as a module).
 
   Raises:
-    RestoreError: naming every blocking problem by path, a budget that
-      cannot be met, or a leaf that landed with another layout.
+    RestoreError: naming every blocking problem by path (a cast that can
+      lose values without ``allow_cast``, a sharding that cannot split its
+      leaf included), a budget that cannot be met, a step the path does not
+      hold, or a leaf that landed with another layout.
+    HostBudgetError: ``host_budget`` is not a positive number of bytes.
+    CheckpointDamagedError: a leaf's values differ from the checksums
+      ``fsm.save`` recorded (checked after each group is read, for every leaf
+      restored without a cast), a leaf's data cannot be read, or a metadata
+      file is corrupt; named by leaf or file.
 
   Example:
     >>> import jax, jax.numpy as jnp, orbax.checkpoint as ocp, flax_shardmeta as fsm
@@ -92,24 +102,33 @@ def restore(
     >>> out['w'].sharding.spec, bool((out['w'] == w).all())
     (P(None, 'model'), True)
   """
+  if not isinstance(path, (str, os.PathLike)):
+    raise RestoreError(
+      f'path={path!r}: expected the directory of an orbax checkpoint (a str or '
+      'os.PathLike); to plan from a saved layout, use fsm.restore_plan'
+    )
   plan = restore_plan(
     path, target, mesh=mesh, rules=rules, host_budget=host_budget,
-    devices_per_host=devices_per_host, step=step,
+    devices_per_host=devices_per_host, step=step, partial=partial,
+    allow_cast=allow_cast,
   )  # fmt: skip
-  _check(plan, partial)
+  _check(plan)
   shardings = _shardings(plan)
   _return_freed_memory()
   restored: dict[str, jax.Array] = {}
   for group in plan.groups:
-    restored.update(_read_group(plan, group.paths, group.limit, shardings))
+    with damage.reading(plan, group.paths):  # a damaged file names its leaf
+      got = _read_group(plan, group.paths, group.limit, shardings)
+    checksums.verify(plan, got)  # against fsm.save's checksums, if it wrote any
+    restored.update(got)
     gc.collect()
     _trim_heap()
   return _into_target(target, restored)
 
 
-def _check(plan: RestorePlan, partial: bool) -> None:
+def _check(plan: RestorePlan) -> None:
   """Raises before reading if the plan cannot be restored as asked."""
-  blocking = [p for p in plan.blocking if not (partial and p.reason == EXTRA)]
+  blocking = plan.blocking
   if blocking:
     n = len({p.path for p in blocking})
     head = '1 leaf cannot' if n == 1 else f'{n} leaves cannot'

@@ -14,7 +14,8 @@ bytes per step by kind and axes, sharding annotations, transposes, memory.
   it the mesh is this machine's CPU, as many simulated devices as it has.
 
 Exit codes: 0 no site to change, 1 sites to change (or the fixed step did not
-compile), 2 bad arguments or a failing factory.
+compile), 2 bad arguments (a batch the mesh does not divide, say) or a failing
+factory.
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ Nothing here imports jax or flax at module level.
 from __future__ import annotations
 
 import argparse
-import difflib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+# The core's: fsm.plan's problems give the same "did you mean" fix.
+from flax_shardmeta._axis_typos import misspelt_axis as misspelt_axis
 from flax_shardmeta.cli.options import REMAT, UsageError
 from flax_shardmeta.examples import state as example_state
 
@@ -55,9 +56,46 @@ def check_hbm(text: str | None, flag: str = '--hbm') -> None:
 
 def check_gpu_run(args: argparse.Namespace) -> None:
   """``--hbm`` and ``--reserve``, when given, are sizes (``--mem-fraction`` is
-  checked by the parser)."""
+  checked by the parser), and the two GPU options come with a GPU."""
   for flag, text in (('--hbm', args.hbm), ('--reserve', args.reserve)):
     check_hbm(text, flag)
+  check_gpu_only(args)
+
+
+def check_gpu_only(args: argparse.Namespace) -> None:
+  """``--mem-fraction`` and ``--reserve`` size a GPU run's allocator pool: on
+  a TPU, or with no GPU named, they would do nothing, so they are refused."""
+  from flax_shardmeta._devices import gpu
+  from flax_shardmeta._devices.chips import chip_named
+
+  given = [
+    f'{flag} {value}'
+    for flag, value in (
+      ('--mem-fraction', args.mem_fraction),
+      ('--reserve', args.reserve),
+    )
+    if value is not None
+  ]
+  if not given:
+    return
+  chip = getattr(args, 'chip', None)
+  if args.topology:
+    if gpu.is_gpu_topology(args.topology):
+      return
+    where = f'--topology {args.topology} is not a GPU cluster'
+  else:
+    named = chip_named(chip) if chip else None
+    if named is not None and named.name in gpu.GPUS:
+      return
+    where = (
+      f'--chip {chip} is not a GPU'
+      if chip
+      else 'no GPU is named (no GPU --topology or --chip)'
+    )
+  raise UsageError(
+    f"{given[0]}: applies to GPU runs only (the memory of jax's GPU allocator), "
+    f'and {where}; leave it out, or name a GPU: --topology h100:1x8 or --chip h100'
+  )
 
 
 def step_arguments(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -113,37 +151,6 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     names.append(name)
     sizes.append(int(size))
   return tuple(names), tuple(sizes)
-
-
-def _rule_axes(target: Any) -> tuple[str, ...]:
-  if isinstance(target, str):
-    return (target,)
-  return tuple(a for a in (target or ()) if isinstance(a, str))
-
-
-def misspelt_axis(
-  axes: Sequence[str], rules: Iterable[Sequence[Any]]
-) -> tuple[str, str] | None:
-  """``(in_rules, in_axes)``: a mesh axis the rules shard over that ``axes``
-  lacks, spelled like one of ``axes`` that no rule uses; else None.
-
-  Example:
-    >>> misspelt_axis(('data', 'modle'), [('batch', 'data'), ('mlp', 'model')])
-    ('model', 'modle')
-  """
-  rules = [
-    tuple(r)
-    for r in rules
-    if isinstance(r, Sequence) and not isinstance(r, str) and len(r) == 2
-  ]
-  used = {a for _, target in rules for a in _rule_axes(target)}
-  unused = [a for a in axes if a not in used]
-  for _, target in rules:
-    for axis in _rule_axes(target):
-      close = difflib.get_close_matches(axis, unused, n=1) if axis not in axes else []
-      if close:
-        return axis, close[0]
-  return None
 
 
 def check_mesh_axis_names(

@@ -111,9 +111,9 @@ def _across_processes(n: int, steps: int) -> int:
 def _simulate_cpu_devices(n: int) -> None:
   """Asks jax for ``n`` CPU devices, if its backends have not started yet.
 
-  ``python -m flax_shardmeta`` sets the XLA flag before jax is imported; the
-  console script does not, but no backend exists until the first device
-  query, so the config option still takes effect here.
+  No backend exists until the first device query, so the config option
+  still takes effect here (``flax-shardmeta`` and ``python -m
+  flax_shardmeta`` alike).
   """
   import jax
 

@@ -33,7 +33,11 @@ def run(args: argparse.Namespace) -> int:
   """The ``diff`` subcommand; returns the exit code."""
   old, new = _read(args.old), _read(args.new)
   from flax_shardmeta._capacity.snapshot.compare import snapshot_diff
+  from flax_shardmeta._capacity.snapshot.schema import check_snapshot
 
+  # Each file checked under its own name: which one to correct (exit 2).
+  check_snapshot(old, args.old)
+  check_snapshot(new, args.new)
   lines = snapshot_diff(old, new)
   for line in lines:
     print(line)
@@ -46,5 +50,5 @@ def _read(path: str) -> Any:
       return json.load(f)
   except OSError as e:
     raise options.UsageError(f'cannot read {path!r}: {e.strerror}') from None
-  except ValueError as e:
+  except ValueError as e:  # UnicodeDecodeError included
     raise options.UsageError(f'{path!r} holds no JSON: {e}') from None

@@ -13,10 +13,15 @@ preset rules. The keywords are ``batch``, ``seq``, ``remat`` and
 passes each candidate's ``remat`` when the factory takes one); an option given
 to a factory without that parameter (or ``**kwargs``) is an error. The factory
 builds abstractly: parameters with ``jax.eval_shape``, inputs as
-``jax.ShapeDtypeStruct``; nothing can be computed on the devices of a TPU pod
-or GPU cluster this machine does not have. Every command takes ``(step,
-*abstract_args)``, a training step and its arguments (``plan`` lays out the
-annotated ones; it also takes a model, described with it). A module
+``jax.ShapeDtypeStruct``, a PRNG key as ``jax.eval_shape(lambda:
+jax.random.key(0))``; nothing can be computed on the devices of a TPU pod or
+GPU cluster this machine does not have (the error names the line that tried).
+Every command takes ``(step, *abstract_args)``, a training step (a plain
+function, ``jax.jit`` or ``fsm.jit``, whose ``mesh=None`` is the command's
+mesh) and its arguments (``plan`` lays out the annotated ones; it also takes a
+model, described with it); donate the state the step returns
+(``donate_argnums=``), as the run will, or ``fit`` counts both copies and
+says so. A module
 that cannot be imported, a missing factory, or a factory (or the model it
 returns) that raises is reported in one line naming the factory and the error,
 with exit code 2; ``--traceback`` prints the whole traceback.
@@ -32,7 +37,7 @@ import math
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from flax_shardmeta._errors import FlaxShardmetaError, message
@@ -141,12 +146,18 @@ class Factory:
         return self.function(**kwargs)
 
   def step_and_args(self, made: Any) -> tuple[Any, ...]:
-    """``made`` as ``(step, *abstract_args)``, what ``fit`` and ``suggest`` take."""
+    """``made`` as ``(step, *abstract_args)``, what ``fit`` and ``suggest`` take.
+
+    Raises:
+      UsageError: anything else, or an argument leaf that is not an array
+        (``jax.ShapeDtypeStruct``, a jax or numpy array) or a Python number.
+    """
     if not isinstance(made, (tuple, list)) or not made or not callable(made[0]):
       raise UsageError(
         f'--module {self.target}: the factory returned {type(made).__name__}; '
         'expected (step, *abstract_args)'
       )
+    _check_arguments(self.target, made[0], made[1:])
     return tuple(made)
 
   @contextlib.contextmanager
@@ -155,6 +166,31 @@ class Factory:
     like its own; flax_shardmeta's (a layout that cannot be) pass through."""
     with _reported(self.target, passing=(FlaxShardmetaError,)):
       yield
+
+
+def _check_arguments(target: str, step: Any, args: Sequence[Any]) -> None:
+  """Each leaf of ``args`` is an array or its shape and dtype, or a number."""
+  import jax
+
+  try:
+    names = list(inspect.signature(step).parameters)
+  except (TypeError, ValueError):  # no signature to read: number them
+    names = []
+  for i, arg in enumerate(args):
+    leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
+    for path, leaf in leaves:
+      if isinstance(leaf, (int, float, complex, bool)) or (
+        hasattr(leaf, 'shape') and hasattr(leaf, 'dtype')
+      ):
+        continue
+      name = names[i] if i < len(names) else f'#{i}'
+      where = f'{name}{jax.tree_util.keystr(path)}'
+      raise UsageError(
+        f'--module {target}: argument {i + 1} of the step ({where}) is '
+        f'{type(leaf).__name__} {leaf!r:.60}; the factory returns (step, '
+        '*abstract_args), each argument a tree of jax.ShapeDtypeStruct '
+        '(jax.eval_shape output), arrays or numbers'
+      )
 
 
 @contextlib.contextmanager
@@ -189,10 +225,11 @@ def _reported(
       if _computes_eagerly(e, mesh):
         far = _far_devices(mesh)
         raise UsageError(
-          f'--module {target} computes an array eagerly under a {far} mesh, of '
-          'devices this machine does not have; build the arguments abstractly: '
-          'jax.eval_shape(...) / jax.ShapeDtypeStruct; a concrete array cannot '
-          f"live on the {far}'s devices",
+          f'--module {target} computes an array eagerly{_user_line(e)} under a '
+          f'{far} mesh, of devices this machine does not have, where no concrete '
+          'array can live; build it abstractly: jax.eval_shape(lambda: '
+          'jax.random.key(0)) for a PRNG key, jax.ShapeDtypeStruct(shape, dtype) '
+          'for an input, jax.eval_shape(...) for parameters',
           cause=e,
         ) from None
     raise UsageError(
@@ -211,6 +248,28 @@ def _gist(error: Exception) -> str:
   if head.endswith(':') and rest:
     head = f'{head} {rest.pop(0).removeprefix("- ")}'
   return f': {head}{" ..." if rest else ""}'
+
+
+def _user_line(error: BaseException) -> str:
+  """`` at file.py:LINE (`code`)``: the innermost frame of ``error``'s
+  traceback outside jax, flax, numpy, flax_shardmeta and Python's own
+  library, the line of the user's code that ran it; '' when there is none."""
+  import sysconfig
+
+  library = [sysconfig.get_paths()['stdlib']]
+  for name in ('jax', 'jaxlib', 'flax', 'numpy', 'flax_shardmeta'):
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, '__file__', None):
+      library.append(os.path.dirname(os.path.abspath(module.__file__ or '')))
+  frames = traceback.extract_tb(error.__traceback__)
+  for frame in reversed(frames):
+    path = os.path.abspath(frame.filename)
+    if not frame.filename.startswith('<') and not any(
+      path.startswith(d + os.sep) for d in library
+    ):
+      code = f' (`{frame.line}`)' if frame.line else ''
+      return f' at {os.path.relpath(path)}:{frame.lineno}{code}'
+  return ''
 
 
 def _far_devices(mesh: Any) -> str:

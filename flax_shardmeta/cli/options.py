@@ -160,11 +160,10 @@ def add_pod(p: argparse.ArgumentParser, *, required: bool) -> None:
     '--topology',
     required=required,
     metavar='GEN:SHAPE',
-    help='devices to compile for: a TPU pod, e.g. v5p:4x4x8 (pip install '
-    "'flax_shardmeta[tpu]'), or a GPU cluster, <gpu>:<nodes>x<GPUs per node>, "
+    help='devices to compile for: a TPU pod, e.g. v5p:4x4x8 (from a checkout: '
+    "pip install '.[tpu]'), or a GPU cluster, <gpu>:<nodes>x<GPUs per node>, "
     'e.g. h100:4x8 (a100, h100, h200, b200, or custom:2x8 with --target-config; '
-    f"pip install 'flax_shardmeta[gpu]'){without}"
-    + (' (required)' if required else ''),
+    f"pip install '.[gpu]'){without}" + (' (required)' if required else ''),
   )
   p.add_argument('--num-slices', type=int, default=1, help='slices of a TPU topology')
   p.add_argument(

@@ -7,10 +7,19 @@ and plans restoring it as a model laid out on ``--mesh`` (an
 and, with ``--host-budget``, how leaves are restored in groups that fit it.
 
 ``--model NAME`` restores a built-in model's train state; ``--module
-pkg.mod:factory`` your own, as ``plan`` builds it.
+pkg.mod:factory`` your own: the factory returns the state restored as it is
+(an abstract tree, boxes annotated), a function with no arguments building
+it (``jax.eval_shape``; an NNX module gives its state), or ``(step, state,
+*args)`` (the step's first argument is the state). Its annotated leaves are
+laid out by ``--rules``, the others replicated.
 
-Exit codes: 0 the budget holds (or none was given), 1 it cannot be met or the
-plan has problems, 2 bad arguments or a failing factory (one line on stderr).
+Notes (a cast that keeps every value, a memory-kind change, with
+``--partial`` saved leaves the target lacks, with ``--allow-cast`` a cast
+that can lose values) are listed and do not fail the plan.
+
+Exit codes: 0 the plan can be restored (notes at most) within the budget (or
+none was given), 1 it has problems or the budget cannot be met, 2 bad
+arguments or a failing factory (one line on stderr).
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ import argparse
 import json
 import math
 import sys
+import warnings
+from typing import Any
 
 from flax_shardmeta.cli import checks, options, process, rule_files
 from flax_shardmeta.cli.factory import CONTRACT, Factory
@@ -40,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     '--step',
     type=int,
     metavar='N',
-    help="with CKPT a CheckpointManager's root, the step (default: the latest)",
+    help="with CKPT a CheckpointManager's root, the step (default: the latest); "
+    'a step folder holds only its own',
   )
   options.add_model_or_module(p, 'your own model, as for plan')
   options.add_mesh(p, 'data=2,model=4')
@@ -56,13 +68,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     metavar='N',
     help='devices of the mesh per host (default: all on one host)',
   )
+  p.add_argument(
+    '--partial',
+    action='store_true',
+    help="restore the target's leaves of a checkpoint that has more "
+    '(fsm.restore(..., partial=True))',
+  )
+  p.add_argument(
+    '--allow-cast',
+    action='store_true',
+    help='allow target dtypes that can lose saved values, e.g. float32 into '
+    'int8 (fsm.restore(..., allow_cast=True))',
+  )
   options.add_output(p, table='a table of arrays and totals, or JSON', cache=False)
 
 
 def run(args: argparse.Namespace) -> int:
   """The ``restore-plan`` subcommand; returns the exit code."""
   checks.check_model_name(args.model)
-  checks.check_hbm(args.host_budget, '--host-budget')
+  _check_budget(args.host_budget)
   axis_names, axis_sizes = checks.parse_mesh(args.mesh)
   rules = rule_files.mesh_rules(args, axis_names)
   process.start_jax_quietly()
@@ -74,7 +98,6 @@ def run(args: argparse.Namespace) -> int:
 
   import flax_shardmeta as fsm
   from flax_shardmeta._units import format_bytes
-  from flax_shardmeta.cli.plan import user_state
 
   # Stated, not left to jax: its default changed from Auto to Explicit.
   mesh = jax.sharding.AbstractMesh(
@@ -84,22 +107,28 @@ def run(args: argparse.Namespace) -> int:
     dtype = rule_files.param_dtype(args)
     state = example_state.abstract_state(args.model, args.api, args.optimizer, dtype)
   else:
-    state, _ = user_state(factory, mesh, rules, args.api, args.optimizer)
-  # Laid out as plan lays it out: unannotated leaves (a step count) replicated.
-  target = fsm.as_abstract(state, mesh, rules)
-  result = fsm.restore_plan(
-    args.checkpoint,
-    target,
-    host_budget=args.host_budget,
-    # An abstract mesh has no processes: without the flag it is one host.
-    devices_per_host=args.devices_per_host or math.prod(axis_sizes),
-    step=args.step,
-  )
+    state = restored_state(factory, mesh, rules, args.api, args.optimizer)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    result = fsm.restore_plan(
+      args.checkpoint,
+      _replicate_unannotated(state, mesh),
+      mesh=mesh,
+      rules=rules,
+      host_budget=args.host_budget,
+      # An abstract mesh has no processes: without the flag it is one host.
+      devices_per_host=args.devices_per_host or math.prod(axis_sizes),
+      step=args.step,
+      partial=args.partial,
+      allow_cast=args.allow_cast,
+    )
+  for w in caught:
+    print(f'flax-shardmeta: warning: {w.message}', file=sys.stderr)
   rule_files.note_default_rules(args)
   print(json.dumps(result.to_dict(), indent=1) if args.format == 'json' else result)
-  if result.problems:
+  if result.blocking:
     print(
-      f'flax-shardmeta restore-plan: {len(result.problems)} problem(s)',
+      f'flax-shardmeta restore-plan: {len(result.blocking)} problem(s)',
       file=sys.stderr,
     )
     return 1
@@ -112,3 +141,71 @@ def run(args: argparse.Namespace) -> int:
     )
     return 1
   return 0
+
+
+def _check_budget(text: str | None) -> None:
+  """``--host-budget``, when given, is a positive size."""
+  from flax_shardmeta._errors import HostBudgetError, message
+  from flax_shardmeta._restore.inputs import budget_bytes
+
+  try:
+    budget_bytes(text)
+  except HostBudgetError as e:
+    raise options.UsageError(f'--host-budget: {message(e)}') from None
+
+
+def restored_state(
+  factory: Factory, mesh: Any, rules: Any, api: str, optimizer: str
+) -> Any:
+  """The state ``--module pkg.mod:factory`` restores, as it is (see the
+  module doc): never re-wrapped as the parameters of a train state."""
+  made = factory(mesh, rules)
+  import jax
+  from flax import linen as nn
+
+  seq = isinstance(made, (tuple, list)) and bool(made)
+  with factory.running():
+    if seq and isinstance(made[0], nn.Module):
+      # A model and its inputs: its parameters and --optimizer's state, as plan.
+      params = example_state.abstract_linen_params(made[0], *made[1:])
+      return example_state.abstract_train_state(params, optimizer)
+    if seq and callable(made[0]):
+      if len(made) < 2:
+        raise options.UsageError(
+          f'--module {factory.target}: the factory returned a step without '
+          'arguments; return (step, state, *args), the state restored, or a '
+          'function building it'
+        )
+      return made[1]
+    if callable(made) and api == 'nnx':
+      from flax import nnx
+
+      built = nnx.eval_shape(made)
+      return nnx.state(built) if isinstance(built, nnx.Module) else built
+    if callable(made):
+      return jax.eval_shape(made)
+  return made
+
+
+def _replicate_unannotated(tree: Any, mesh: Any) -> Any:
+  """``tree`` with its unannotated array leaves (a step count) as structs
+  replicated on ``mesh``, as ``plan`` lays them out; annotated ones are left
+  to the restore plan, which names what is wrong with them."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from flax_shardmeta import _annotation as ann_lib
+  from flax_shardmeta._sharding import leaf_shape
+
+  leaves, build = ann_lib.walk(tree)
+  out = []
+  for lf in leaves:
+    shape = leaf_shape(lf.value)
+    if lf.annotation is not None or shape is None:
+      out.append(lf.leaf)
+      continue
+    struct = jax.ShapeDtypeStruct(
+      shape, lf.value.dtype, sharding=NamedSharding(mesh, PartitionSpec())
+    )
+    out.append(struct if lf.leaf is lf.value else ann_lib.hold(lf.leaf, struct))
+  return build(out)

@@ -51,6 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
   """The ``snapshot`` subcommand; returns the exit code."""
+  for flag in ('hbm', 'mem_fraction', 'reserve'):
+    if getattr(args, flag) is not None:
+      name = '--' + flag.replace('_', '-')
+      raise options.UsageError(
+        f"{name}: snapshot records the step's collectives and judges no memory; "
+        f'leave {name} out (fit takes it)'
+      )
   made = step.prepared(args)
   text = json.dumps(_snapshot(args, made), indent=1, sort_keys=True)
   rule_files.note_default_rules(args)

@@ -86,7 +86,8 @@ def propagate(eqn: Any, ins: list[Spec], sizes: dict[str, int]) -> list[Spec]:
         placed[dst] = ins[0][src]
     return [tuple(placed)]
   if name == 'reshape' and ins and ins[0] is not None:
-    return [_reshape_spec(eqn.invars[0].aval.shape, outs[0].aval.shape, ins[0])]
+    shapes = (eqn.invars[0].aval.shape, outs[0].aval.shape)
+    return [_reshape_spec(*shapes, ins[0], sizes)]
   if name.startswith('reduce_') or name in ('argmax', 'argmin'):
     axes = set(eqn.params.get('axes', ()))
     if ins and ins[0] is not None:
@@ -108,11 +109,20 @@ def propagate(eqn: Any, ins: list[Spec], sizes: dict[str, int]) -> list[Spec]:
 
 
 def _reshape_spec(
-  shape_in: tuple[int, ...], shape_out: tuple[int, ...], spec: tuple[Any, ...]
+  shape_in: tuple[int, ...],
+  shape_out: tuple[int, ...],
+  spec: tuple[Any, ...],
+  sizes: dict[str, int],
 ) -> tuple[Any, ...]:
   """A reshape's output layout: dimensions grouped into blocks of equal size;
   a block keeps the layout of its major input dimension on its major output
-  dimension when that divides, and is replicated otherwise."""
+  dimension when the mesh axes divide that (``(b, t, heads * d)`` split into
+  ``(b, t, heads, d)`` keeps ``heads`` sharded), and is replicated otherwise.
+
+  Example:
+    >>> _reshape_spec((8, 512), (8, 8, 64), ('data', 'model'), {'data': 2, 'model': 4})
+    ('data', 'model', None)
+  """
   out: list[Any] = [None] * len(shape_out)
   i = j = 0
   while i < len(shape_in) and j < len(shape_out):
@@ -129,7 +139,11 @@ def _reshape_spec(
         return tuple(out)
     major = spec[i]
     rest_sharded = any(e is not None for e in spec[i + 1 : i1])
-    if major is not None and not rest_sharded and shape_out[j] % shape_in[i] == 0:
+    if (
+      major is not None
+      and not rest_sharded
+      and shape_out[j] % ways((major,), sizes) == 0
+    ):
       out[j] = major
     elif i1 - i == 1 and j1 - j == 1:
       out[j] = spec[i]

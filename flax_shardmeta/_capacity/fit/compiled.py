@@ -26,10 +26,17 @@ import jax
 from flax_shardmeta._arrays import is_key, shard_bytes
 from flax_shardmeta._capacity import vocabulary as rep
 from flax_shardmeta._capacity.fit import figure_cache as cache_lib, usable
+from flax_shardmeta._capacity.fit.host_memory import (
+  given_hosts,
+  on_host,
+  output_leaves,
+  split_host,
+)
 from flax_shardmeta._capacity.fit.traced_step import (
   Arguments,
   Step,
   input_shardings,
+  jit_shardings,
   path_category,
 )
 from flax_shardmeta._capacity.hlo import (
@@ -38,6 +45,7 @@ from flax_shardmeta._capacity.hlo import (
   text as hlo_text,
 )
 from flax_shardmeta._capacity.why.layout_changes import LayoutChange, layout_changes
+from flax_shardmeta._capacity.why.traced_lines import TracedLines, lines_of_trace
 from flax_shardmeta._errors import FitError, IndivisibleDimensionWarning, message
 from flax_shardmeta._frames import source_line
 from flax_shardmeta._init.program_memory import memory_fields
@@ -48,7 +56,7 @@ _REFUSAL = re.compile(
   re.S,
 )
 # Bumped when the cached figures change form: older entries are not read.
-_FIGURES_FORMAT = 'figures-7'
+_FIGURES_FORMAT = 'figures-8'
 _UNIT = {'': 1, 'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30, 'T': 1 << 40}
 
 
@@ -216,11 +224,10 @@ def cost_model(compiled: Any) -> dict[str, float]:
   return {str(k): float(v) for k, v in dict(cost).items()}
 
 
-def input_bytes(compiled: Any) -> list[tuple[str, int, bool]]:
-  """``(path, bytes per device, is a key array, global shape)`` of each input
-  leaf, as the
-  compiled program holds it, in ``jax.tree.leaves`` order over the positional
-  arguments.
+def input_bytes(compiled: Any) -> list[tuple[str, int, bool, list[int], bool]]:
+  """``(path, bytes per device, is a key array, global shape, in host
+  memory)`` of each input leaf, as the compiled program holds it, in
+  ``jax.tree.leaves`` order over the positional arguments.
 
   An argument jax dropped because the step never reads it has no sharding
   (``None``) and holds nothing; a key array holds its key data.
@@ -233,7 +240,9 @@ def input_bytes(compiled: Any) -> list[tuple[str, int, bool]]:
   for (path, aval), sharding in zip(avals, shardings):
     size = 0 if sharding is None else shard_bytes(aval.shape, aval.dtype, sharding)
     shape = [int(d) for d in getattr(aval, 'shape', ())]
-    out.append((jax.tree_util.keystr(path), size, is_key(aval.dtype), shape))
+    out.append(
+      (jax.tree_util.keystr(path), size, is_key(aval.dtype), shape, on_host(sharding))
+    )
   return out
 
 
@@ -301,11 +310,19 @@ def figures(
       target.names,
       out.get('outputs'),
       _layout_changes(target, arguments, traced),
+      lines_of_trace(traced),
     )
     summary = hlo.summarize_computations(
       computations, mesh.devices, mesh.axis_names, why
     )
     out['summary'] = summary.to_dict()
+  if 'memory' in out:
+    out['input_bytes'], out['device_memory'], out['host_notes'] = split_host(
+      out,
+      arguments.on_host,
+      given_hosts(jit_shardings(target.step, 'out'), traced),
+      hlo_text.output_aliases(text) if text else {},
+    )
   out['cached'] = cached
   out['replicated'] = [
     message(w.message)  # without its errors page line: report.why() lists it
@@ -324,6 +341,7 @@ def attributor(
   names: Sequence[str] = (),
   outputs: list[list[Any]] | None = None,
   changes: Sequence[LayoutChange] = (),
+  lines: TracedLines | None = None,
 ) -> hlo_attribution.Attributor:
   """What tells each collective's reason: the program's parameters as plan
   paths and report categories, its source lines, which outputs are the new
@@ -352,6 +370,7 @@ def attributor(
     shapes if len(shapes) == n_params else [],
     _new_values(inputs, categories, outputs, main) if known else None,
     changes,
+    lines.kept([leaf[1] > 0 for leaf in inputs]) if lines is not None else None,
   )
 
 
@@ -403,7 +422,7 @@ def _new_values(
   for leaf, category in zip(inputs, categories):
     if leaf[1] <= 0:
       continue
-    if category in (rep.PARAMETERS, rep.OPTIMIZER):
+    if category in (rep.PARAMETERS, rep.OPTIMIZER, rep.INPUTS):
       numbers.setdefault((_tail(leaf[0]), tuple(leaf[3])), []).append(number)
     number += 1
   found = {}
@@ -449,6 +468,7 @@ def _compiled_figures(
     'cost': _cost(compiled),
     'input_bytes': input_bytes(compiled),
     'outputs': output_paths(compiled),
+    'output_bytes': output_leaves(compiled),
     'seconds': seconds,
     # Where the text reader disagrees with XLA's own module objects: kept with
     # the figures, so a cached report says so too.

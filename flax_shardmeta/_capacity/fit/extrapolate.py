@@ -233,7 +233,7 @@ def extrapolate(
     rows=rows,
     total_bytes=sum(r.bytes for r in rows),
     memory_analysis=memory,
-    donated_bytes=memory['alias_size_in_bytes'],
+    donated_bytes=round(line(small.donated_bytes, large.donated_bytes) or 0),
     collectives=tuple(sorted(collectives, key=lambda c: (c.kind, -c.bytes))),
     flops=flops,
     bytes_accessed=traffic,

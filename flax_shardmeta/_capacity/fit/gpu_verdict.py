@@ -82,7 +82,7 @@ def needed_fraction(
     found = figures(target, arguments, use_cache, at.compile_limit_bytes)
     if 'refusal' in found:
       return None, tried
-    total_x = step_total(found['memory'])
+    total_x = step_total(found['device_memory'])
     tried.append((x, total_x, at.usable_bytes))
     if total_x <= at.usable_bytes:
       return x, tried
@@ -120,7 +120,8 @@ def gpu_notes(
   pool = signed_bytes(memory.compile_limit_bytes)
   if plan is not None and plan.retargeted:
     notes.append(
-      f'compiled as a run at fraction {memory.fraction:.2f} compiles it: XLA '
+      f'compiled as a run at fraction {usable_lib.fraction_text(memory.fraction)} '
+      'compiles it: XLA '
       f'planned its schedule and rematerialization against the {pool} pool'
     )
   else:

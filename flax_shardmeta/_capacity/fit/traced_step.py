@@ -51,6 +51,8 @@ class Step:
     rules: its logical axis rules: the ``fsm.jit`` ones, else the context's.
     names: the names of its positional parameters, for paths.
     has_in_shardings: whether it lays its arguments out itself.
+    in_shardings: its arguments' shardings as its jit was given them (one
+      entry per argument, or one sharding for all), None where not given.
   """
 
   step: Any
@@ -58,6 +60,7 @@ class Step:
   rules: tuple[tuple[str, Any], ...]
   names: tuple[str, ...]
   has_in_shardings: bool
+  in_shardings: Any = None
 
   @classmethod
   def of(cls, step: Callable[..., Any], n_args: int) -> Step:
@@ -75,12 +78,14 @@ class Step:
       rules = get_logical_axis_rules()
     if not hasattr(step, 'lower'):
       step = jax.jit(_explaining(step))
+    given = jit_shardings(step, 'in')
     return cls(
       step,
       mesh,
       tuple(rules),
       argument_names(step, n_args),
-      getattr(step, 'in_shardings', None) is not None,
+      given is not None,
+      given,
     )
 
   def lower(self, *args: Any) -> Any:
@@ -103,6 +108,29 @@ class Step:
     with explain_sharding_type_errors('fsm.fit'):
       with _mesh_context(self.mesh), logical_axis_rules(self.rules):
         return getattr(self.step, method)(*args)
+
+
+def jit_shardings(step: Any, which: str) -> Any:
+  """The ``in_shardings`` or ``out_shardings`` (``which``: ``'in'``/``'out'``)
+  ``step``'s jit was given, None where not given: ``fsm.jit`` says them; a
+  ``jax.jit`` function keeps them in its jit info, the tree it was given
+  (private to jax, so read guarded: without it, arguments are laid out by
+  their plans, as for a jit given none)."""
+  own = getattr(step, f'{which}_shardings', None)
+  if own is not None:
+    return own
+  info = getattr(step, '_jit_info', None)
+  if which == 'in' and not getattr(info, 'user_specified_in_shardings', False):
+    return None
+  treedef = getattr(info, f'{which}_shardings_treedef', None)
+  leaves = getattr(info, f'{which}_shardings_leaves', None)
+  if treedef is None or leaves is None:
+    return None
+  # jax marks a sharding not given with its own placeholder: None here.
+  leaves = [s if isinstance(s, jax.sharding.Sharding) else None for s in leaves]
+  if not any(s is not None for s in leaves):
+    return None
+  return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _explaining(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -160,11 +188,14 @@ class Arguments:
     categories: per leaf, the report row it belongs to.
     layout_bytes: per leaf, bytes per device as laid out: by the step's own
       in_shardings, else the leaf's own sharding, else its plan.
+    on_host: per leaf, whether that layout puts it in host memory (its
+      memory kind, e.g. ``pinned_host``).
   """
 
   lowered: tuple[Any, ...]
   categories: list[str]
   layout_bytes: list[int]
+  on_host: list[bool] = dataclasses.field(default_factory=list)
 
 
 def _is_box(x: Any) -> bool:
@@ -209,7 +240,10 @@ def prepare(target: Step, args: Sequence[Any]) -> Arguments:
     _leaf_bytes(leaf, sharding) if sharding is not None else planned
     for leaf, sharding, planned in zip(leaves, layout, plan_bytes)
   ]
-  return Arguments(tuple(lowered), categories, sizes)
+  hosted = [
+    getattr(s, 'memory_kind', None) in ('pinned_host', 'unpinned_host') for s in layout
+  ]
+  return Arguments(tuple(lowered), categories, sizes, hosted)
 
 
 def _layout_problems(
@@ -333,7 +367,9 @@ def input_shardings(target: Step, lowered: Sequence[Any]) -> list[Any]:
   arguments: the step's own in_shardings where it gives them, else the
   leaf's own (a ``ShapeDtypeStruct`` laid out by its plan or by the caller),
   else None."""
-  given = getattr(target.step, 'in_shardings', None)
+  given = target.in_shardings
+  if isinstance(given, jax.sharding.Sharding):  # one for every argument
+    given = (given,) * len(lowered)
   out: list[Any] = []
   for i, arg in enumerate(lowered):
     leaves = jax.tree_util.tree_leaves(arg)

@@ -23,6 +23,7 @@ from flax_shardmeta._capacity import report as rep
 from flax_shardmeta._capacity.estimate.estimator import estimate
 from flax_shardmeta._capacity.fit import gpu_verdict as gv, usable as usable_lib
 from flax_shardmeta._capacity.fit.compiled import figures
+from flax_shardmeta._capacity.fit.donation import donation_notes
 from flax_shardmeta._capacity.fit.extrapolate import fit_layers
 from flax_shardmeta._capacity.fit.traced_step import (
   Arguments,
@@ -62,7 +63,9 @@ def fit(
   See :class:`FitReport` for what is reported; ``report.total_bytes`` is
   ``argument + output - alias + temporaries + generated code``, and every
   row comes from the compiled program: each argument as it holds it (one
-  the step never reads, which jax drops, holds nothing). When the
+  the step never reads, which jax drops, holds nothing). What lives in host
+  memory (an argument or output whose memory kind is ``pinned_host``) is not
+  counted on the chip (a note says how much). When the
   compiler refuses the program for lack of HBM, the report says so
   (``fits=False``, with the compiler's required and available figures).
 
@@ -79,8 +82,9 @@ def fit(
 
   Args:
     step: a function from :func:`flax_shardmeta.jit` (it brings its mesh,
-      rules and shardings), a ``jax.jit`` function or plain function called
-      under ``jax.set_mesh(mesh)``. With ``layers``, a builder instead (below).
+      rules and shardings), a ``jax.jit`` function (its own ``in_shardings``
+      lay out arguments that carry none) or plain function called under
+      ``jax.set_mesh(mesh)``. With ``layers``, a builder instead (below).
     *args: the step's arguments, abstract.
     hbm: the memory per chip to judge against (bytes, or text like
       ``'95GiB'``); default: the chip's, when the devices are known. On GPUs,
@@ -131,8 +135,7 @@ def fit(
   capacity = _capacity(hbm)
   chip_spec = _chip(chip)
   run = gv.RunMemory(mem_fraction, reserve)
-  if mem_fraction is not None:
-    usable_lib.run_fraction(mem_fraction)  # a bad one is refused at once
+  usable_lib.check_run(mem_fraction, reserve)  # bad ones are refused at once
   if layers is not None:
     return _fit_layers(step, layers, capacity, chip_spec, exact, cache, run)
   target = Step.of(step, len(args))
@@ -194,10 +197,10 @@ def _compiled_report(
   }
   if 'refusal' in found:
     refusal = rep.Refusal(**found['refusal'])
-    by_category = _sum_by_category(arguments.categories, arguments.layout_bytes)
+    by_category = _sum_by_category(arguments.categories, _on_chip(arguments))
     return _refused_report(refusal, by_category, capacity, common)
   plan = rep.CompilerPlan.from_found(found.get('planned'))
-  memory = found['memory']
+  memory = found['device_memory']  # XLA's, less what is in host memory
   summary = hlo.ProgramSummary.from_dict(found['summary'])
   by_category, told_by_path = _compiled_categories(arguments, found['input_bytes'])
   rows = memory_rows(memory, by_category)
@@ -211,8 +214,9 @@ def _compiled_report(
   traffic = traffic + summary.extra_bytes if traffic is not None else None
   collectives = group(summary.collectives, chip)
   total = sum(r.bytes for r in rows)
-  notes = _notes(mesh, chip, summary, hbm)
+  notes = _notes(mesh, chip, summary, hbm) + tuple(found['host_notes'])
   notes += _argument_notes(memory, by_category, told_by_path, found['reader'])
+  notes += donation_notes(found, memory, target.names)
   memory_at_run, needed = None, None
   if on_gpu and hbm:
     memory_at_run = run.memory(hbm, collectives)
@@ -229,7 +233,7 @@ def _compiled_report(
     rows=rows,
     total_bytes=sum(r.bytes for r in rows),
     hbm_bytes=hbm,
-    memory_analysis=memory,
+    memory_analysis=found['memory'],
     donated_bytes=memory['alias_size_in_bytes'],
     collectives=collectives,
     flops=flops,
@@ -255,13 +259,21 @@ def _sum_by_category(categories: Sequence[str], sizes: Sequence[int]) -> dict[st
   return out
 
 
+def _on_chip(arguments: Arguments) -> list[int]:
+  """Each argument leaf's bytes as laid out on the chip: what lives in host
+  memory (its memory kind) is not what the chip lacks room for."""
+  hosted = arguments.on_host or [False] * len(arguments.layout_bytes)
+  return [0 if h else size for size, h in zip(arguments.layout_bytes, hosted)]
+
+
 def _compiled_categories(
   arguments: Arguments, inputs: list[list[Any]]
 ) -> tuple[dict[str, int], bool]:
-  """Bytes by category of the compiled program's inputs, and whether the
-  categories had to be told from the inputs' paths (when its leaves are not
-  the arguments' one for one)."""
-  sizes = [int(leaf[1]) for leaf in inputs]
+  """Bytes by category of the compiled program's inputs in device memory
+  (those in host memory are not the chip's), and whether the categories had
+  to be told from the inputs' paths (when its leaves are not the arguments'
+  one for one)."""
+  sizes = [0 if len(leaf) > 4 and leaf[4] else int(leaf[1]) for leaf in inputs]
   if len(inputs) == len(arguments.categories):
     return _sum_by_category(arguments.categories, sizes), False
   categories = [path_category(leaf[0], leaf[2]) for leaf in inputs]

@@ -18,15 +18,23 @@ with its own bytes):
   rings lie between; the new values are told by the module's donated
   outputs and by the step's output tree;
 - a value that reaches another output (the loss, metrics) is ``'other'``;
+- a value the backward pass computes that reaches the new value of another
+  argument is that argument's gradient (a step differentiating arguments
+  not named ``params``);
+- a collective the step's code calls itself (``ppermute``, ``psum``... in a
+  ``shard_map``) is asked for by that call (``'explicit'``);
 - a value consumed by the step's computation is an activation's
   (``'activation'``), asked for by a constraint when its buffers are those of
   a layout change one of the step's constraints asks for
   (``constraint_changes``), wherever XLA placed it;
 - where the data flow cannot decide, ``'unknown'``.
 
-Sources are the user's: where XLA kept only library frames on an
-instruction, those of the values it moves, their consumers and the kernel or
-loop it sits in stand in; with none, ``NO_USER_LINE``.
+Sources are the user's line that calls the layer: the traced step's
+equations of the instruction's name stack give it (``TracedLines``), XLA's
+own frames only choose among several. A gradient's is the line that first
+uses its parameter. Without the trace, where XLA kept only library frames on
+an instruction, those of the values it moves, their consumers and the kernel
+or loop it sits in stand in; with none, ``NO_USER_LINE``.
 """
 
 from __future__ import annotations
@@ -45,12 +53,17 @@ from flax_shardmeta._capacity.hlo.text import (
   largest_array_bytes,
 )
 from flax_shardmeta._capacity.why.layout_changes import LayoutChange, asked_for
+from flax_shardmeta._capacity.why.traced_lines import TracedLines, is_explicit
 from flax_shardmeta._frames import NO_USER_LINE, import_path, is_library_file
 
-REASONS = ('parameter', 'gradient', 'activation', 'other', 'unknown')
+REASONS = ('parameter', 'gradient', 'activation', 'explicit', 'other', 'unknown')
 """Why a collective runs, in the order ``why()`` lists them."""
 
-PARAMETERS, OPTIMIZER = 'parameters', 'optimizer state'
+PARAMETERS, OPTIMIZER, INPUTS = (
+  'parameters',
+  'optimizer state',
+  'batch and other inputs',
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +80,8 @@ class Attribution:
     scope: the module scope from the name stack, e.g. ``'Model/layers/attn'``.
     change: for ``'activation'``, how the value's layout changes.
     asked_by: ``'constraint'`` when a sharding constraint asked for it, else
-      the operation that needed it (``'dot_general'``...).
+      the operation that needed it (``'dot_general'``...); for
+      ``'explicit'``, the collective the code calls (``'ppermute'``...).
   """
 
   reason: str = 'activation'
@@ -113,6 +127,8 @@ class Attributor:
       (then only donated outputs are known).
     changes: the layout changes the step's constraints ask for
       (``constraint_changes.layout_changes``).
+    lines: the traced step's lines (``traced_lines``), its ``uses`` per
+      entry parameter number; None without the trace.
   """
 
   def __init__(
@@ -124,6 +140,7 @@ class Attributor:
     shapes: Sequence[tuple[int, ...]] = (),
     outputs: dict[int, int] | None = None,
     changes: Sequence[LayoutChange] = (),
+    lines: TracedLines | None = None,
   ) -> None:
     self.computations = computations
     self.flow = Flow(computations)
@@ -134,6 +151,13 @@ class Attributor:
     self.updates = {**(outputs or {}), **(aliases or {})}
     self.shapes = list(shapes)
     self.changes = list(changes)
+    self.lines = lines
+    uses = lines.uses if lines is not None else ()
+    self.uses = {
+      leaf[0]: line
+      for leaf, line in zip(self.leaves, uses)
+      if leaf is not None and line and len(uses) == len(self.leaves)
+    }
 
   def attribute(
     self,
@@ -148,7 +172,7 @@ class Attributor:
     named = self._named(inst, comp, operand)
     op = named.op_name() if named is not None else ''
     scope = scope_of(op)
-    common = {'source': self._source_near(inst, comp, named), 'scope': scope}
+    common = {'source': self._line(inst, comp, named, op), 'scope': scope}
     value = inst.operands[operand] if operand < len(inst.operands) else None
     dims_in, dims_out = operand_dims(inst, comp, operand)
     leaf = self._leaf(self.flow.origin(comp, value)) if value is not None else None
@@ -160,8 +184,19 @@ class Attributor:
       return Attribution('other', (leaf[0],), **common)
     reach = self._reach(inst, comp, operand)
     grads = self._updated(reach.outputs)
+    if not grads and 'transpose(' in op:
+      grads = self._updated(reach.outputs, INPUTS)
     if grads:
-      return Attribution('gradient', grads, **common)
+      # The line using the parameter, not the loss or the update; a
+      # collective the step's code calls in its forward pass keeps its own.
+      own = is_explicit(op) and 'transpose(' not in op
+      used = common['source'] if own else self.uses.get(grads[0], common['source'])
+      return Attribution('gradient', grads, source=used, scope=scope)
+    if is_explicit(op):
+      asked = primitive_of(op)
+      return Attribution(
+        'explicit', (), change=_change(inst, kind), asked_by=asked, **common
+      )
     if reach.outputs:
       known = self.outputs_known and bool(self.leaves)
       return Attribution('other' if known else 'unknown', (), **common)
@@ -205,14 +240,36 @@ class Attributor:
         return f'{import_path(file)}:{line}'
     return ''
 
+  def _line(
+    self, inst: Instruction, comp: Computation, named: Instruction | None, op: str
+  ) -> str:
+    """The user's line of ``inst``: that of the traced equations its name
+    stack names; of several, the one XLA's frames (on it, then near it)
+    name, else the first; without any, :meth:`_source_near`."""
+    traced = self.lines.lines_of(op) if self.lines is not None else ()
+    if len(traced) == 1:
+      return traced[0]
+    found = self._source_near(inst, comp, named, set(traced))
+    return found if found in traced or not traced else traced[0]
+
   def _source_near(
-    self, inst: Instruction, comp: Computation, named: Instruction | None
+    self,
+    inst: Instruction,
+    comp: Computation,
+    named: Instruction | None,
+    among: set[str] | None = None,
   ) -> str:
     """The user's line of ``inst``; where XLA kept only library frames, that of
     the values it moves, then of their consumers, then of the kernel or loop
-    it sits in; else ``NO_USER_LINE``."""
+    it sits in; else ``NO_USER_LINE``. With ``among``, only those lines
+    count."""
+
+    def source(i: Instruction | None) -> str:
+      found = self.source(i)
+      return found if not among or found in among else ''
+
     for candidate in (named, inst):
-      found = self.source(candidate)
+      found = source(candidate)
       if found:
         return found
     at: Computation | None = comp
@@ -221,14 +278,14 @@ class Attributor:
       if at is None:
         break
       for near in self._near(at, where):
-        found = self.source(near)
+        found = source(near)
         if found:
           return found
       caller = self.flow.caller(at)
       if caller is None:
         break
       at, where = caller
-      found = self.source(where)
+      found = source(where)
       if found:
         return found
     return NO_USER_LINE
@@ -318,9 +375,10 @@ class Attributor:
       return None
     return self.leaves[number]
 
-  def _updated(self, outputs: set[int]) -> tuple[str, ...]:
+  def _updated(self, outputs: set[int], inputs: str = '') -> tuple[str, ...]:
     """The parameters whose new values (or optimizer state) are among
-    ``outputs``."""
+    ``outputs``; with ``inputs``, the arguments of that category whose new
+    values are."""
     found: set[str] = set()
     params = [leaf[0] for leaf in self.leaves if leaf and leaf[1] == PARAMETERS]
     for out in outputs:
@@ -328,7 +386,10 @@ class Attributor:
       if leaf is None:
         continue
       path, category = leaf
-      if category == PARAMETERS:
+      if inputs:
+        if category == inputs:
+          found.add(path)
+      elif category == PARAMETERS:
         found.add(path)
       elif category == OPTIMIZER:
         found.add(_param_of_state(path, params))

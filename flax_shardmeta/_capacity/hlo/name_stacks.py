@@ -310,15 +310,24 @@ def stack_frames(text: str) -> dict[int, list[tuple[str, int]]]:
   r"""Each stack frame id of a module's text -> its ``(file, line)`` chain,
   innermost first (the tables XLA prints after the module header).
 
+  XLA prints a frame's ``parent_frame_id`` one above its parent's id (a
+  frame without a parent prints 1): frame 5 with ``parent_frame_id=5`` was
+  called from frame 4. Read as the parent's own id, every chain would stop
+  at its innermost frame, a library's (``flax/linen/linear.py``), and the
+  user's line that called the layer would be lost.
+
   Example:
     >>> text = '\n'.join([
-    ...   'FileNames', '1 "model.py"', '', 'FileLocations',
+    ...   'FileNames', '1 "model.py"', '2 "flax/linen/linear.py"', '',
+    ...   'FileLocations',
     ...   '1 {file_name_id=1 function_name_id=1 line=7 end_line=7}',
-    ...   '2 {file_name_id=1 function_name_id=1 line=9 end_line=9}', '',
+    ...   '2 {file_name_id=1 function_name_id=1 line=9 end_line=9}',
+    ...   '3 {file_name_id=2 function_name_id=2 line=287 end_line=287}', '',
     ...   'StackFrames', '1 {file_location_id=1 parent_frame_id=1}',
-    ...   '2 {file_location_id=2 parent_frame_id=1}'])
-    >>> stack_frames(text)[2]
-    [('model.py', 9), ('model.py', 7)]
+    ...   '2 {file_location_id=2 parent_frame_id=2}',
+    ...   '3 {file_location_id=3 parent_frame_id=3}'])
+    >>> stack_frames(text)[3]
+    [('flax/linen/linear.py', 287), ('model.py', 9), ('model.py', 7)]
   """
   files: dict[int, str] = {}
   places: dict[int, tuple[int, int]] = {}
@@ -333,13 +342,13 @@ def stack_frames(text: str) -> dict[int, list[tuple[str, int]]]:
     elif section == 'FileLocations' and (m := _FILE_LOCATION.match(line)):
       places[int(m.group(1))] = (int(m.group(2)), int(m.group(3)))
     elif section == 'StackFrames' and (m := _STACK_FRAME.match(line)):
-      parents[int(m.group(1))] = (int(m.group(2)), int(m.group(3)))
+      parents[int(m.group(1))] = (int(m.group(2)), int(m.group(3)) - 1)
     elif line.startswith(('%', 'ENTRY')):
       section = ''
   out: dict[int, list[tuple[str, int]]] = {}
   for frame in parents:
     chain, seen, at = [], set(), frame
-    while at in parents and at not in seen:  # a root frame is its own parent
+    while at in parents and at not in seen:  # a root frame's parent is 0
       seen.add(at)
       location, parent = parents[at]
       file_id, line_no = places.get(location, (0, 0))

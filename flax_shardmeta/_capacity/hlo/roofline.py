@@ -48,7 +48,8 @@ class CollectiveRow:
       ``'network'`` on GPUs, None on CPUs or when it cannot be told.
     reason: why they run: ``'parameter'`` (gathering a parameter for use),
       ``'gradient'`` (reducing a parameter's gradient), ``'activation'``
-      (resharding a value computed in the step), ``'other'`` (scalars, the
+      (resharding a value computed in the step), ``'explicit'`` (a collective
+      the step's code calls, ``ppermute`` in a ``shard_map``), ``'other'`` (scalars, the
       loss and metrics) or ``'unknown'`` (the data flow does not tell);
       ``''`` when not attributed.
     parameters: the plan paths involved (``'parameter'``, ``'gradient'``).
@@ -58,6 +59,9 @@ class CollectiveRow:
     asked_by: ``'constraint'``, or the operation that needed the reshard.
     instructions: how many collective instructions of the program the row
       groups (a parameter gathered by two is gathered twice per use).
+    scopes: every module scope the row's collectives are in, where there
+      are several (one line of a layer unrolled over several layers), in
+      program order; ``()`` when there is one (``scope``).
 
   Example:
     >>> row = CollectiveRow('all-gather', ('data',), 64, 2**30, 0.01)
@@ -79,6 +83,7 @@ class CollectiveRow:
   change: str = ''
   asked_by: str = ''
   instructions: int = 1
+  scopes: tuple[str, ...] = ()
 
   @property
   def over(self) -> str:
@@ -102,6 +107,7 @@ class CollectiveRow:
       'change': self.change,
       'asked_by': self.asked_by,
       'instructions': self.instructions,
+      'scopes': list(self.scopes),
     }
 
 
@@ -139,8 +145,9 @@ def group(ops: Iterable[CollectiveOp], chip: Chip | None) -> tuple[CollectiveRow
       op.parameters,
       (op.source,) if op.source else (),
     )
-    acc = rows.setdefault(key, [0, 0.0, 0.0, op, 0])
+    acc = rows.setdefault(key, [0, 0.0, 0.0, op, 0, {}])
     acc[4] += 1
+    acc[5][op.scope] = None
     acc[0] += op.runs
     acc[1] += op.bytes_per_step
     acc[2] += op_seconds(op, chip) if chip is not None else 0.0
@@ -160,6 +167,7 @@ def group(ops: Iterable[CollectiveOp], chip: Chip | None) -> tuple[CollectiveRow
       first.change,
       first.asked_by,
       k,
+      tuple(scopes) if len(scopes) > 1 else (),
     )
     for (kind, axes, crosses, link, reason, parameters, sources), (
       n,
@@ -167,6 +175,7 @@ def group(ops: Iterable[CollectiveOp], chip: Chip | None) -> tuple[CollectiveRow
       s,
       first,
       k,
+      scopes,
     ) in (rows.items())
   ]
   order = {k: i for i, k in enumerate(COLLECTIVE_KINDS)}

@@ -15,17 +15,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from flax_shardmeta._capacity import vocabulary as rep
-from flax_shardmeta._errors import FitError
+from flax_shardmeta._capacity.snapshot.schema import (
+  VERSION as VERSION,
+  check_snapshot,
+  outdated as outdated,
+  spec_key,
+  spec_text,
+)
 from flax_shardmeta._frames import import_path
 from flax_shardmeta._units import format_bytes
-
-VERSION = 2
-"""The snapshot format; a snapshot of another version is re-recorded.
-
-Version 2: files named from their import root; constraints grouped by scope
-and layout with their lines as a list; collectives matched by scope, not
-source lines.
-"""
 
 # Snapshot section -> the report categories it holds, and how a diff names one.
 SECTIONS = {
@@ -84,7 +82,7 @@ def merge_collectives(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   for row in rows:
     out = {
       'kind': str(row['kind']),
-      'axes': [str(a) for a in row.get('axes') or ()],
+      'axes': _axes(row.get('axes')),
       'reason': str(row['reason']) if row.get('reason') else None,
       'parameters': sorted(str(p) for p in row.get('parameters') or ()),
       'scope': scope_text(row.get('scope') or ''),
@@ -104,6 +102,12 @@ def merge_collectives(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     into['link'] = '+'.join(sorted(links)) or None
     into['sources'] = sorted({*into['sources'], *out['sources']})
   return [merged[k] for k in sorted(merged, key=_sort_key)]
+
+
+def _axes(axes: Any) -> list[str]:
+  """A row's mesh axes: a list of names, or one name written alone (never
+  read letter by letter)."""
+  return [axes] if isinstance(axes, str) else [str(a) for a in axes or ()]
 
 
 def _row_key(row: dict[str, Any]) -> tuple[Any, ...]:
@@ -156,53 +160,14 @@ def snapshot_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     >>> fsm.snapshot_diff(new, new)
     []
   """
-  _check(old, 'old')
-  _check(new, 'new')
+  check_snapshot(old, 'old')
+  check_snapshot(new, 'new')
   lines = _mesh_lines(old, new)
   for section, (_, label) in SECTIONS.items():
     lines += _spec_lines(old.get(section) or {}, new.get(section) or {}, label)
   lines += _constraint_lines(old.get('constraints') or [], new.get('constraints') or [])
   lines += _collective_lines(old.get('collectives') or [], new.get('collectives') or [])
   return lines
-
-
-def outdated(version: Any) -> str:
-  """What to say of a snapshot of another version: it must be recorded again,
-  and how.
-
-  Example:
-    >>> print(outdated(1))  # doctest: +NORMALIZE_WHITESPACE
-    is a layout snapshot of version 1, and this flax_shardmeta reads only
-    version 2: it must be recorded again. Take the snapshot anew
-    (fsm.snapshot, or flax-shardmeta snapshot --out FILE); for golden files
-    of fsm.testing.assert_snapshot, run the tests once with
-    FLAX_SHARDMETA_UPDATE_SNAPSHOTS=1.
-  """
-  return (
-    f'is a layout snapshot of version {version!r}, and this flax_shardmeta '
-    f'reads only version {VERSION}: it must be recorded again. Take the '
-    'snapshot anew (fsm.snapshot, or flax-shardmeta snapshot --out FILE); '
-    'for golden files of fsm.testing.assert_snapshot, run the tests once '
-    'with FLAX_SHARDMETA_UPDATE_SNAPSHOTS=1.'
-  )
-
-
-def _check(snap: Any, which: str) -> None:
-  if not isinstance(snap, dict) or 'version' not in snap:
-    raise FitError(
-      f'{which} is not a layout snapshot (a dict with a "version", from '
-      f'fsm.snapshot); got {type(snap).__name__}.'
-    )
-  if snap['version'] != VERSION:
-    raise FitError(f'{which} {outdated(snap["version"])}')
-  kinds: dict[str, type] = dict.fromkeys([*SECTIONS, 'mesh'], dict)
-  kinds.update(constraints=list, collectives=list)
-  for section, kind in kinds.items():
-    if not isinstance(snap.get(section, kind()), kind):
-      raise FitError(f'{which}[{section!r}] should be a {kind.__name__}.')
-  for section, needed in (('constraints', 'spec'), ('collectives', 'kind')):
-    if not all(isinstance(r, dict) and needed in r for r in snap.get(section, ())):
-      raise FitError(f'{which}[{section!r}] should hold dicts with a {needed!r}.')
 
 
 def _mesh_lines(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -232,8 +197,8 @@ def _spec_lines(old: dict[str, str], new: dict[str, str], label: str) -> list[st
       lines.append(f'new {label} {path}: {after}')
     elif after is None:
       lines.append(f'removed {label} {path}: {before}')
-    elif before != after:
-      lines.append(f'{path}: {before} -> {after}')
+    elif spec_key(before) != spec_key(after):  # not by spaces or quotes
+      lines.append(f'{path}: {spec_text(before)} -> {spec_text(after)}')
   return lines
 
 
@@ -273,7 +238,8 @@ def _byscope_text(
   out: dict[str, dict[Any, tuple[int, list[str]]]] = collections.defaultdict(dict)
   for row in rows:
     scope = str(row.get('scope', ''))
-    key = (str(row.get('spec')), tuple(row.get('shape') or ()))
+    shape = tuple(int(d) for d in row.get('shape') or ())
+    key = (spec_text(str(row.get('spec')), rank=len(shape)), shape)
     where = row.get('where') or []
     where = [str(w) for w in ([where] if isinstance(where, str) else where)]
     count, known = out[scope].get(key, (0, []))

@@ -257,12 +257,12 @@ class _Memory:
     mem_fraction: float | None,
     reserve: int | str | None,
   ) -> _Memory:
-    run = gpu_verdict.RunMemory(mem_fraction, reserve)
     # A bad fraction or reserve is refused at once, GPU or not.
-    memory = run.memory(capacity or 0, ())
+    usable_lib.check_run(mem_fraction, reserve)
     if not on_gpu or capacity is None:
       return cls(capacity, None)
-    return cls(capacity, memory)
+    run = gpu_verdict.RunMemory(mem_fraction, reserve)
+    return cls(capacity, run.memory(capacity, ()))
 
   @property
   def judged_bytes(self) -> int | None:

@@ -11,6 +11,7 @@ per step.
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,7 @@ _MEANING = {
   'parameter': 'gathering parameters for use (FSDP, or a layout the matmul wants)',
   'gradient': "reducing or scattering parameters' gradients",
   'activation': 'resharding values computed in the step',
+  'explicit': "collectives the step's code calls (ppermute, psum... in shard_map)",
   'other': 'scalars, the loss and metrics',
   'unknown': 'the data flow does not tell',
   '': 'not attributed',
@@ -170,13 +172,44 @@ def _what(r: CollectiveRow) -> str:
     return first + more
   if r.reason == 'activation':
     return r.change + (' (constraint)' if r.asked_by == 'constraint' else '')
+  if r.reason == 'explicit':
+    return f'{r.asked_by}: {r.change}' if r.change else r.asked_by
   return '-'
 
 
 def _where(r: CollectiveRow) -> str:
   source = next(iter(r.sources), '?')
-  scope = '/'.join(r.scope.split('/')[-2:])  # the innermost modules say enough
+  scope = scopes_text(r.scopes) if len(r.scopes) > 1 else _inner(r.scope)
   return f'{source} ({scope})' if scope else source
+
+
+def _inner(scope: str) -> str:
+  return '/'.join(scope.split('/')[-2:])  # the innermost modules say enough
+
+
+def scopes_text(scopes: Sequence[str]) -> str:
+  """Several module scopes of one row, said as such: layers (scopes that
+  differ in one part) as ``'6 layers: block_0 .. block_5'``, else their
+  number and the first.
+
+  Example:
+    >>> scopes_text(['M/block_10/mlp', 'M/block_2/mlp', 'M/block_0/mlp'])
+    '3 layers: block_0/mlp .. block_10/mlp'
+    >>> scopes_text(['M/enc', 'M/dec/attn'])
+    '2 scopes: M/enc, ...'
+  """
+  # In the layers' own order (block_2 before block_10), not XLA's.
+  scopes = sorted(
+    scopes, key=lambda s: [(len(d), d) for d in re.findall(r'\d+|\D+', s)]
+  )
+  split = [s.split('/') for s in scopes]
+  n = len(scopes)
+  same_depth = len({len(p) for p in split}) == 1
+  differ = [i for i in range(len(split[0])) if len({p[i] for p in split}) > 1]
+  if same_depth and len(differ) == 1:
+    first, last = ('/'.join(split[k][differ[0] :]) for k in (0, -1))
+    return f'{n} layers: {first} .. {last}'
+  return f'{n} scopes: {_inner(scopes[0])}, ...'
 
 
 def why_dict(collectives: Sequence[CollectiveRow], replicated: Sequence[str]) -> Any:

@@ -1,0 +1,195 @@
+"""The user's line of each operation of a traced step, for the compiled
+program's collectives.
+
+XLA keeps on each instruction jax's name stack and a few innermost frames;
+for a flax layer those are flax's own (``linear.py``), and the user's line
+that called the layer may be cut off, so the nearest user line XLA kept is
+another operation's (the ``relu`` between two layers). The traced step
+keeps every equation's full traceback: the frame just outside jax, flax,
+optax and this package (``_frames.user_frame``) is the line that called the
+layer. Equations are keyed as the compiled program's name stacks read
+(module scope, primitive, forward or backward pass), so an instruction's
+``op_name`` finds its line (:meth:`TracedLines.lines_of`).
+
+Two more facts come from the trace: where each argument is first used (a
+gradient row names the line that uses its parameter, not the loss or the
+update), and which collectives the step's own code calls (``ppermute``,
+``psum``... in a ``shard_map``): those are asked for by that call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jax.extend import core as jex_core
+
+from flax_shardmeta._capacity.hlo.name_stacks import (
+  merged_names,
+  primitive_of,
+  scope_of,
+)
+from flax_shardmeta._frames import user_line
+
+EXPLICIT = frozenset(
+  'psum psum_invariant pmax pmin ppermute pbroadcast all_to_all ragged_all_to_all '
+  'all_gather all_gather_invariant all_gather_reduced reduce_scatter psum_scatter '
+  'unreduced_psum unreduced_reduce_scatter'.split()
+)
+"""The collective primitives a step's code calls itself (in ``shard_map``)."""
+
+Key = tuple[str, str, bool]
+
+# Operations that only move, cast or lay out a value: a parameter passing
+# through one is not used yet (its use is where the layer computes with it).
+_MOVES = frozenset(
+  'convert_element_type copy copy_p reshape squeeze expand_dims broadcast_in_dim '
+  'transpose sharding_constraint reshard mesh_cast pvary pbroadcast '
+  'dynamic_slice slice device_put'.split()
+)
+_CALLS = ('pjit', 'jit')
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedLines:
+  """The user's lines of a traced step.
+
+  Attributes:
+    lines: ``(scope, primitive, backward)`` -> the user's lines of the
+      equations so keyed, in program order.
+    uses: per input of the step (in the jaxpr's order), the user's line that
+      first computes with it (``''`` where none does).
+
+  Example:
+    >>> t = TracedLines({('M/up', 'dot_general', True): ('m.py:4',)}, ('m.py:4',))
+    >>> t.lines_of('jit(step)/transpose(jvp(M))/up/dot_general')
+    ('m.py:4',)
+    >>> t.lines_of('jit(step)/jvp(M)/up/dot_general')
+    ()
+  """
+
+  lines: dict[Key, tuple[str, ...]]
+  uses: tuple[str, ...] = ()
+
+  def lines_of(self, op_name: str) -> tuple[str, ...]:
+    """The user's lines of the equations an instruction's ``op_name`` names
+    (of names XLA merged, the first one's); ``()`` when none match."""
+    if not op_name:
+      return ()
+    return self.lines.get(key_of(merged_names(op_name)[0]), ())
+
+  def kept(self, keep: Sequence[bool]) -> TracedLines:
+    """These lines with ``uses`` only for the inputs kept (the compiled
+    program's parameters: jax drops the inputs a step never reads)."""
+    if len(keep) != len(self.uses):
+      return TracedLines(self.lines, ())
+    return TracedLines(self.lines, tuple(u for u, k in zip(self.uses, keep) if k))
+
+
+def key_of(op_name: str) -> Key:
+  """What an ``op_name`` is matched by: module scope, primitive, pass.
+
+  Example:
+    >>> key_of('jit(step)/transpose(jvp(MLP))/while/body/down/dot_general')
+    ('MLP/down', 'dot_general', True)
+  """
+  return (scope_of(op_name), primitive_of(op_name), 'transpose(' in op_name)
+
+
+def traced_lines(jaxpr: Any) -> TracedLines:
+  """The lines of a traced step's jaxpr (``traced.jaxpr.jaxpr``)."""
+  found: dict[Key, list[str]] = {}
+  _walk(jaxpr, 'jit(step)', found)
+  lines = {k: tuple(dict.fromkeys(v)) for k, v in found.items()}
+  used: dict[int, str] = {}
+  _first_uses(jaxpr, {v: {i} for i, v in enumerate(jaxpr.invars)}, used)
+  uses = tuple(used.get(i, '') for i in range(len(jaxpr.invars)))
+  return TracedLines(lines, uses)
+
+
+def lines_of_trace(traced: Any) -> TracedLines | None:
+  """:func:`traced_lines` of a ``jax.jit(...).trace(...)`` result (this
+  script's lines, even when the program came from the fit cache); None for a
+  program this reading does not know (XLA's own lines are used then)."""
+  try:
+    return traced_lines(traced.jaxpr.jaxpr)
+  except Exception:  # noqa: BLE001 - only the lines are lost
+    return None
+
+
+def _walk(jaxpr: Any, prefix: str, found: dict[Key, list[str]]) -> None:
+  for eqn in jaxpr.eqns:
+    stack = str(getattr(eqn.source_info, 'name_stack', '') or '')
+    at = '/'.join(p for p in (prefix, stack) if p)
+    name = eqn.primitive.name
+    line = user_line(getattr(eqn.source_info, 'traceback', None))
+    if line:
+      found.setdefault(key_of(f'{at}/{name}'), []).append(line)
+    inner_prefix = f'{at}/jit({eqn.params.get("name", "")})' if name in _CALLS else at
+    for inner, _ in _sub_jaxprs(eqn):
+      _walk(
+        inner, f'{inner_prefix}/{name}' if name not in _CALLS else inner_prefix, found
+      )
+
+
+def _sub_jaxprs(eqn: Any) -> list[tuple[Any, int]]:
+  """Each sub-program of an equation, with the position of the equation's
+  operand its first input is (a while's body skips its condition's
+  constants, a cond's branches its index)."""
+  out = []
+  for key, value in eqn.params.items():
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      inner = getattr(v, 'jaxpr', v)
+      if not isinstance(inner, jex_core.Jaxpr):
+        continue
+      if key == 'cond_jaxpr':
+        continue
+      skip = {'while': eqn.params.get('cond_nconsts', 0), 'cond': 1}
+      out.append((inner, int(skip.get(eqn.primitive.name, 0))))
+  return out
+
+
+def _first_uses(
+  jaxpr: Any, roots: dict[Any, set[int]], found: dict[int, str], depth: int = 0
+) -> None:
+  """For each input (numbered in ``roots``: var -> the inputs it carries),
+  the user's line of the first equation that computes with it, through
+  moves and casts and into sub-programs, into ``found``; one pass."""
+  for eqn in jaxpr.eqns:
+    hits = {
+      i: roots[v] - found.keys()
+      for i, v in enumerate(eqn.invars)
+      if isinstance(v, jex_core.Var) and v in roots
+    }
+    pending = set().union(*hits.values()) if hits else set()
+    if not pending:
+      continue
+    if eqn.primitive.name in _MOVES:
+      for out in eqn.outvars:
+        roots[out] = pending
+      continue
+    subs = _sub_jaxprs(eqn)
+    for inner, skip in subs:
+      inner_roots: dict[Any, set[int]] = {}
+      for i, carried in hits.items():
+        if carried and 0 <= i - skip < len(inner.invars):
+          inner_roots.setdefault(inner.invars[i - skip], set()).update(carried)
+      if inner_roots and depth < 16:
+        _first_uses(inner, inner_roots, found, depth + 1)
+    if subs:
+      continue  # only passed through: its use comes later
+    line = user_line(getattr(eqn.source_info, 'traceback', None))
+    if line:
+      found.update(dict.fromkeys(pending, line))
+
+
+def is_explicit(op_name: str) -> bool:
+  """Whether an instruction is a collective the step's code calls itself
+  (its name stack ends in one of :data:`EXPLICIT`).
+
+  Example:
+    >>> is_explicit('jit(step)/jvp()/shard_map/ppermute'), is_explicit('x/dot_general')
+    (True, False)
+  """
+  return bool(op_name) and primitive_of(merged_names(op_name)[0]) in EXPLICIT
