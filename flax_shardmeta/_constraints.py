@@ -254,6 +254,20 @@ def _checked_names(x: Any, names: Any, where: str) -> tuple[Any, ...]:
     out = as_names(names)
   except InvalidNamesError as e:
     raise InvalidNamesError(f'{where}: {message(e)}') from None
+  if not hasattr(x, 'shape') and not isinstance(x, (int, float, complex)):
+    # A str has no shape either: it would be read as a rank-0 array.
+    raise ShardingError(
+      [
+        ShardingProblem(
+          where,
+          None,
+          out,
+          None,
+          f'the value is a {type(x).__name__} ({x!r:.40}), not an array',
+          'pass a jax or numpy array (or a number)',
+        )
+      ]
+    )
   shape = _shape(x)
   if isinstance(names, PartitionSpec) and len(out) < len(shape):
     # jax's own form: trailing dimensions left out are replicated.

@@ -26,11 +26,14 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, PartitionSpec
 
+from flax_shardmeta import _unmapped as unmapped_lib
 from flax_shardmeta._errors import ExplicitShardingError
 from flax_shardmeta._frames import in_dirs, jax_dirs, library_dirs
+from flax_shardmeta._names import as_names
 from flax_shardmeta._placement import context_mesh
-from flax_shardmeta._resolution import logical_to_mesh_axes
-from flax_shardmeta._specs import mesh_axes_of
+from flax_shardmeta._resolution import resolve
+from flax_shardmeta._rules import SOURCE_NONE, rules_and_source
+from flax_shardmeta._specs import UNASSIGNED, mesh_axes_of, unassigned_to_none
 from flax_shardmeta._typing import LogicalNames, LogicalRules
 
 
@@ -108,12 +111,34 @@ def logical_out_sharding(
   }
   if not explicit:
     return None
-  spec = logical_to_mesh_axes(names, rules)
+  spec = _resolved(names, rules, mesh.axis_names)
   kept = []
   for entry in spec:
     axes = tuple(a for a in mesh_axes_of(entry) if a in explicit)
     kept.append(axes[0] if len(axes) == 1 else (axes or None))
   return PartitionSpec(*kept)
+
+
+def _resolved(
+  names: LogicalNames, rules: LogicalRules | None, axes: Any
+) -> PartitionSpec:
+  """``names`` resolved, names no rule maps reported as ``fsm.plan`` does
+  (also when no rules are given or set at all: the output would be replicated
+  with no word)."""
+  rules_t, source = rules_and_source(rules)
+  written = as_names(names)
+  resolved = resolve(written, rules_t)
+  spec = PartitionSpec(*unassigned_to_none(resolved))
+  missing = unmapped_lib.unmapped_names(written, resolved, UNASSIGNED)
+  if missing:
+    record = unmapped_lib.Unmapped(
+      f'logical_out_sharding({written!r})', None, written, spec, missing, rules_t
+    )
+    # warn <- _warn_* <- report <- here <- logical_out_sharding <- user.
+    unmapped_lib.report(
+      [record], axes, False, stacklevel=4, no_rules=source == SOURCE_NONE
+    )
+  return spec
 
 
 @contextlib.contextmanager

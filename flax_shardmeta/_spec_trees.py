@@ -15,7 +15,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib, _unmapped as unmapped_lib
-from flax_shardmeta._errors import ShardingError, ShardingProblem
+from flax_shardmeta._errors import InvalidNamesError, ShardingError, ShardingProblem
 from flax_shardmeta._placement import check_mesh
 from flax_shardmeta._resolution import resolve
 from flax_shardmeta._rules import SOURCE_NONE, rules_and_source
@@ -91,6 +91,7 @@ def _logical_to_mesh(
   strict: bool,
   mesh_axis_names: tuple[str, ...],
 ) -> PyTree:
+  _refuse_bare_names(tree)
   rules_t, source = rules_and_source(rules)
   flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_spec)
   out: list[Any] = []
@@ -117,6 +118,30 @@ def _logical_to_mesh(
   if problems:
     raise ShardingError(problems)
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _refuse_bare_names(tree: PyTree) -> None:
+  """A string where a PartitionSpec belongs: never translated, so refuse it.
+
+  flax maps only PartitionSpec leaves and would read ``'embed'`` letter by
+  letter; coming back untranslated would hide the mistake.
+  """
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_spec)
+  bare = [(ann_lib.path_str(p), x) for p, x in flat if isinstance(x, str)]
+  if not bare:
+    return
+  if isinstance(tree, str) or (
+    isinstance(tree, tuple) and all(isinstance(x, (str, type(None))) for x in tree)
+  ):
+    names = (tree,) if isinstance(tree, str) else tree
+    fix = f'Pass P{names!r} or a tree of PartitionSpecs.'.replace(',)', ')')
+  else:
+    fix = "Make each leaf a PartitionSpec, e.g. P('embed')."
+  where = ', '.join(f'{p or "<tree>"}={x!r}' for p, x in bare)
+  raise InvalidNamesError(
+    f'logical names given as bare strings ({where}): only PartitionSpec leaves '
+    f'are translated, so these would come back unchanged. {fix}'
+  )
 
 
 def _spec_path(tree: PyTree, index: int) -> str:

@@ -10,9 +10,11 @@ parameters' ``embed`` over ``data``, ``mlp``, ``heads`` and ``vocab`` over
 ``model``; activations' ``batch`` over ``data``.
 """
 
+import explicit_fix_helpers as helpers
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -53,6 +55,37 @@ def embed_case(mesh):
     'pos': struct(mesh, (S, E), P()),
   }
   return sgd(embed_loss), params, struct(mesh, (B, S), P('data'), jnp.int32)
+
+
+def index_loss(params, tokens):
+  x = params['table'][tokens]  # refused
+  return jnp.mean(jnp.tanh(x) ** 2)
+
+
+def index_case(mesh):
+  params = {'table': struct(mesh, (V, E), P('model', 'data'))}
+  return sgd(index_loss), params, struct(mesh, (B, S), P('data'), jnp.int32)
+
+
+def helper_loss(params, tokens):
+  norms = helpers.token_norms(params['table'], tokens)
+  return jnp.mean((norms - 1.0) ** 2)
+
+
+def helper_case(mesh):
+  params = {'table': struct(mesh, (V, E), P('model', 'data'))}
+  return sgd(helper_loss), params, struct(mesh, (B, S), P('data'), jnp.int32)
+
+
+def optax_loss(params, x):
+  # Refused inside optax: a rank-3 product, while the call returns rank 2.
+  similarity = optax.cosine_similarity(x, params['anchors'])  # refused
+  return jnp.mean((similarity - 0.5) ** 2)
+
+
+def optax_case(mesh):
+  params = {'anchors': struct(mesh, (B, S, E), P('data', 'model'))}
+  return sgd(optax_loss), params, struct(mesh, (B, S, E), P('data', None, 'model'))
 
 
 def token_loss(params, x, labels):

@@ -286,3 +286,69 @@ def test_a_mesh_that_is_not_one_or_not_the_arguments():
   other = jax.make_mesh((2, 4), ('x', 'y'), axis_types=(AUTO, AUTO))
   with pytest.raises(fsm.ShardingError, match="mesh axis 'data' .* not in the mesh"):
     fsm.audit_explicit(jnp.sum, x, mesh=other)
+
+
+def test_a_step_that_is_not_callable_or_keywords_for_it_are_bad_input(
+  tmp_path, monkeypatch, capsys
+):
+  x = arg(auto_mesh(), (8, 16), P('data', 'model'))
+  # Once reported as the step stopping: "'NoneType' object is not callable".
+  with pytest.raises(fsm.FlaxShardmetaError, match=r'step=None \(NoneType\) is not'):
+    fsm.audit_explicit(None, x)
+  with pytest.raises(fsm.FlaxShardmetaError, match='positional arguments only') as e:
+    fsm.audit_explicit(lambda x, *, scale: x * scale, x, scale=2.0)
+  assert 'scale=' in str(e.value) and 'functools.partial' in str(e.value)
+  # From the command line, a factory returning no step is bad input: exit 2.
+  (tmp_path / 'nostep.py').write_text(
+    'import jax, jax.numpy as jnp\n'
+    'def make(mesh, rules):\n'
+    '  return None, jax.ShapeDtypeStruct((8, 16), jnp.float32)\n'
+  )
+  monkeypatch.syspath_prepend(str(tmp_path))
+  from flax_shardmeta import cli
+
+  code = cli.main(['audit', '--module', 'nostep:make', '--mesh', 'data=2,model=4'])
+  _, err = capsys.readouterr()
+  assert code == 2 and 'Traceback' not in err and 'nostep:make' in err, err
+
+
+def test_a_refusal_inside_a_flax_layer_without_out_sharding_is_said_in_words():
+  import flax.linen as nn
+
+  # nn.Embed's gather is refused under Explicit axes; Embed takes no
+  # dot_general (it was once told to), so the fix names the layer's code.
+  mesh = auto_mesh()
+  table = arg(mesh, (64, 16), P('model', 'data'))
+  tokens = jax.ShapeDtypeStruct(
+    (8, 4), jnp.int32, sharding=NamedSharding(mesh, P('data'))
+  )
+
+  def loss(table, tokens):
+    return jnp.mean(
+      nn.Embed(64, 16).apply({'params': {'embedding': table}}, tokens) ** 2
+    )
+
+  report = fsm.audit_explicit(jax.grad(loss), table, tokens)
+  (site,) = [s for s in report.sites if not s.gradient_only]
+  assert site.replaces is None and 'dot_general=' not in site.fix, site.fix
+  assert 'Embed.__call__ (flax/linen/linear.py:' in site.fix, site.fix
+  assert 'out_sharding=P(' in site.fix and report.compiles
+  # What was compiled for it is said: the operation's own fix, not the words.
+  assert '(a fix in words): the refused operation given the layout' in str(report)
+
+
+def test_the_report_says_what_was_compiled_for_an_auto_axes_fix():
+  mesh = auto_mesh()
+  table = arg(mesh, (64, 16), P('model', 'data'))
+  tokens = jax.ShapeDtypeStruct(
+    (8, 4), jnp.int32, sharding=NamedSharding(mesh, P('data'))
+  )
+  report = fsm.audit_explicit(lambda t, i: jnp.take(t, i, axis=0).sum(), table, tokens)
+  (site,) = report.sites
+  assert site.how == 'auto_axes' and report.compiles
+  assert 'Compiled for site 1: jax.sharding.auto_axes around the refused operation' in (
+    str(report)
+  )
+  x, w = arg(mesh, (8, 16), P(None, 'model')), arg(mesh, (16, 4), P('model'))
+  plain = fsm.audit_explicit(lambda x, w: x @ w, x, w)
+  assert plain.sites and 'Compiled for site' not in str(plain)

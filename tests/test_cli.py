@@ -156,7 +156,7 @@ def test_mesh_axis_name_warning_goes_to_stderr(capsys, tmp_path):
     (['--model', 'mlp', '--mesh', 'data=2,data=4'], 'twice'),
     (
       ['--model', 'mlp', '--mesh', 'data=2', '--rules', 'missing.json'],
-      "cannot read rules file 'missing.json'",
+      "--rules 'missing.json' is not valid",
     ),
     (['--model', 'mlp', '--mesh', 'data=2', '--format', 'xml'], 'invalid choice'),
     (['--mesh', 'data=2'], 'one of the arguments --model --module is required'),

@@ -406,3 +406,50 @@ def test_python_m_runs_like_the_console_script(tmp_path):
   )
   assert done.returncode in (0, 1), done.stderr
   assert '"mesh"' in done.stdout and '16 devices' not in done.stderr
+
+
+# Bad flag values are named as the command line spells them
+# ------------------------------------------------------------------------------
+
+
+def test_rules_that_are_neither_json_nor_a_file_are_called_not_valid(capsys):
+  # Was: "cannot read rules file '{'", as if a file had been meant.
+  err = error_line(capsys, 'plan', '--model', 'mlp', '--mesh', 'data=2,model=4',
+                   '--rules', '{')  # fmt: skip
+  assert "--rules '{' is not valid: as JSON text: Expecting property name" in err
+  assert 'as a file path: No such file' in err
+
+
+def test_a_negative_reserve_is_told_to_be_0_or_more(capsys):
+  # Was: "'-1GiB' is not a size".
+  err = error_line(capsys, 'fit', '--model', 'mlp', '--mesh', 'data=2,model=4',
+                   '--reserve=-1GiB')  # fmt: skip
+  assert "--reserve: '-1GiB' is below 0; give 0 or more" in err
+
+
+@pytest.fixture(scope='module')
+def step_root(tmp_path_factory):
+  """A CheckpointManager root holding step 1 of one 16x8 leaf (Auto axes)."""
+  import orbax.checkpoint as ocp
+
+  root = tmp_path_factory.mktemp('steps') / 'run'
+  with ocp.CheckpointManager(root) as manager:
+    manager.save(1, args=ocp.args.StandardSave({'w': jnp.ones((16, 8))}))
+    manager.wait_until_finished()
+  return str(root)
+
+
+@pytest.mark.parametrize(
+  'folder, flags, said',
+  [
+    ('', ['--step', '-1'], "--step: expected a step number of 0 or more, got '-1'"),
+    ('', ['--devices-per-host', '3'], '--devices-per-host 3 does not divide'),
+    ('/1', ['--step', '2'], 'with --step 2, or this folder without --step'),
+  ],
+)
+def test_restore_plan_speaks_of_its_flags(capsys, step_root, folder, flags, said):
+  # Was: "step=-1: expected an int of at least 0", "devices_per_host=3 ...".
+  err = error_line(capsys, 'restore-plan', step_root + folder, '--model', 'mlp',
+                   '--mesh', 'data=2,model=4', *flags)  # fmt: skip
+  assert said in err
+  assert 'step=' not in err and 'devices_per_host' not in err

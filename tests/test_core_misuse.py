@@ -6,10 +6,11 @@ Meshes are the (2, 4) mesh of the 8 simulated CPU devices with Auto axes
 (``axis_types`` is given explicitly where a case is about it).
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, PartitionSpec as P
 
 import flax_shardmeta as fsm
 from flax_shardmeta import cli
@@ -146,3 +147,95 @@ def test_nnx_as_abstract_refuses_a_function_too():
   mesh = fsm.make_mesh((2, 4), ('data', 'model'), axis_types=AUTO)
   with pytest.raises(fsm.ShardingError, match='jax.eval_shape'):
     fsm.nnx.as_abstract(jax.jit(_factory), mesh, RULES)
+
+
+# Wrong kinds of input to the data, spec-tree, out_sharding and value helpers
+# ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('size', ['batch', 0, -8, 32.0, True])
+def test_data_layout_refuses_a_batch_size_that_is_no_row_count(size):
+  # Was: TypeError "not all arguments converted during string formatting".
+  mesh = fsm.make_mesh((2, 4), ('data', 'model'), axis_types=AUTO)
+  with pytest.raises(fsm.BatchLayoutError, match=r'global_batch_size is .*1 or more'):
+    fsm.data_layout(mesh, size)
+
+
+def test_data_layout_still_names_an_indivisible_batch():
+  mesh = fsm.make_mesh((2, 4), ('data', 'model'), axis_types=AUTO)
+  with pytest.raises(fsm.BatchLayoutError, match='does not divide.*multiple of 2'):
+    fsm.data_layout(mesh, 3)
+
+
+def test_logical_to_mesh_refuses_a_bare_name_instead_of_giving_it_back():
+  # Was: 'embed' came back untranslated, without a word.
+  with pytest.raises(fsm.InvalidNamesError, match=r"Pass P\('embed'\)"):
+    fsm.logical_to_mesh('embed', RULES)
+
+
+def test_logical_to_mesh_sharding_refuses_a_tuple_of_names():
+  # Was: ('embed', 'mlp') came back as it was, not a sharding.
+  mesh = fsm.make_mesh((2, 4), ('data', 'model'), axis_types=AUTO)
+  with pytest.raises(fsm.InvalidNamesError, match=r"Pass P\('embed', 'mlp'\)"):
+    fsm.logical_to_mesh_sharding(('embed', 'mlp'), mesh, RULES)
+
+
+def test_logical_to_mesh_names_a_bare_name_leaf_in_a_tree():
+  with pytest.raises(fsm.InvalidNamesError, match=r"w='embed'.*each leaf a Partition"):
+    fsm.logical_to_mesh({'w': 'embed', 'b': P('mlp')}, RULES)
+
+
+def test_logical_to_mesh_keeps_flax_results_for_spec_trees():
+  tree = {'w': P('embed', 'mlp'), 'n': None}
+  assert fsm.logical_to_mesh(tree, RULES) == nn.logical_to_mesh(tree, RULES)
+
+
+EXPLICIT = (AxisType.Explicit,) * 2
+
+
+def test_logical_out_sharding_without_rules_warns_as_plan_does():
+  # Was: P(None, None) without a word, the output silently replicated.
+  mesh = fsm.make_mesh((2, 4), ('data', 'model'), axis_types=EXPLICIT)
+  with (
+    jax.set_mesh(mesh),
+    pytest.warns(fsm.UnmappedNameWarning, match='no logical axis rules'),
+  ):
+    assert fsm.logical_out_sharding(('batch', 'mlp')) == P(None, None)
+
+
+def test_logical_out_sharding_says_did_you_mean_for_a_misspelt_name():
+  mesh = fsm.make_mesh((2, 4), ('data', 'model'), axis_types=EXPLICIT)
+  with (
+    jax.set_mesh(mesh),
+    pytest.warns(fsm.UnmappedNameWarning, match="did you mean 'mlp'"),
+  ):
+    spec = fsm.logical_out_sharding(('batch', 'mpl'), rules=RULES)
+  assert spec == P('data', None)
+
+
+def test_snapshot_without_a_mesh_names_snapshot():
+  # Was: "fit needs a mesh" from a call to fsm.snapshot.
+  def step(x):
+    return x * 2
+
+  with pytest.raises(fsm.NoMeshError, match='^snapshot needs a mesh'):
+    fsm.snapshot(step, jnp.ones((8, 4)), cache=False)
+
+
+def test_shard_value_of_a_string_says_it_is_no_array():
+  # Was: "1 names for a rank-0 array".
+  mesh = fsm.make_mesh((2, 4), ('data', 'model'), axis_types=AUTO)
+  with pytest.raises(fsm.ShardingError, match=r"a str \('abc'\), not an array"):
+    fsm.shard_value('abc', ('embed',), RULES, mesh=mesh)
+
+
+def test_data_layout_takes_an_integer_scalar_array():
+  mesh = fsm.make_mesh((2, 4), ('data', 'model'), axis_types=AUTO)
+  assert fsm.data_layout(mesh, jnp.int32(32)).batch_size == 32
+
+
+@pytest.mark.parametrize('mesh', [None, RULES])
+def test_sharded_init_without_a_mesh_says_so(mesh):
+  # Was: AttributeError "'NoneType' object has no attribute 'shape'".
+  with pytest.raises(fsm.NoMeshError, match='sharded_init needs a'):
+    fsm.sharded_init(_tree, mesh, RULES)

@@ -427,9 +427,12 @@ def test_flax_lifted_vmap_keeps_names_in_step(mesh):
 
 
 def test_logical_to_mesh():
-  tree = {'w': P('embed', 'hidden'), 'b': P('hidden'), 'n': None, 's': 'x'}
+  tree = {'w': P('embed', 'hidden'), 'b': P('hidden'), 'n': None}
   out = fsm.logical_to_mesh(tree, RULES)
-  assert out == {'w': P(None, 'model'), 'b': P('model'), 'n': None, 's': 'x'}
+  assert out == {'w': P(None, 'model'), 'b': P('model'), 'n': None}
+  # A bare string is no spec: flax reads it letter by letter, fsm names it.
+  with pytest.raises(fsm.InvalidNamesError, match=r"\['s'\]|s="):
+    fsm.logical_to_mesh({**tree, 's': 'x'}, RULES)
   with fsm.logical_axis_rules([('hidden', 'data')]):
     assert fsm.logical_to_mesh(tree)['b'] == P('data')
 

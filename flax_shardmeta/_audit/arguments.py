@@ -14,9 +14,46 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_shardmeta._errors import ShardingError, ShardingProblem
+from flax_shardmeta._errors import FlaxShardmetaError, ShardingError, ShardingProblem
 from flax_shardmeta._paths import path_str
 from flax_shardmeta._specs import format_spec, mesh_axes_of, spec_entries
+
+
+class AuditInputError(FlaxShardmetaError):
+  """``audit_explicit`` given what it cannot audit: a step that is not
+  callable, or keyword arguments for the step.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.audit_explicit(None)
+    Traceback (most recent call last):
+    ...
+    flax_shardmeta._audit.arguments.AuditInputError: audit_explicit(step, ...): ...
+  """
+
+
+def check_step(step: Any, keywords: dict[str, Any]) -> None:
+  """Raises :class:`AuditInputError` for a step that cannot be called, or
+  keyword arguments meant for it (the audit passes positional ones only)."""
+  if not callable(step):
+    raise AuditInputError(
+      f'audit_explicit(step, ...): step={_short(step)} ({type(step).__name__}) '
+      'is not callable: pass the training step (a plain function, jax.jit or '
+      'fsm.jit), then its arguments: fsm.audit_explicit(step, *args)'
+    )
+  if keywords:
+    names = ', '.join(f'{k}=' for k in keywords)
+    raise AuditInputError(
+      f'audit_explicit got keyword arguments {names} for the step: it passes '
+      'the step positional arguments only (and takes mesh= and rules= '
+      'itself). Pass arrays positionally, or bind the others first: '
+      'fsm.audit_explicit(functools.partial(step, name=value), *args)'
+    )
+
+
+def _short(x: Any) -> str:
+  text = repr(x)
+  return text if len(text) <= 60 else text[:57] + '...'
 
 
 @dataclasses.dataclass(frozen=True)

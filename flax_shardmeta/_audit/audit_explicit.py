@@ -24,10 +24,16 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from flax_shardmeta._audit.arguments import Arguments, check_divisible
+from flax_shardmeta._audit.arguments import Arguments, check_divisible, check_step
 from flax_shardmeta._audit.audit_report import ExplicitAudit
 from flax_shardmeta._audit.figures import figures
-from flax_shardmeta._audit.intercept import Key, Recorder, going_on, same_mesh
+from flax_shardmeta._audit.intercept import (
+  Key,
+  Recorder,
+  going_on,
+  same_mesh,
+  value_key,
+)
 from flax_shardmeta._audit.notes import notes_of
 from flax_shardmeta._audit.replay import Replay, equations
 from flax_shardmeta._audit.sites import sites
@@ -46,6 +52,7 @@ def audit_explicit(
   *args: Any,
   mesh: AnyMesh | None = None,
   rules: LogicalRules | None = None,
+  **step_keywords: Any,
 ) -> ExplicitAudit:
   """Lists every operation of ``step`` that Explicit axes refuse, with fixes.
 
@@ -66,8 +73,11 @@ def audit_explicit(
       ``jax.set_mesh``. Its axis types are ignored: the audit makes them
       Auto, then Explicit.
     rules: logical axis rules in force while tracing (None: the context's).
+    **step_keywords: refused: the step is given positional arguments only
+      (bind others with ``functools.partial``).
 
   Raises:
+    AuditInputError: ``step`` is not callable, or keywords were given for it.
     NoMeshError: no mesh to be found, or ``mesh`` is not one.
     ShardingError: an argument's layout does not divide its shape, or names
       an axis the mesh lacks.
@@ -88,6 +98,7 @@ def audit_explicit(
     >>> [(s.op, s.how, s.spec) for s in report.sites], report.compiles
     ([('dot_general', 'out_sharding', P())], True)
   """
+  check_step(step, step_keywords)
   mesh = _mesh(mesh, args, step)
   if rules is None:
     rules = getattr(step, 'rules', None)  # fsm.jit's own
@@ -177,6 +188,9 @@ def _rounds(
     new = ({r.key for r in recorder.refused} | set(recorder.opaque)) - asked
     if not new:
       break
+    # The value each refused expression makes: its fix's layout, where the
+    # operation refused is inside a call whose result is another value.
+    new |= {value_key(r.key[0], r.position) for r in recorder.refused if r.position}
     asked |= new
     specs.update(layouts(new, in_specs))
   else:
@@ -294,6 +308,21 @@ def _frame(eqn: Any) -> tuple[str, int] | None:
   return user_frame(getattr(eqn.source_info, 'traceback', None))
 
 
+def _span(eqn: Any) -> tuple[str, tuple[int, int, int, int]] | None:
+  """The user's file and the span (line, end line, column, end column) of
+  the expression that made ``eqn``."""
+  try:
+    from jax._src import source_info_util
+
+    frames = source_info_util.user_frames(eqn.source_info.traceback)
+    f = next((f for f in frames if not is_library_file(f.file_name)), None)
+  except Exception:  # noqa: BLE001 - a changed private API costs only the span
+    return None
+  if f is None:
+    return None
+  return f.file_name, (f.start_line, f.end_line, f.start_column, f.end_column)
+
+
 def _struct(x: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
@@ -346,9 +375,14 @@ def _auto_layouts(
     if key in wanted:
       first.setdefault(key, id(eqn))
     elsewhere.setdefault(key[2:], set()).add(id(eqn))
-    # A jnp function refused in Python is known by its result: the last
-    # forward value of that shape its line makes.
     if eqn.outvars and 'transpose' not in str(eqn.source_info.name_stack):
+      # An expression's value: the last forward value made at its span (a
+      # call's own equation comes after its body's).
+      span = _span(eqn)
+      if span is not None and value_key(*span) in wanted:
+        first[value_key(*span)] = id(eqn)
+      # A jnp function refused in Python is known by its result: the last
+      # forward value of that shape its line makes.
       made = (_shape(eqn.outvars[0].aval),)
       for want in wanted:
         if want[:2] == frame and want[2].startswith('jnp.') and want[3] == made:

@@ -145,6 +145,7 @@ def _text(r: ExplicitAudit) -> str:
   if not r.compiles:
     lines += _stopped(r)
     return '\n'.join(lines)
+  lines += _what_compiled(r)
   lines.append(
     'With every fix the step compiles under Explicit axes. Per chip per step:'
   )
@@ -168,6 +169,27 @@ def _text(r: ExplicitAudit) -> str:
     'Explicit costs more: ' + ('; '.join(more) if more else 'nowhere (within 10%)')
   )
   return '\n'.join(lines)
+
+
+def _what_compiled(r: ExplicitAudit) -> list[str]:
+  """What the compiled program holds where it differs from the printed
+  fixes: an ``auto_axes`` fix (or one in words) is applied in the trace to
+  the refused operation alone, not to the whole expression printed."""
+  wrapped = [str(i) for i, s in enumerate(r.sites, 1) if s.how == 'auto_axes']
+  words = [str(i) for i, s in enumerate(r.sites, 1) if s.replaces is None]
+  out = []
+  if wrapped:
+    out.append(
+      f'Compiled for site {", ".join(wrapped)}: jax.sharding.auto_axes around the '
+      'refused operation alone; the printed fix wraps the expression holding it '
+      '(the layout XLA gives its value under Auto axes), not compiled as printed.'
+    )
+  if words:
+    out.append(
+      f'Compiled for site {", ".join(words)} (a fix in words): the refused '
+      "operation given the layout named, where it is (the library's code)."
+    )
+  return out
 
 
 def _stopped(r: ExplicitAudit) -> list[str]:

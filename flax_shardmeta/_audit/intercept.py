@@ -36,6 +36,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flax_shardmeta._explicit import _JaxShardingTypeError
 from flax_shardmeta._frames import is_library_file
 
+try:  # jax's error for a spec naming one mesh axis twice
+  from jax._src.named_sharding import DuplicateSpecError as _DuplicateSpecError
+except ImportError:  # another jax: it raises a ValueError (caught too)
+  _DuplicateSpecError = ValueError  # type: ignore[assignment,misc]
+
 Key = tuple[str, int, str, tuple[tuple[int, ...], ...]]
 """(file, line, primitive, operand shapes): a bind told apart across traces."""
 
@@ -66,6 +71,11 @@ class Refused:
       (its fix is a layer argument), or None.
     position: the user's call being run, as (line, end line, column, end
       column) of its expression, or None: which call of the line it is.
+    value_spec: XLA's layout under Auto axes of the value that expression
+      makes (a library call's result, not the operation refused inside it),
+      or None where not known.
+    inner: ``function (file:line)`` of the library function the user's line
+      calls, where the refused operation is inside one that is not jax's.
   """
 
   key: Key
@@ -79,6 +89,8 @@ class Refused:
   value_bytes: int = 0
   layer: str | None = None
   position: tuple[int, int, int, int] | None = None
+  value_spec: PartitionSpec | None = None
+  inner: str | None = None
 
 
 class Recorder:
@@ -101,6 +113,10 @@ class Recorder:
     """Records a refusal; traces made from now on are new ones."""
     if refused.position is None:
       refused.position = user_position()
+    if refused.inner is None:
+      refused.inner = _inner_call()
+    if refused.position is not None:
+      refused.value_spec = self.specs.get(value_key(refused.key[0], refused.position))
     self.refused.append(refused)
     self.contexts.enter_context(_FIXES(next(_COUNT)))
 
@@ -161,6 +177,47 @@ class Recorder:
     ))  # fmt: skip
 
 
+VALUE = '(value)'
+"""The operation of a :func:`value_key`."""
+
+
+def value_key(file: str, span: tuple[int, int, int, int]) -> Key:
+  """The key asking XLA's layout of the value the user's expression at
+  ``span`` (line, end line, column, end column) makes."""
+  return (file, span[0], VALUE, (span,))
+
+
+def _inner_call() -> str | None:
+  """``function (file:line)`` of the innermost frame of a library other than
+  jax's (optax, a flax layer) between the refused operation and the user's
+  line: the operation is inside it, and its result need not be the value of
+  the user's call."""
+  frame, inner = sys._getframe(1), None
+  while frame is not None:
+    file = frame.f_code.co_filename
+    if not file.startswith('<frozen') and not _library(file):
+      break
+    if inner is None and not _jax_or_ours(file):
+      inner = frame
+    frame = frame.f_back
+  if frame is None or inner is None:
+    return None
+  from flax_shardmeta._frames import import_path
+
+  where = f'{import_path(inner.f_code.co_filename)}:{inner.f_lineno}'
+  return f'{inner.f_code.co_qualname} ({where})'
+
+
+@functools.lru_cache(maxsize=4096)
+def _jax_or_ours(file: str) -> bool:
+  """Whether ``file`` is jax's, jaxlib's or this package's (the audit's own
+  frames), or the interpreter's."""
+  slashed = file.replace('\\', '/')
+  return file.startswith('<frozen') or any(
+    part in slashed for part in ('/jax/', '/jaxlib/', '/flax_shardmeta/')
+  )
+
+
 def _is_spec(x: Any) -> bool:
   return isinstance(x, PartitionSpec)
 
@@ -180,13 +237,16 @@ def going_on(recorder: Recorder) -> Iterator[None]:
       return recorder.fix(self, args, params, e, original)
 
   import jax.numpy as jnp
+  from jax._src.numpy import indexing
 
   functions = _taking_out_sharding(jnp)
-  scan = jax.lax.scan
+  scan, take = jax.lax.scan, indexing.rewriting_take
   primitive.bind = bind  # type: ignore[method-assign]
   for name, f in functions.items():
     setattr(jnp, name, _going_on_call(recorder, name, f))
   jax.lax.scan = _going_on_scan(recorder, scan)
+  # ``x[i]`` and ``x.at[i].get()``: refused in Python, as jnp.take can be.
+  indexing.rewriting_take = _going_on_call(recorder, INDEXING, take)
   recorder.contexts.enter_context(_FIXES(next(_COUNT)))
   try:
     yield
@@ -196,6 +256,7 @@ def going_on(recorder: Recorder) -> Iterator[None]:
     for name, f in functions.items():
       setattr(jnp, name, f)
     jax.lax.scan = scan
+    indexing.rewriting_take = take
 
 
 @contextlib.contextmanager
@@ -272,13 +333,19 @@ def _taking_out_sharding(module: Any) -> dict[str, Callable[..., Any]]:
   return out
 
 
+INDEXING = 'getitem'
+"""The name :func:`going_on` gives indexing (``x[i]``), jnp's ``rewriting_take``."""
+
+
 def _going_on_call(recorder: Recorder, name: str, f: Callable[..., Any]) -> Any:
   @functools.wraps(f)
   def call(*args: Any, **kwargs: Any) -> Any:
     try:
       return f(*args, **kwargs)
-    except (_JaxShardingTypeError, ValueError) as e:
-      if kwargs.get('out_sharding') is not None or 'shard' not in str(e):
+    except (_JaxShardingTypeError, _DuplicateSpecError, ValueError) as e:
+      # An indexing gather's result spec can name an axis twice
+      # (P('data', None, 'data')): jax refuses it in Python, as a sharding.
+      if kwargs.get('out_sharding') is not None or 'shard' not in str(e).lower():
         raise
       return recorder.fix_call(f'jnp.{name}', f, args, kwargs, e)
 

@@ -4,8 +4,9 @@ A refusal is found in the source by the span of the expression its user
 frame was running (a call, an ``@``, a subscript): several refused calls on
 one line are told apart. Each fix is an edit of that expression: an
 ``out_sharding`` keyword where the call takes one, ``jnp.matmul(...,
-out_sharding=)`` for ``@``, a Linen layer made with a ``dot_general`` that has
-one (at the line that makes the layer), the carry ``reshard`` at a
+out_sharding=)`` for ``@``, ``x.at[i].get(out_sharding=)`` for ``x[i]``, a
+Linen layer made with a ``dot_general`` that has one (at the line that makes
+the layer), the carry ``reshard`` at a
 ``jax.lax.scan`` call, else the expression under ``jax.sharding.auto_axes``
 with its operands passed in as arguments (a closure over Explicit arrays is
 refused inside ``auto_axes``). Every edit of one statement is applied to it
@@ -50,8 +51,8 @@ class Edit:
     statement: the span of the statement the fix replaces (its lines are
       ``statement[:2]``).
     target: the span of the expression edited in it.
-    kind: ``'keyword'``, ``'matmul'``, ``'dot_general'``, ``'reshard'`` or
-      ``'auto_axes'``.
+    kind: ``'keyword'``, ``'matmul'``, ``'at_get'`` (``x[i]``), ``'dot_general'``,
+      ``'reshard'`` or ``'auto_axes'``.
     spec: the layout, as code (``P('data', None)``).
     key: ``out_sharding`` or ``sharding``: the keyword a ``'keyword'`` edit adds.
   """
@@ -99,6 +100,8 @@ def edit_of(
       return Edit(lines, position, 'keyword', spec)
     if layer_call:
       return None
+    if isinstance(node, ast.Subscript) and op == 'jnp.getitem':
+      return Edit(lines, position, 'at_get', spec)  # x[i]: x.at[i].get(...)
   if isinstance(node, (ast.Call, ast.Subscript, ast.BinOp)):
     return Edit(lines, position, 'auto_axes', spec)
   return None
@@ -151,6 +154,9 @@ def _apply(node: ast.expr, edit: Edit, bound: frozenset[str]) -> str:
   if edit.kind == 'dot_general' and isinstance(node, ast.Call):
     value = f'functools.partial(jax.lax.dot_general, out_sharding={edit.spec})'
     return _with_keyword(node, 'dot_general', value)
+  if edit.kind == 'at_get' and isinstance(node, ast.Subscript):
+    value, index = ast.unparse(node.value), ast.unparse(node.slice)
+    return f'{value}.at[{index}].get(out_sharding={edit.spec})'
   if edit.kind == 'reshard':
     return f'jax.sharding.reshard({ast.unparse(node)}, {edit.spec})'
   return _under_auto_axes(node, edit.spec, bound)

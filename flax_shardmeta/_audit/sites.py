@@ -34,6 +34,7 @@ from flax_shardmeta._specs import format_spec
 _OP_NAMES = {
   'dot_general': 'contraction (dot_general)',
   'select_n': 'jnp.where (select_n)',
+  'jnp.getitem': 'indexing x[i] (jnp.getitem)',
 }
 
 
@@ -141,9 +142,19 @@ def _place(r: Refused) -> tuple[str, int, str]:
 def _edit(r: Refused) -> Edit | None:
   if r.key[0] == '?':
     return None
-  return edit_of(
+  edit = edit_of(
     r.key[0], r.position, r.how, format_spec(r.spec), r.layer, r.op, len(r.operands)
   )
+  if edit is None or edit.kind != 'auto_axes':
+    return edit
+  if r.layer is not None:
+    return None  # a flax layer's call under auto_axes: said in words
+  # auto_axes wraps the user's expression: its layout is that of the value
+  # the expression makes, which a library call's (optax's, a flax layer's)
+  # need not share with the operation refused inside it.
+  if r.value_spec is not None:
+    return dataclasses.replace(edit, spec=format_spec(r.value_spec))
+  return None if r.inner is not None else edit
 
 
 def _site(
@@ -158,7 +169,7 @@ def _site(
     fix = fixed_statement(file, at, statements[(file, at)])
     replaces, imports = (at[0], at[1]), imports_needed(file, fix)
   else:
-    fix = in_words(first.op, first.how, first.spec, first.layer)
+    fix = in_words(first.op, first.how, first.spec, first.layer, first.inner)
   return Site(
     where, first.op, first.operands, first.reason, first.spec, first.how, fix,
     len(rs), any(r.gradient for r in rs), first.from_auto,
@@ -166,7 +177,10 @@ def _site(
   )  # fmt: skip
 
 
-def in_words(op: str, how: str, spec: PartitionSpec, layer: str | None = None) -> str:
+def in_words(
+  op: str, how: str, spec: PartitionSpec, layer: str | None = None,
+  inner: str | None = None,
+) -> str:  # fmt: skip
   """The fix said in words, where the refused call cannot be found in the
   code (no source, or a call spread where it cannot be told apart).
 
@@ -181,11 +195,26 @@ def in_words(op: str, how: str, spec: PartitionSpec, layer: str | None = None) -
       "start the loop's carry with the layout its body gives it: "
       f'jax.lax.scan(f, jax.sharding.reshard(init, {text}), xs)'
     )
-  if layer is not None and layer.startswith('linen.'):
+  if layer is not None and layer in ('linen.Dense', 'linen.DenseGeneral'):
     value = f'functools.partial(jax.lax.dot_general, out_sharding={text})'
     name = layer.split('.', 1)[1]
     return f'where the {name} is made: nn.{name}(..., dot_general={value})'
   what = _OP_NAMES.get(op, op)
+  if inner is not None and layer is not None:
+    return (
+      f'the {what} refused is inside {inner}, called on this line: that layer '
+      f'takes no out_sharding; do its work in code of yours giving the {what} '
+      f'out_sharding={text} (e.g. table.at[ids].get(out_sharding={text}) for '
+      'a gather)'
+    )
+  if inner is not None and how == 'auto_axes':
+    # The layout known is the inner operation's, not this line's value's.
+    return (
+      f'the {what} refused is inside {inner}, called on this line; wrap that '
+      f'call in jax.sharding.auto_axes(lambda a, b: ..., out_sharding=...)(a, '
+      f'b), its operands passed in as arguments, with the layout of the value '
+      f'the call returns (the {what} inside gives its result {text})'
+    )
   if how in ('out_sharding', 'sharding') and not (layer or '').startswith('nnx.'):
     return f'give the {what} on this line out_sharding={text}'
   if layer is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import zlib
 from collections.abc import Sequence
 from typing import Any, cast
@@ -75,8 +76,9 @@ def data_layout(
     This process's :class:`DataLayout`.
 
   Raises:
-    BatchLayoutError: the batch does not divide over the batch axes, or the
-      processes' devices hold rows in a way a per-process loader cannot feed.
+    BatchLayoutError: the batch size is not a whole number of 1 or more, the
+      batch does not divide over the batch axes, or the processes' devices
+      hold rows in a way a per-process loader cannot feed.
 
   Example:
     >>> import jax, flax_shardmeta as fsm
@@ -86,6 +88,7 @@ def data_layout(
                is_first_host_in_replica_set=True)
   """
   mesh = cast(Mesh, check_mesh(mesh, 'data_layout'))
+  _check_batch_size(global_batch_size)
   axes = _batch_axes(mesh, batch_axes, rules)
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing:
@@ -127,6 +130,22 @@ def data_layout(
     num_shards=len(groups),
     is_first_host_in_replica_set=jax.process_index() == first,
   )
+
+
+def _check_batch_size(size: Any) -> None:
+  """Refuse a global batch size that is not a positive whole number."""
+  # bool is an int subclass; True rows is a mistake, not one row.
+  try:
+    # operator.index takes ints, numpy and jax integer scalars; not 32.0 or '32'.
+    rows = None if isinstance(size, (bool, np.bool_)) else operator.index(size)
+  except TypeError:
+    rows = None
+  if rows is None or rows < 1:
+    raise BatchLayoutError(
+      f'global_batch_size is {size!r} ({type(size).__name__}); give the rows '
+      'of the whole batch as a whole number of 1 or more, e.g. '
+      'fsm.data_layout(mesh, 32).'
+    )
 
 
 def _batch_axes(

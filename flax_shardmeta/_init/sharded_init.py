@@ -33,6 +33,7 @@ from flax_shardmeta._generate.generate import ArrayCall
 from flax_shardmeta._generate.jaxpr_graph import Graph
 from flax_shardmeta._init.program_memory import program_memory
 from flax_shardmeta._jit_key import own_trace
+from flax_shardmeta._placement import check_mesh
 from flax_shardmeta._rules import logical_axis_rules
 from flax_shardmeta._sharding import get_sharding, layout_tree
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
@@ -69,6 +70,8 @@ class ShardedInit:
     rules: LogicalRules | None = None,
     chunk_bytes: int = CHUNK_BYTES,
   ):
+    # None, a string or rules where the mesh goes: check_mesh names them.
+    check_mesh(mesh, 'sharded_init')
     if not isinstance(mesh, Mesh):
       raise NoMeshError(
         f'sharded_init needs a concrete jax.sharding.Mesh (devices to '

@@ -112,6 +112,15 @@ def fraction(text: str) -> float:
   return value
 
 
+def reserve_size(text: str) -> str:
+  """argparse ``type=`` for ``--reserve``: a size of 0 or more (parsed later)."""
+  if text.strip().startswith('-'):
+    raise argparse.ArgumentTypeError(
+      f'{text!r} is below 0; give 0 or more, e.g. 2GiB or 0'
+    )
+  return text
+
+
 def add_command(
   sub: Any, name: str, *, help: str, description: str, epilog: str = ''
 ) -> argparse.ArgumentParser:
@@ -206,6 +215,7 @@ def add_step(p: argparse.ArgumentParser, *, remat: str, batch_required: bool) ->
   )
   p.add_argument(
     '--reserve',
+    type=reserve_size,
     metavar='SIZE',
     help="GPU runs: memory held outside XLA's pool per GPU (CUDA context, "
     "NCCL); default: the project's table",

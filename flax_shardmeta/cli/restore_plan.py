@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import warnings
 from typing import Any
@@ -49,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   )
   p.add_argument(
     '--step',
-    type=int,
+    type=_step_number,
     metavar='N',
     help="with CKPT a CheckpointManager's root, the step (default: the latest); "
     'a step folder holds only its own',
@@ -83,6 +84,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   options.add_output(p, table='a table of arrays and totals, or JSON', cache=False)
 
 
+def _step_number(text: str) -> int:
+  """argparse ``type=`` for ``--step``: a step number, 0 or more."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = -1
+  if value < 0:
+    raise argparse.ArgumentTypeError(
+      f'expected a step number of 0 or more, got {text!r}'
+    )
+  return value
+
+
+_PYTHON_NAMES = re.compile(r'\b(step|devices_per_host|host_budget)=(\S*)')
+
+
+def _in_flag_names(error: Exception) -> Exception:
+  """``error`` as the command line says it: ``--step 2``, not ``step=2``."""
+  from flax_shardmeta._errors import RestoreError, message
+
+  def flag(m: re.Match[str]) -> str:
+    name = '--' + m.group(1).replace('_', '-')
+    return f'{name} {m.group(2)}' if m.group(2) else name
+
+  text = _PYTHON_NAMES.sub(flag, message(error))
+  if text == message(error) or type(error) is not RestoreError:
+    return error
+  return RestoreError(text, getattr(error, 'problems', ()))
+
+
 def run(args: argparse.Namespace) -> int:
   """The ``restore-plan`` subcommand; returns the exit code."""
   checks.check_model_name(args.model)
@@ -110,18 +141,21 @@ def run(args: argparse.Namespace) -> int:
     state = restored_state(factory, mesh, rules, args.api, args.optimizer)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
-    result = fsm.restore_plan(
-      args.checkpoint,
-      _replicate_unannotated(state, mesh),
-      mesh=mesh,
-      rules=rules,
-      host_budget=args.host_budget,
-      # An abstract mesh has no processes: without the flag it is one host.
-      devices_per_host=args.devices_per_host or math.prod(axis_sizes),
-      step=args.step,
-      partial=args.partial,
-      allow_cast=args.allow_cast,
-    )
+    try:
+      result = fsm.restore_plan(
+        args.checkpoint,
+        _replicate_unannotated(state, mesh),
+        mesh=mesh,
+        rules=rules,
+        host_budget=args.host_budget,
+        # An abstract mesh has no processes: without the flag it is one host.
+        devices_per_host=args.devices_per_host or math.prod(axis_sizes),
+        step=args.step,
+        partial=args.partial,
+        allow_cast=args.allow_cast,
+      )
+    except fsm.RestoreError as e:
+      raise _in_flag_names(e) from None
   for w in caught:
     print(f'flax-shardmeta: warning: {w.message}', file=sys.stderr)
   rule_files.note_default_rules(args)

@@ -49,6 +49,8 @@ def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
   try:
     with open(spec, 'rb') as f:
       raw = f.read()
+  except FileNotFoundError as e:
+    return _rules_text(spec, e)
   except OSError as e:
     raise UsageError(f'cannot read rules file {spec!r}: {e.strerror}') from None
   try:
@@ -59,6 +61,19 @@ def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
   except (ValueError, UnicodeDecodeError) as e:
     raise UsageError(f'cannot parse rules file {spec!r}: {e}') from None
   return _rule_pairs(data, f'rules file {spec!r}')
+
+
+def _rules_text(spec: str, missing: OSError) -> tuple[tuple[str, Any], ...]:
+  """``--rules`` that names no file: read as JSON text, else say it is neither."""
+  try:
+    data = json.loads(spec)
+  except ValueError as e:
+    raise UsageError(
+      f'--rules {spec!r} is not valid: as JSON text: {e}; as a file path: '
+      f'{missing.strerror}. Give a JSON list such as [["batch", "data"]], a '
+      '.json or .toml rules file, or t5x / t5x-2d'
+    ) from None
+  return _rule_pairs(data, f'--rules {spec!r}')
 
 
 def _rule_pairs(data: Any, where: str) -> tuple[tuple[str, Any], ...]:

@@ -42,6 +42,7 @@ from flax_shardmeta._capacity.snapshot.compare import (
   merge_collectives,
   scope_text,
 )
+from flax_shardmeta._errors import NoMeshError, message
 from flax_shardmeta._frames import source_line
 from flax_shardmeta._planning.sharding_plan import plan
 from flax_shardmeta._specs import format_spec, make_spec, reductions_of, spec_entries
@@ -100,7 +101,11 @@ def snapshot(
     >>> snap['parameters'], snap['mesh']['axis_names']
     ({'params/w': "P(None, 'model')"}, ['data', 'model'])
   """
-  target = Step.of(step, len(args))
+  try:
+    target = Step.of(step, len(args))
+  except NoMeshError as e:
+    # The shared step reader speaks of fit; the caller asked for a snapshot.
+    raise NoMeshError(message(e).replace('fit', 'snapshot')) from None
   arguments = prepare(target, args)
   report = fit(step, *args, cache=cache)
   traced = target.trace(*arguments.lowered)
