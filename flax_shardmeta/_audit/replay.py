@@ -20,6 +20,8 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from flax_shardmeta._generate.jaxpr_graph import scan_parts
+
 # Calls whose body is evaluated in place: their boundaries carry no types.
 _INLINED = frozenset({
   'jit', 'pjit', 'closed_call', 'core_call', 'checkpoint', 'remat',
@@ -89,9 +91,9 @@ class Replay:
 
   def _scan(self, eqn: Any, invals: list[Any]) -> Any:
     p = eqn.params
-    nc, nk = p['num_consts'], p['num_carry']
+    # The scan's parameters differ between jax releases: read them in one place.
+    body, nc, nk = scan_parts(p)
     consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
-    body = p['jaxpr']
     exported: list[tuple[int, int]] = []  # (eqn id, scans inside this one)
 
     def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
