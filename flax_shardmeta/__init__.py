@@ -24,10 +24,13 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     Annotation as Annotation,
     register_annotation_type as register_annotation_type,
   )
-  from flax_shardmeta._audit.audit_explicit import audit_explicit as audit_explicit
-  from flax_shardmeta._audit.audit_report import ExplicitAudit as ExplicitAudit
+  from flax_shardmeta._audit.audit_explicit import (
+    ExplicitAudit as ExplicitAudit,
+    audit_explicit as audit_explicit,
+  )
   from flax_shardmeta._boxes import (
     PARTITION_NAME as PARTITION_NAME,
+    LogicallyPartitioned as LogicallyPartitioned,
     LogicalPartitioned as LogicalPartitioned,
     Partitioned as Partitioned,
     replace_boxed as replace_boxed,
@@ -36,10 +39,8 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     with_partitioning as with_partitioning,
   )
   from flax_shardmeta._caches import clear_caches as clear_caches
-  from flax_shardmeta._capacity.fit.will_it_fit import fit as fit
+  from flax_shardmeta._capacity.fit.fit import fit as fit
   from flax_shardmeta._capacity.report import FitReport as FitReport
-  from flax_shardmeta._capacity.snapshot.compare import snapshot_diff as snapshot_diff
-  from flax_shardmeta._capacity.snapshot.record import snapshot as snapshot
   from flax_shardmeta._capacity.suggest.presets import (
     RULE_PRESETS as RULE_PRESETS,
     RulePreset as RulePreset,
@@ -72,6 +73,7 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     RuleContextError as RuleContextError,
     ShardingError as ShardingError,
     ShardingProblem as ShardingProblem,
+    SizeError as SizeError,
     TopologyError as TopologyError,
     UnmappedMeshAxisNameWarning as UnmappedMeshAxisNameWarning,
     UnmappedNameWarning as UnmappedNameWarning,
@@ -122,6 +124,8 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     set_logical_axis_rules as set_logical_axis_rules,
   )
   from flax_shardmeta._sharding import get_sharding as get_sharding
+  from flax_shardmeta._snapshot.compare import snapshot_diff as snapshot_diff
+  from flax_shardmeta._snapshot.record import snapshot as snapshot
   from flax_shardmeta._spec_trees import (
     get_partition_spec as get_partition_spec,
     logical_to_mesh as logical_to_mesh,

@@ -24,7 +24,7 @@ from flax_shardmeta._errors import (
   ShardingError,
   ShardingProblem,
 )
-from flax_shardmeta._flax_rules import FsmRules, local_rules_of
+from flax_shardmeta._flax_adapter import FsmRules, local_rules_of
 from flax_shardmeta._generate.generate import generate
 from flax_shardmeta._names import annotation_names as as_names
 from flax_shardmeta._placement import apply_spec, context_mesh
@@ -321,6 +321,10 @@ for _cls in (Partitioned, LogicalPartitioned):
   jax.tree_util.register_pytree_with_keys(
     _cls, _flatten_with_keys, _unflatten, _flatten
   )
+
+LogicallyPartitioned = LogicalPartitioned
+"""flax's spelling (``nn.LogicallyPartitioned``) of :class:`LogicalPartitioned`:
+code ported from flax keeps its name."""
 
 # flax's own code recognises its boxes by class: Module.tabulate shows a
 # Partitioned value with its names, and would otherwise meet an fsm box it

@@ -262,6 +262,17 @@ class TopologyError(FlaxShardmetaError):
   """
 
 
+class SizeError(FlaxShardmetaError):
+  """Raised when a text meant as a size is not one (``'12 parsecs'``); a call
+  taking a size (``fit(hbm=)``) raises its own error, naming the argument.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> issubclass(fsm.SizeError, ValueError)
+    True
+  """
+
+
 class FitError(FlaxShardmetaError):
   """Raised when ``fit`` cannot analyse a step: a malformed HBM size, no mesh,
   arguments that do not match the step, or a compiler error other than
@@ -487,11 +498,3 @@ def __getattr__(name: str) -> Any:
     stacklevel=2,
   )
   return globals()[new]
-
-
-def _format(spec: Any) -> str:
-  # Imported when a message is made: importing the errors (as the command
-  # line does) must not load jax.
-  from flax_shardmeta._specs import format_spec
-
-  return format_spec(spec)

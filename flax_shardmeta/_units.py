@@ -1,5 +1,5 @@
 """Units as text, for plans and reports alike: bytes, element counts, seconds,
-and aligned tables.
+and aligned tables; and sizes read back from text (``parse_bytes``).
 
 Example:
   >>> format_bytes(3 * 2**30), format_count(70_553_706_496), format_seconds(0.0123)
@@ -7,6 +7,10 @@ Example:
 """
 
 from __future__ import annotations
+
+import re
+
+from flax_shardmeta._errors import SizeError
 
 
 def format_bytes(n: int) -> str:
@@ -59,3 +63,44 @@ def table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
     return '  '.join(cells).rstrip()
 
   return [line(r) for r in rows]
+
+
+_UNITS = {
+  '': 1,
+  'b': 1,
+  'k': 1000,
+  'kb': 1000,
+  'm': 10**6,
+  'mb': 10**6,
+  'g': 10**9,
+  'gb': 10**9,
+  't': 10**12,
+  'tb': 10**12,
+  'kib': 1 << 10,
+  'mib': 1 << 20,
+  'gib': 1 << 30,
+  'tib': 1 << 40,
+}
+
+
+def parse_bytes(text: str | int | float) -> int:
+  """``'95GiB'``, ``'16GB'``, ``'512MiB'`` or a number -> bytes.
+
+  Raises:
+    SizeError: for anything else (each caller that takes a size as an
+      argument raises its own error, naming the argument).
+
+  Example:
+    >>> parse_bytes('95GiB'), parse_bytes('1.5 GB'), parse_bytes(1024)
+    (102005473280, 1500000000, 1024)
+  """
+  if isinstance(text, (int, float)):
+    return int(text)
+  match = re.fullmatch(r'\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*', text)
+  unit = match.group(2).lower() if match else None
+  if match is None or unit not in _UNITS:
+    raise SizeError(
+      f'{text!r} is not a size; write a number of bytes with an optional unit, '
+      "e.g. '95GiB', '16GB' or '512MiB'"
+    )
+  return int(float(match.group(1)) * _UNITS[unit])

@@ -14,7 +14,7 @@ key flax's ``nnx.vmap`` / ``nnx.scan`` update when ``transform_metadata=
 logical names resolved by flax_shardmeta's rules; False: mesh axes) and
 ``eager_sharding=False`` so flax does not apply its own, stricter, resolution
 at construction. Logical names also get ``sharding_rules``: an
-:class:`~flax_shardmeta._flax_rules.FsmRules` through which flax's own functions
+:class:`~flax_shardmeta._flax_adapter.FsmRules` through which flax's own functions
 (``nnx.get_partition_spec``, ``nnx.get_named_sharding``, ``nnx.eval_shape``
 under a mesh, ``nnx.get_abstract_model``) rename them exactly as
 ``fsm.get_sharding`` lays them out, with the per-variable rules inside it.

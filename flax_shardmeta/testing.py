@@ -14,9 +14,9 @@ import os
 import pathlib
 from typing import Any
 
-from flax_shardmeta._capacity.snapshot.compare import snapshot_diff
-from flax_shardmeta._capacity.snapshot.schema import check_snapshot
 from flax_shardmeta._errors import FitError
+from flax_shardmeta._snapshot.compare import snapshot_diff
+from flax_shardmeta._snapshot.schema import check_snapshot
 
 UPDATE_VARIABLE = 'FLAX_SHARDMETA_UPDATE_SNAPSHOTS'
 """The environment variable that, set to ``1`` (or ``true``, ``yes``, ``on``),

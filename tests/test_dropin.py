@@ -56,6 +56,17 @@ def test_boxes_compare_by_value_as_flax_boxes_do():
   assert one != fsm.Partitioned(jnp.ones(4), ('x',))
 
 
+def test_flax_spelling_logically_partitioned_is_accepted():
+  # Code ported from flax writes nn.LogicallyPartitioned; fsm's name for the
+  # same box is LogicalPartitioned, and flax's spelling is the same class.
+  assert fsm.LogicallyPartitioned is fsm.LogicalPartitioned
+  box = fsm.LogicallyPartitioned(jnp.ones((8, 4)), ('batch', 'mlp'))
+  assert isinstance(box, nn.LogicallyPartitioned)
+  with fsm.logical_axis_rules(RULES):
+    (sharding,) = jax.tree.leaves(fsm.get_sharding({'w': box}, auto_mesh()))
+  assert sharding.spec == P('data', 'model')
+
+
 def test_scanned_metadata_checks_as_flax_tests_write_them():
   # flax's own scan tests compare boxed shapes with expected boxes.
   class Body(nn.Module):

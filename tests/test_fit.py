@@ -21,7 +21,8 @@ from flax_shardmeta._capacity.fit import (
   traced_step as step_lib,
 )
 from flax_shardmeta._devices import topology
-from flax_shardmeta._devices.chips import chip_named, parse_bytes
+from flax_shardmeta._devices.chips import chip_named
+from flax_shardmeta._units import parse_bytes
 from flax_shardmeta.examples import train
 
 AUTO = (AxisType.Auto,) * 2
@@ -415,8 +416,14 @@ def test_sizes_parse():
   assert parse_bytes('95GiB') == 95 * 2**30
   assert parse_bytes('16 GB') == 16 * 10**9
   assert parse_bytes(123) == 123
-  with pytest.raises(fsm.FitError, match="'12 parsecs' is not a size"):
+  # A neutral error: each caller names its own argument, in its own error.
+  with pytest.raises(fsm.SizeError, match="'12 parsecs' is not a size") as raised:
     parse_bytes('12 parsecs')
+  assert not isinstance(raised.value, fsm.FitError)
+  with pytest.raises(
+    fsm.FitError, match="hbm='12 parsecs': '12 parsecs' is not a size"
+  ):
+    fsm.suggest(lambda *a: a, batch=8, hbm='12 parsecs', devices=jax.devices())
 
 
 def test_explicit_axes_sharding_type_errors_are_named():

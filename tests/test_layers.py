@@ -16,8 +16,9 @@ PACKAGE = pathlib.Path(flax_shardmeta.__file__).parent
 # own layer when listed before it.
 LAYERS = [
   # The core: vocabulary -> rules -> placement -> boxes -> shardings -> constraints.
-  ['_typing', '_specs', '_caches', '_frames', '_units', '_arrays', '_views'],
+  ['_typing', '_specs', '_caches', '_frames', '_arrays', '_views'],
   ['_problem', '_errors'],
+  ['_units'],
   # How the rules enter jax.jit's cache key (the rule context sets it).
   ['_jit_key'],
   ['_names', '_unmapped', '_axis_typos'],
@@ -31,7 +32,7 @@ LAYERS = [
   ['_generate.generate'],
   # flax's view of fsm's rules: the Linen boxes hand it to nnx.bridge, the NNX
   # adapter writes it into Variables' metadata.
-  ['_flax_rules'],
+  ['_flax_adapter'],
   ['_boxes'],
   ['_paths'],
   ['_annotation'],
@@ -69,7 +70,6 @@ LAYERS = [
   # _capacity: what a whole step costs, in its vocabulary.
   [
     '_capacity.vocabulary',
-    '_capacity.snapshot.schema',
     '_capacity.fit.source_map',
     '_capacity.fit.figure_cache',
     '_capacity.fit.donation',
@@ -97,7 +97,6 @@ LAYERS = [
     '_capacity.why.readable',
     '_capacity.estimate.unplaced',
     '_capacity.report',
-    '_capacity.snapshot.compare',
   ],
   ['_capacity.suggest.presets'],
   # The step, the estimate without a compiler, the compiled figures, fit.
@@ -111,14 +110,16 @@ LAYERS = [
     '_capacity.fit.compiled',
     '_capacity.fit.extrapolate',
     '_capacity.fit.gpu_verdict',
-    '_capacity.fit.will_it_fit',
+    '_capacity.fit.fit',
   ],
   [
     '_capacity.suggest.candidate',
+    '_capacity.suggest.search',
     '_capacity.suggest.ranking',
     '_capacity.suggest.suggestions',
-    '_capacity.snapshot.record',
   ],
+  # _snapshot: golden files of a step's layout, from fit's reading of it.
+  ['_snapshot.schema', '_snapshot.compare', '_snapshot.record'],
   # _audit: a step written for Auto axes, traced on Explicit ones; the
   # compiled programs read as _capacity reads them.
   [
@@ -130,7 +131,7 @@ LAYERS = [
     '_audit.rewrite',
     '_audit.sites',
   ],
-  ['_audit.notes', '_audit.audit_report', '_audit.audit_explicit'],
+  ['_audit.notes', '_audit.audit_text', '_audit.tracing', '_audit.audit_explicit'],
   # _hosts: devices, processes, data and transfers.
   ['_hosts.launch', '_hosts.mesh', '_hosts.data'],
   ['_hosts.transfer'],
@@ -182,11 +183,11 @@ SUBPACKAGES = (
   '_nnx',
   '_restore',
   '_audit',
+  '_snapshot',
 )
 # The capacity layer's rooms, one concept each.
 ROOMS = tuple(
-  f'_capacity.{room}'
-  for room in ('hlo', 'estimate', 'why', 'fit', 'suggest', 'snapshot')
+  f'_capacity.{room}' for room in ('hlo', 'estimate', 'why', 'fit', 'suggest')
 )
 PACKAGES = {'', 'examples', *SUBPACKAGES, *ROOMS}
 

@@ -21,7 +21,7 @@ import pytest
 
 import flax_shardmeta as fsm
 from flax_shardmeta import _frames, cli
-from flax_shardmeta._capacity.snapshot import (
+from flax_shardmeta._snapshot import (
   compare as snapshot_diff_module,
   record as snapshot_module,
 )
@@ -345,7 +345,7 @@ def test_library_files_are_told_here_and_from_other_machines():
     '/build/jaxlib/xla_client.py',
     'C:\\py\\Lib\\site-packages\\optax\\_src\\alias.py',
     'flax/linen/linear.py',
-    'flax_shardmeta/_capacity/fit/will_it_fit.py',
+    'flax_shardmeta/_capacity/fit/fit.py',
   ):
     assert _frames.is_library_file(elsewhere), elsewhere
   for user in ('/home/me/flax_shardmeta/examples/models.py', '/srv/pkg/model.py'):

@@ -19,7 +19,7 @@ import flax_shardmeta as fsm
 from flax_shardmeta import cli, examples
 from flax_shardmeta._capacity.suggest import (
   presets as presets_lib,
-  suggestions as _suggest,
+  search as _search,
 )
 from flax_shardmeta.examples import linen, moe, train
 
@@ -107,15 +107,15 @@ def test_presets_are_validated_and_loaded():
 
 
 def test_candidates_keep_model_axes_inside_a_host():
-  splits = list(_suggest._factorizations(('data', 'fsdp', 'model'), 128, 4, 1))
+  splits = list(_search.factorizations(('data', 'fsdp', 'model'), 128, 4, 1))
   assert (1, 32, 4) in splits and (2, 16, 4) in splits
   assert all(model in (2, 4) for _, _, model in splits)  # 4 chips a host
   assert not any(fsdp == 1 for _, fsdp, _ in splits)  # that is the 'tp' preset
-  assert (128, 1) in list(_suggest._factorizations(('data', 'fsdp'), 128, 4, 1))
-  sliced = list(_suggest._factorizations(('data', 'model'), 16, 4, 2))
+  assert (128, 1) in list(_search.factorizations(('data', 'fsdp'), 128, 4, 1))
+  sliced = list(_search.factorizations(('data', 'model'), 16, 4, 2))
   assert all(data % 2 == 0 for data, _ in sliced)  # 'data' spans both slices
   # Expert and model axes together inside a host: (1, 4, 4) would straddle two.
-  both = list(_suggest._factorizations(('data', 'expert', 'model'), 16, 4, 1))
+  both = list(_search.factorizations(('data', 'expert', 'model'), 16, 4, 1))
   assert both == [(4, 2, 2)]
 
 
@@ -224,8 +224,8 @@ def test_an_estimate_too_close_to_call_is_compiled_before_one_over():
   over = candidate({'data': 1, 'fsdp': 8}, 50, 'does_not_fit')
   close = candidate({'data': 2, 'fsdp': 4}, 100, 'too_close')
   fits = candidate({'data': 4, 'fsdp': 2}, 200, 'fits')
-  memory = _suggest._Memory(capacity=90, usable=None)
-  assert _suggest._pick([over, close, fits], 2, memory) == [close, fits]
+  memory = _search.Memory(capacity=90, usable=None)
+  assert _search.pick([over, close, fits], 2, memory) == [close, fits]
 
 
 def _names(module_and_input):
@@ -304,7 +304,7 @@ def test_the_ep_preset_shards_the_moe_examples_experts():
   )
   (best,) = found
   assert best.preset.name == 'ep' and best.fits
-  mesh = _suggest._abstract_mesh(best)
+  mesh = _search.abstract_mesh(best)
   _, state, _ = moe_build()(mesh, best.preset.rules, 'none')
   spec = fsm.plan(state, mesh, best.preset.rules).entry('params/layers/w1').spec
   assert spec == P(None, 'expert', None, None)
@@ -328,7 +328,7 @@ def test_the_ep_tp_preset_produces_candidates():
   tried = [*found, *found.rejected, *found.skipped]
   assert {tuple(c.shape) for c in tried} == {('data', 'expert', 'model')}
   assert found[0].fits and found[0].preset.name == 'ep+tp'
-  mesh = _suggest._abstract_mesh(found[0])
+  mesh = _search.abstract_mesh(found[0])
   rules = found[0].preset.rules
   _, state, _ = moe_build()(mesh, rules, 'none')
   spec = fsm.plan(state, mesh, rules).entry('params/layers/w1').spec

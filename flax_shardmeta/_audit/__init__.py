@@ -7,8 +7,9 @@ layout of chosen values), ``rewrite`` (a statement with its refused calls
 fixed, as code to paste), ``sites`` (refusals at the user's lines, with the
 code to write), ``notes`` (size-1 axes, rules naming one axis twice, opaque
 calls), ``figures`` (a compiled program's collectives, annotations,
-transposes, memory), ``audit_report`` (``ExplicitAudit``) and
-``audit_explicit`` (``fsm.audit_explicit``).
+transposes, memory), ``tracing`` (the step traced under each axis type, the
+rounds and the fixed step), ``audit_text`` (the report as text) and
+``audit_explicit`` (``fsm.audit_explicit`` and its ``ExplicitAudit``).
 Modules here may import the core, the plans and the capacity layer's HLO
 reading, never the CLI or the examples.
 """

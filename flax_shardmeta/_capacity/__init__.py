@@ -7,7 +7,7 @@ In rooms by concept:
   ``compiled``) or read from the cache (``figure_cache``, keyed without
   source lines: ``source_map``), extrapolated over layers for deep scanned
   models (``extrapolate``), the GPU verdict (``gpu_verdict``) and ``fit``
-  itself (``will_it_fit``);
+  itself (``fit``);
 - ``hlo/``: the compiled program's optimised HLO, read in one place
   (``text``, XLA's metadata in ``name_stacks``), its data flow (``flow``),
   why each collective is there (``attribution``), its loops, collectives and
@@ -17,8 +17,8 @@ In rooms by concept:
   ``unplaced`` values, the ``estimator``);
 - ``why/``: the layout changes a step's constraints ask for, and
   ``report.why()``'s text;
-- ``suggest/``: rule presets, candidates, how they rank, ``fsm.suggest``;
-- ``snapshot/``: ``fsm.snapshot`` and ``fsm.snapshot_diff``;
+- ``suggest/``: rule presets, candidates, the search, how they rank,
+  ``fsm.suggest``;
 - ``report``: ``FitReport`` and its table.
 
 Modules here may import the core, ``_init``, ``_planning`` and ``_devices``

@@ -20,10 +20,7 @@ overhead, and the peak of each link is kept beside it for reference.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
-
-from flax_shardmeta._errors import FitError
 
 GIB = 1 << 30
 
@@ -312,43 +309,3 @@ def chip_of(devices: object) -> Chip | None:
     return None
   kind = getattr(first, 'device_kind', None)
   return chip_named(kind) if isinstance(kind, str) else None
-
-
-_UNITS = {
-  '': 1,
-  'b': 1,
-  'k': 1000,
-  'kb': 1000,
-  'm': 10**6,
-  'mb': 10**6,
-  'g': 10**9,
-  'gb': 10**9,
-  't': 10**12,
-  'tb': 10**12,
-  'kib': 1 << 10,
-  'mib': 1 << 20,
-  'gib': 1 << 30,
-  'tib': 1 << 40,
-}
-
-
-def parse_bytes(text: str | int | float) -> int:
-  """``'95GiB'``, ``'16GB'``, ``'512MiB'`` or a number -> bytes.
-
-  Raises:
-    FitError: for anything else.
-
-  Example:
-    >>> parse_bytes('95GiB'), parse_bytes('1.5 GB'), parse_bytes(1024)
-    (102005473280, 1500000000, 1024)
-  """
-  if isinstance(text, (int, float)):
-    return int(text)
-  match = re.fullmatch(r'\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*', text)
-  unit = match.group(2).lower() if match else None
-  if match is None or unit not in _UNITS:
-    raise FitError(
-      f'{text!r} is not a size; write a number of bytes with an optional unit, '
-      "e.g. '95GiB', '16GB' or '512MiB'"
-    )
-  return int(float(match.group(1)) * _UNITS[unit])

@@ -17,7 +17,7 @@ from jax.experimental.layout import Format
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib
-from flax_shardmeta._flax_rules import FsmRules, local_rules_of
+from flax_shardmeta._flax_adapter import FsmRules, local_rules_of
 from flax_shardmeta._names import annotation_names as as_names
 from flax_shardmeta._specs import reductions_of, spec_entries
 

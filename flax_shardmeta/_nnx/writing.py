@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec
 
 from flax_shardmeta import _annotation as ann_lib, _sharding as sharding_lib
 from flax_shardmeta._errors import ShardingError, ShardingProblem, UnmappedNameWarning
-from flax_shardmeta._flax_rules import FsmRules
+from flax_shardmeta._flax_adapter import FsmRules
 from flax_shardmeta._frames import warn_at_user_code
 from flax_shardmeta._generate.generate import generate
 from flax_shardmeta._names import annotation_names as as_names

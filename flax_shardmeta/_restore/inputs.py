@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from flax_shardmeta._errors import FitError, HostBudgetError, RestoreError, message
+from flax_shardmeta._errors import HostBudgetError, RestoreError, SizeError, message
 
 
 def budget_bytes(value: Any) -> int | None:
@@ -34,7 +34,7 @@ def budget_bytes(value: Any) -> int | None:
     ...
     flax_shardmeta._errors.HostBudgetError: host_budget=nan: ...
   """
-  from flax_shardmeta._devices.chips import parse_bytes
+  from flax_shardmeta._units import parse_bytes
 
   if value is None:
     return None
@@ -44,7 +44,7 @@ def budget_bytes(value: Any) -> int | None:
   elif isinstance(value, str):
     try:
       got = parse_bytes(value)
-    except FitError as e:
+    except SizeError as e:
       why = message(e).split('; ', 1)[0]
     else:
       why = '' if got >= 1 else f'it is {got} bytes'

@@ -45,12 +45,12 @@ def check_hbm(text: str | None, flag: str = '--hbm') -> None:
   """``--hbm`` (or another size ``flag``), when given, is a size (``95GiB``)."""
   if text is None:
     return
-  from flax_shardmeta._devices.chips import parse_bytes
-  from flax_shardmeta._errors import FitError, message
+  from flax_shardmeta._errors import SizeError, message
+  from flax_shardmeta._units import parse_bytes
 
   try:
     parse_bytes(text)
-  except FitError as e:
+  except SizeError as e:
     raise UsageError(f'{flag}: {message(e)}') from None
 
 

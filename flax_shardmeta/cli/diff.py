@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
   """The ``diff`` subcommand; returns the exit code."""
   old, new = _read(args.old), _read(args.new)
-  from flax_shardmeta._capacity.snapshot.compare import snapshot_diff
-  from flax_shardmeta._capacity.snapshot.schema import check_snapshot
+  from flax_shardmeta._snapshot.compare import snapshot_diff
+  from flax_shardmeta._snapshot.schema import check_snapshot
 
   # Each file checked under its own name: which one to correct (exit 2).
   check_snapshot(old, args.old)

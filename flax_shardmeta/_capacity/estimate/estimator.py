@@ -30,7 +30,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from flax_shardmeta._capacity import report as rep
+from flax_shardmeta._capacity import vocabulary as vocab
 from flax_shardmeta._capacity.estimate.coverage import unmeasured
 from flax_shardmeta._capacity.estimate.liveness import Walk, walk
 from flax_shardmeta._capacity.estimate.propagate import Spec, aval_spec, sub_jaxprs
@@ -41,6 +41,7 @@ from flax_shardmeta._capacity.fit.traced_step import (
   jit_shardings,
   prepare,
 )
+from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._devices.chips import Chip
 from flax_shardmeta._devices.gpu import GPUS
 
@@ -96,7 +97,7 @@ class _Totals:
 
 def estimate(
   target: Step, args: Sequence[Any], capacity: int | None, chip: Chip | None
-) -> rep.FitReport:
+) -> FitReport:
   """The estimated :class:`FitReport` of ``target`` (see the module doc)."""
   mesh = target.mesh
   arguments = prepare(target, args)
@@ -110,7 +111,7 @@ def estimate(
   unmeasured_here = unmeasured(traced.jaxpr.jaxpr, mesh, arguments.on_host)
   hbm = capacity if capacity is not None else (chip.hbm_bytes if chip else None)
   flops = _flops(traced.jaxpr.jaxpr) / max(math.prod(mesh.axis_sizes), 1)
-  return rep.FitReport(
+  return FitReport(
     source='estimate',
     # Short enough for one printed line of 100 columns.
     method='no compiler for this mesh: arguments by the plan, activations by '
@@ -159,7 +160,7 @@ def _walk_step(target: Step, arguments: Any, traced: Any, w: Walk) -> _Totals:
   )
   if len(leaf_bytes) != len(arguments.categories):
     leaf_bytes = list(arguments.layout_bytes)  # the same leaves, as laid out
-  by_category = {rep.PARAMETERS: 0, rep.OPTIMIZER: 0, rep.RNG: 0, rep.INPUTS: 0}
+  by_category = {vocab.PARAMETERS: 0, vocab.OPTIMIZER: 0, vocab.RNG: 0, vocab.INPUTS: 0}
   for c, b in zip(arguments.categories, leaf_bytes):
     by_category[c] = by_category.get(c, 0) + b
   outputs = sum(
@@ -170,23 +171,23 @@ def _walk_step(target: Step, arguments: Any, traced: Any, w: Walk) -> _Totals:
   return _Totals(by_category, kept_bytes + peak, outputs, donated_bytes, unplaced)
 
 
-def _rows(t: _Totals, workspace: int) -> tuple[rep.Row, ...]:
+def _rows(t: _Totals, workspace: int) -> tuple[vocab.Row, ...]:
   """The breakdown: exact argument rows and gradients, the estimated rest
   (with ``workspace``, the GPU matmuls' library workspace)."""
   by_category = t.by_category
   not_donated = max(t.outputs - t.donated, 0)
-  gradients = by_category[rep.PARAMETERS] if by_category[rep.OPTIMIZER] else 0
+  gradients = by_category[vocab.PARAMETERS] if by_category[vocab.OPTIMIZER] else 0
   known = sum(by_category.values()) + gradients + not_donated
-  rng = by_category[rep.RNG]
+  rng = by_category[vocab.RNG]
   return (
-    rep.Row(rep.PARAMETERS, by_category[rep.PARAMETERS], 'exact, by the plan'),
-    rep.Row(rep.OPTIMIZER, by_category[rep.OPTIMIZER], 'exact, by the plan'),
-    *((rep.Row(rep.RNG, rng, 'exact: key arrays and counts'),) if rng else ()),
-    rep.Row(rep.INPUTS, by_category[rep.INPUTS], 'exact, by the plan'),
-    rep.Row(rep.GRADIENTS, gradients, 'exact: laid out like the parameters'),
-    rep.Row(rep.OUTPUTS, not_donated, 'outputs minus donated arguments'),
-    rep.Row(
-      rep.ACTIVATIONS,
+    vocab.Row(vocab.PARAMETERS, by_category[vocab.PARAMETERS], 'exact, by the plan'),
+    vocab.Row(vocab.OPTIMIZER, by_category[vocab.OPTIMIZER], 'exact, by the plan'),
+    *((vocab.Row(vocab.RNG, rng, 'exact: key arrays and counts'),) if rng else ()),
+    vocab.Row(vocab.INPUTS, by_category[vocab.INPUTS], 'exact, by the plan'),
+    vocab.Row(vocab.GRADIENTS, gradients, 'exact: laid out like the parameters'),
+    vocab.Row(vocab.OUTPUTS, not_donated, 'outputs minus donated arguments'),
+    vocab.Row(
+      vocab.ACTIVATIONS,
       max(t.peak - known, 0) + workspace,
       'estimated: peak of live values in program order'
       + (', and the 4 MiB cuBLAS workspace' if workspace else ''),

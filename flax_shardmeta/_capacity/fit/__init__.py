@@ -3,5 +3,5 @@ for the memory a run will have (``usable``, ``compiled``), the cache of
 compiled figures (``figure_cache``, keyed without source lines:
 ``source_map``), deep scanned models (``extrapolate``), the GPU verdict
 (``gpu_verdict``), what a step could donate (``donation``) and ``fit`` itself
-(``will_it_fit``).
+(``fit``).
 """

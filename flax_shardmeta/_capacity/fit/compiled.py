@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from flax_shardmeta._arrays import is_key, shard_bytes
-from flax_shardmeta._capacity import vocabulary as rep
+from flax_shardmeta._capacity import vocabulary as vocab
 from flax_shardmeta._capacity.fit import figure_cache as cache_lib, usable
 from flax_shardmeta._capacity.fit.host_memory import (
   given_hosts,
@@ -60,7 +60,7 @@ _FIGURES_FORMAT = 'figures-8'
 _UNIT = {'': 1, 'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30, 'T': 1 << 40}
 
 
-def parse_refusal(message: str) -> rep.Refusal | None:
+def parse_refusal(message: str) -> vocab.Refusal | None:
   """The compiler's required and available bytes from an out-of-memory error.
 
   Example:
@@ -75,15 +75,15 @@ def parse_refusal(message: str) -> rep.Refusal | None:
   first = message.strip().split('\n')[0]
   m = _REFUSAL.search(first)
   if m is None:
-    return rep.Refusal(0, 0, first)
+    return vocab.Refusal(0, 0, first)
   need = float(m.group(1)) * _UNIT[m.group(2)]
   have = float(m.group(3)) * _UNIT[m.group(4)]
-  return rep.Refusal(int(need), int(have), first)
+  return vocab.Refusal(int(need), int(have), first)
 
 
 def _compile(
   lowered: Any, limit: int | None
-) -> tuple[Any, rep.Refusal | None, float, dict[str, Any]]:
+) -> tuple[Any, vocab.Refusal | None, float, dict[str, Any]]:
   """Compiles (for GPUs, for the memory a run hands XLA: ``limit``); the
   compiled program, or the refusal, the seconds, and what the compiler said
   of its own rematerialization and budget."""
@@ -422,7 +422,7 @@ def _new_values(
   for leaf, category in zip(inputs, categories):
     if leaf[1] <= 0:
       continue
-    if category in (rep.PARAMETERS, rep.OPTIMIZER, rep.INPUTS):
+    if category in (vocab.PARAMETERS, vocab.OPTIMIZER, vocab.INPUTS):
       numbers.setdefault((_tail(leaf[0]), tuple(leaf[3])), []).append(number)
     number += 1
   found = {}

@@ -24,9 +24,9 @@ from typing import Any
 
 from jax.sharding import AbstractMesh
 
-from flax_shardmeta._capacity import report as rep
 from flax_shardmeta._capacity.fit.traced_step import Step, prepare
 from flax_shardmeta._capacity.hlo.roofline import CollectiveRow, roofline
+from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._errors import FitError
 
 EXTRAPOLATE_FROM = (2, 4)
@@ -102,10 +102,10 @@ class Depths:
 def fit_layers(
   build: Callable[[int], Any],
   layers: int,
-  fit_at: Callable[[tuple[Any, ...]], rep.FitReport],
+  fit_at: Callable[[tuple[Any, ...]], FitReport],
   *,
   exact: bool = False,
-) -> tuple[rep.FitReport, bool]:
+) -> tuple[FitReport, bool]:
   """The report at ``layers`` of the model ``build(num_layers) -> (step,
   *args)`` makes, by the cheaper way, and whether it was extrapolated.
 
@@ -185,7 +185,7 @@ def program_lines(made: tuple[Any, ...]) -> int:
   return lowered.as_text().count('\n')
 
 
-def _whole(report: rep.FitReport, layers: int, why: str = '') -> rep.FitReport:
+def _whole(report: FitReport, layers: int, why: str = '') -> FitReport:
   return dataclasses.replace(
     report,
     method=f'{report.method} ({layers} layers)',
@@ -194,8 +194,8 @@ def _whole(report: rep.FitReport, layers: int, why: str = '') -> rep.FitReport:
 
 
 def extrapolate(
-  small: rep.FitReport, large: rep.FitReport, a: int, b: int, layers: int
-) -> rep.FitReport:
+  small: FitReport, large: FitReport, a: int, b: int, layers: int
+) -> FitReport:
   """The report at ``layers`` from compiled reports at ``a`` and ``b`` layers.
 
   Every figure, each row of the breakdown included, is ``f(a) + (f(b) -
@@ -247,9 +247,7 @@ def extrapolate(
   )
 
 
-def _collectives(
-  small: rep.FitReport, large: rep.FitReport, line: Any
-) -> list[CollectiveRow]:
+def _collectives(small: FitReport, large: FitReport, line: Any) -> list[CollectiveRow]:
   """Each (kind, axes) row on the line through its two figures (a row one
   report lacks counts zero there)."""
   pairs: dict[Any, list[Any]] = {}

@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from flax_shardmeta._capacity import report as rep
+from flax_shardmeta._capacity import vocabulary as vocab
 from flax_shardmeta._capacity.estimate.estimator import error_band
 from flax_shardmeta._capacity.fit import usable as usable_lib
 from flax_shardmeta._capacity.fit.compiled import figures
 from flax_shardmeta._capacity.fit.traced_step import Arguments, Step
+from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._devices import gpu
 from flax_shardmeta._init.program_memory import step_total
 from flax_shardmeta._units import signed_bytes
@@ -42,7 +43,7 @@ class RunMemory:
     return usable_lib.UsableMemory(device_bytes, fraction, source, size, why)
 
 
-def judged_estimate(report: rep.FitReport, run: RunMemory) -> rep.FitReport:
+def judged_estimate(report: FitReport, run: RunMemory) -> FitReport:
   """An estimate's verdict: against a GPU's usable memory, and only outside
   the estimate's measured error."""
   chip = report.chip
@@ -93,7 +94,7 @@ def needed_fraction(
 
 def gpu_notes(
   memory: usable_lib.UsableMemory,
-  plan: rep.CompilerPlan | None,
+  plan: vocab.CompilerPlan | None,
   tried: list[tuple[float, int, int]],
   cost: dict[str, float],
 ) -> tuple[str, ...]:
@@ -141,7 +142,7 @@ def gpu_notes(
   return tuple(notes)
 
 
-def remat_notes(plan: rep.CompilerPlan | None) -> tuple[str, ...]:
+def remat_notes(plan: vocab.CompilerPlan | None) -> tuple[str, ...]:
   if plan is None or not plan.rematerialized:
     return ()
   budget = (

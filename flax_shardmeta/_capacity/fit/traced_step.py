@@ -1,6 +1,6 @@
 """The step ``fit`` analyses: its mesh, rules, arguments and their layouts.
 
-Shared by the compiled path (``_capacity.fit.will_it_fit``) and the estimate
+Shared by the compiled path (``_capacity.fit.fit``) and the estimate
 (``_capacity.estimate.estimator``): each argument is planned (a layout problem raises
 the plan's ``ShardingError`` before anything is traced), laid out by its
 plan, and each array leaf gets a category (parameters, optimizer state,
@@ -25,7 +25,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 
 from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._arrays import array_bytes, is_key, shard_bytes
-from flax_shardmeta._capacity import vocabulary as rep
+from flax_shardmeta._capacity import vocabulary as vocab
 from flax_shardmeta._errors import NoMeshError, ShardingError, ShardingProblem
 from flax_shardmeta._explicit import explain_sharding_type_errors
 from flax_shardmeta._jit_key import own_trace
@@ -343,10 +343,10 @@ def _leaves(name: str, arg: Any, p: Any, value: Any) -> list[tuple[str, int]]:
   for leaf in jax.tree_util.tree_leaves(value):
     found = next(planned, None) if _shape_of(leaf) is not None else None
     if found is None:
-      out.append((rep.INPUTS, _leaf_bytes(leaf, None)))
+      out.append((vocab.INPUTS, _leaf_bytes(leaf, None)))
       continue
     lf, entry = found
-    category = rep.INPUTS if _is_box(arg) else _category(lf, name)
+    category = vocab.INPUTS if _is_box(arg) else _category(lf, name)
     out.append((category, entry.bytes_per_device))
   return out
 
@@ -435,14 +435,14 @@ def _category(lf: ann_lib.Leaf, arg_name: str) -> str:
   # RNG streams first: NNX keeps them under the module's path, and a stream
   # named 'params' (`rngs/params/key`) holds no parameters.
   if mro & _RNG_TYPES or parts & _RNG_PARTS or is_key(getattr(lf.value, 'dtype', None)):
-    return rep.RNG
+    return vocab.RNG
   if (ann is not None and ann.optimizer_state) or 'opt_state' in parts:
-    return rep.OPTIMIZER
+    return vocab.OPTIMIZER
   if mro & {'OptState', 'OptVariable', 'OptArray'}:
-    return rep.OPTIMIZER
+    return vocab.OPTIMIZER
   if 'Param' in mro or 'params' in parts or (ann is not None and ann.names):
-    return rep.PARAMETERS
-  return rep.INPUTS
+    return vocab.PARAMETERS
+  return vocab.INPUTS
 
 
 def path_category(path: str, key_array: bool = False) -> str:
@@ -457,12 +457,12 @@ def path_category(path: str, key_array: bool = False) -> str:
   parts = set(re.findall(r"\['([^']*)'\]|\.(\w+)", path))
   names = {a or b for a, b in parts}
   if names & _RNG_PARTS or key_array:
-    return rep.RNG
+    return vocab.RNG
   if 'opt_state' in names:
-    return rep.OPTIMIZER
+    return vocab.OPTIMIZER
   if 'params' in names:
-    return rep.PARAMETERS
-  return rep.INPUTS
+    return vocab.PARAMETERS
+  return vocab.INPUTS
 
 
 def _with_shardings(arg: Any, p: Any, mesh: AnyMesh, unbox: bool) -> Any:

@@ -41,9 +41,9 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from flax_shardmeta._devices import gpu
-from flax_shardmeta._devices.chips import GIB, parse_bytes
-from flax_shardmeta._errors import FitError, message
-from flax_shardmeta._units import format_bytes as _bytes
+from flax_shardmeta._devices.chips import GIB
+from flax_shardmeta._errors import FitError, SizeError, message
+from flax_shardmeta._units import format_bytes as _bytes, parse_bytes
 
 DEFAULT_FRACTION = 0.75
 """jax's default allocator fraction on GPUs (``XLA_CLIENT_MEM_FRACTION``)."""
@@ -291,8 +291,8 @@ def _checked_reserve(reserve: Any) -> int:
   try:
     number = isinstance(reserve, numbers.Real)
     value = parse_bytes(float(reserve) if number else reserve)
-  except (FitError, TypeError) as e:
-    reason = message(e) if isinstance(e, FitError) else 'not a size'
+  except (SizeError, TypeError) as e:
+    reason = message(e) if isinstance(e, SizeError) else 'not a size'
     raise FitError(f'reserve={reserve!r}: {reason}') from None
   if value < 0:
     raise FitError(f'reserve={reserve!r}: give 0 or more bytes.')

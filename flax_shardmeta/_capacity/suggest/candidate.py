@@ -1,8 +1,8 @@
-"""A layout ``fsm.suggest`` tried, and what it returns: ``Candidate``, ``Suggestions``.
+"""A layout ``fsm.suggest`` tried: ``Candidate``, and its verdict in words.
 
 A candidate is a rule preset, a split of the chips over its mesh axes and a
 remat policy, with the compiled report of the step under it (or why it was
-rejected without compiling). ``Suggestions`` is the ranked list and its table.
+rejected without compiling).
 """
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
-from flax_shardmeta._capacity.fit.usable import FRACTION_VARIABLES, UsableMemory
+from flax_shardmeta._capacity.fit.usable import FRACTION_VARIABLES
 from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._capacity.suggest import presets as presets_lib
 from flax_shardmeta._capacity.suggest.presets import RulePreset
@@ -245,13 +244,6 @@ def verdict_words(r: FitReport) -> str:
   return f'does not fit{at}'
 
 
-def _fits_cell(r: FitReport) -> str:
-  kind = r.verdict_kind
-  if kind == 'fits_with_fraction':
-    return f'only at {r.needed_fraction:.2f}'
-  return {'fits': 'yes', 'does_not_fit': 'no'}.get(kind, '?')
-
-
 def summary(c: Candidate) -> str:
   """One line: bytes per chip, the largest row, the verdict, the step time."""
   r = c.report
@@ -265,205 +257,3 @@ def summary(c: Candidate) -> str:
   if c.rank_s:
     parts.append(f'step ~{format_seconds(c.rank_s)}')
   return ', '.join(parts)
-
-
-def ranking_text(gpu: bool) -> str:
-  """How the table is ranked, in a sentence (``gpu``: compile-only GPU programs).
-
-  Example:
-    >>> 'without its HBM term' in ranking_text(True), ranking_text(False)[:30]
-    (True, 'ranked: those that fit first, ')
-  """
-  if not gpu:
-    return (
-      'ranked: those that fit first, then by the roofline step time (to three '
-      'significant digits), then by headroom'
-    )
-  name = FRACTION_VARIABLES[0]
-  return (
-    "ranked: those that fit at the run's fraction first, then those that fit "
-    f'only with a raised {name} (smallest first), then the rest; within each '
-    'by compute and collective time, the roofline without its HBM term (GPU '
-    'programs compiled here are not autotuned, so their HBM bytes are '
-    'inflated: shown, not ranked), then by headroom; more remat never ranks '
-    'above the same layout with less when both fit'
-  )
-
-
-class Suggestions(list):
-  """What :func:`suggest` returns: compiled candidates, best first.
-
-  A list of :class:`Candidate` (those that fit first, then, on GPUs, those
-  that fit only with a raised ``XLA_CLIENT_MEM_FRACTION``, then the rest;
-  within each by estimated step time, then by headroom); ``rejected`` holds
-  those rejected without compiling and why, ``skipped`` those beyond
-  ``max_candidates``. ``print`` shows the ranked table; ``to_dict()`` is JSON.
-
-  Attributes:
-    rejected: candidates rejected by the exact cheap checks, with the reason.
-    skipped: viable candidates not compiled (beyond ``max_candidates``).
-    hbm_bytes: the memory per chip judged against: on GPUs the usable memory
-      at the run's fraction (with the CUDA context's reserve; each layout's
-      NCCL communicators take more, in its report).
-    seconds: how long the search took.
-    usable: GPUs: that usable memory's rows (GPU memory, fraction, reserve).
-    skipped_presets: presets skipped because the model uses none of their
-      logical names, by name, with why.
-
-  Example:
-    >>> import flax_shardmeta as fsm
-    >>> c = fsm.Candidate(fsm.RULE_PRESETS['fsdp'], {'data': 1, 'fsdp': 8}, 'none',
-    ...                   rejected='the batch of 6 does not divide over 8 batch shards')
-    >>> found = fsm.Suggestions([], [c], [], hbm_bytes=2**30, seconds=0.0)
-    >>> found.fitting, [r.rejected for r in found.rejected]
-    ([], ['the batch of 6 does not divide over 8 batch shards'])
-  """
-
-  def __init__(
-    self,
-    ranked: Sequence[Candidate],
-    rejected: Sequence[Candidate],
-    skipped: Sequence[Candidate],
-    hbm_bytes: int | None,
-    seconds: float,
-    usable: UsableMemory | None = None,
-    skipped_presets: dict[str, str] | None = None,
-  ):
-    super().__init__(ranked)
-    self.rejected = list(rejected)
-    self.skipped = list(skipped)
-    self.hbm_bytes = hbm_bytes
-    self.seconds = seconds
-    self.usable = usable
-    self.skipped_presets = dict(skipped_presets or {})
-
-  @property
-  def fitting(self) -> list[Candidate]:
-    """The compiled candidates that fit (on GPUs: at the run's fraction),
-    best first."""
-    return [c for c in self if c.fits]
-
-  @property
-  def fitting_with_fraction(self) -> list[Candidate]:
-    """GPUs: those that fit only with a raised ``XLA_CLIENT_MEM_FRACTION``
-    (``c.report.needed_fraction``), best first."""
-    return [c for c in self if c.verdict == 'fits_with_fraction']
-
-  @property
-  def closest(self) -> Candidate | None:
-    """When nothing fits: the compiled candidate needing the least memory."""
-    compiled = [c for c in self if c.report is not None]
-    return min(compiled, key=lambda c: c.total_bytes or 0) if compiled else None
-
-  @property
-  def ranked_by(self) -> str:
-    """How the list is ranked, in a sentence."""
-    return ranking_text(self.usable is not None)
-
-  def to_dict(self) -> dict[str, Any]:
-    """JSON-ready form (see the CLI's ``suggest --format json``)."""
-    return {
-      'hbm_bytes': self.hbm_bytes,
-      'usable_memory': self.usable.to_dict() if self.usable else None,
-      'seconds': self.seconds,
-      'ranked_by': self.ranked_by,
-      'ranked': [c.to_dict() for c in self],
-      'rejected': [c.to_dict() for c in self.rejected],
-      'skipped': [c.to_dict() for c in self.skipped],
-      'skipped_presets': dict(self.skipped_presets),
-    }
-
-  def format(self, top: int | None = None) -> str:
-    """The ranked table (the first ``top`` rows), then the rejected ones."""
-    gpu = self.usable is not None
-    head = ['#', 'mesh', 'preset', 'remat', 'per chip', 'largest', 'headroom']
-    head += ['fits', 'collectives', 'step (est.)']
-    head += ['HBM traffic'] if gpu else []
-    rows = [(*head, 'tokens/s/chip')]
-    shown = [(c, c.report) for c in (self[:top] if top else self) if c.report]
-    for i, (c, r) in enumerate(shown, 1):
-      big = r.largest_row
-      tps = c.tokens_per_second_per_chip
-      traffic = '-' if r.bytes_accessed is None else format_bytes(int(r.bytes_accessed))
-      rows.append(
-        (
-          str(i),
-          ' '.join(f'{k}={v}' for k, v in c.shape.items()),
-          c.preset.name,
-          c.remat,
-          format_bytes(r.total_bytes),
-          f'{big.name} {format_bytes(big.bytes)}',
-          '-' if r.headroom_bytes is None else signed(r.headroom_bytes),
-          _fits_cell(r),
-          format_bytes(int(r.collective_bytes)),
-          '-' if not c.rank_s else format_seconds(c.rank_s),
-          *([traffic] if gpu else []),
-          '-' if tps is None else f'{tps:,.0f}',
-        )
-      )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [
-      '  '.join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows
-    ]
-    out = [f'{len(self.fitting)} of {len(self)} compiled layouts fit; best first:']
-    out += self._judged_lines()
-    out += [lines[0], '-' * len(lines[0])]
-    for line, (c, _) in zip(lines[1:], shown):
-      out.append(line)
-      out.append(f'    {c.reason}')
-    out += self._nothing_fits_lines()
-    if self.skipped_presets:
-      out.append('')
-      out.append(f'presets skipped ({len(self.skipped_presets)}):')
-      out += [f'  {name}: {why}' for name, why in self.skipped_presets.items()]
-    if self.rejected:
-      out.append('')
-      out.append(f'rejected without compiling ({len(self.rejected)}):')
-      out += [f'  {c.label}: {c.rejected}' for c in self.rejected]
-    if self.skipped:
-      out.append(f'not compiled (beyond max_candidates): {len(self.skipped)}')
-    return '\n'.join(out)
-
-  def _judged_lines(self) -> list[str]:
-    """GPUs: what the verdicts are against and how the table is ranked."""
-    u = self.usable
-    if u is None:
-      return []
-    name = FRACTION_VARIABLES[0]
-    lines = [
-      f'judged against usable GPU memory at {name}={u.fraction:.2f} '
-      f'({u.fraction_from}): {format_bytes(u.usable_bytes)} of '
-      f'{format_bytes(u.device_bytes)} (at most: each layout judged with its own '
-      'NCCL reserve beside the pool)',
-    ]
-    more = self.fitting_with_fraction
-    if more:
-      lines.append(
-        f'{len(more)} more fit only with a raised {name} ("only at" under fits)'
-      )
-    lines.append(ranking_text(True))
-    return lines
-
-  def _nothing_fits_lines(self) -> list[str]:
-    if self.fitting or self.closest is None:
-      return []
-    raised = self.fitting_with_fraction
-    best = raised[0].report if raised else None
-    if best is not None:
-      return [
-        f"nothing fits at the run's fraction; best with a raised one: "
-        f'{raised[0].label}, {verdict_words(best)}'
-      ]
-    c = self.closest
-    r = c.report
-    limit = r.hbm_bytes if r is not None and r.hbm_bytes is not None else None
-    limit = self.hbm_bytes if limit is None else limit
-    what = ' usable' if r is not None and r.usable is not None else ''
-    short = (c.total_bytes or 0) - (limit or 0)
-    return [
-      f'nothing fits; closest: {c.label}, {format_bytes(short)} over '
-      f'{format_bytes(limit or 0)}{what}'
-    ]
-
-  def __str__(self) -> str:
-    return self.format()

@@ -1,4 +1,5 @@
-"""``fsm.suggest``: the best mesh, rules and remat for a model on a pod.
+"""``fsm.suggest`` and what it returns, ``Suggestions``: the best mesh, rules
+and remat for a model on a pod.
 
 Candidates are every way of splitting the chips over a preset's mesh axes,
 times the rule presets, times the remat policies. A preset none of whose
@@ -24,74 +25,35 @@ ranks above the same mesh and preset with less remat when both fit.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import jax
-
-from flax_shardmeta._capacity.fit import gpu_verdict, usable as usable_lib
-from flax_shardmeta._capacity.fit.traced_step import Step, prepare
-from flax_shardmeta._capacity.fit.will_it_fit import fit
-from flax_shardmeta._capacity.report import OPTIMIZER, PARAMETERS, FitReport
+from flax_shardmeta._capacity.fit.fit import fit
+from flax_shardmeta._capacity.fit.usable import FRACTION_VARIABLES, UsableMemory
+from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._capacity.suggest import presets as presets_lib, ranking
-from flax_shardmeta._capacity.suggest.candidate import (
-  Candidate,
-  Suggestions,
-  verdict_words,
-)
+from flax_shardmeta._capacity.suggest.candidate import Candidate, signed, verdict_words
 from flax_shardmeta._capacity.suggest.presets import RulePreset
-from flax_shardmeta._devices.chips import Chip, chip_named, chip_of, parse_bytes
+from flax_shardmeta._capacity.suggest.search import (
+  Build,
+  Memory,
+  Where,
+  candidate_mesh,
+  candidates_of,
+  check,
+  device_pool,
+  first_built,
+  judged_capacity,
+  pick,
+)
+from flax_shardmeta._devices.chips import chip_named, chip_of
 from flax_shardmeta._devices.gpu import described_memory
-from flax_shardmeta._devices.topology import device_mesh, topology_devices
 from flax_shardmeta._errors import (
   FitError,
-  FlaxShardmetaError,
-  ShardingError,
-  message,
 )
-from flax_shardmeta._specs import format_spec
-from flax_shardmeta._units import format_bytes
-
-Build = Callable[[Any, Sequence[tuple[str, Any]], str], Sequence[Any]]
-"""``build(mesh, rules, remat) -> (step, *abstract_args)``: what ``fit`` takes."""
-
-# Axes that should stay inside one host: their collectives run every layer.
-_INSIDE_A_HOST = ('model', 'expert')
-
-
-def _factorizations(
-  axes: Sequence[str], n: int, per_host: int, num_slices: int
-) -> Iterable[tuple[int, ...]]:
-  """Every split of ``n`` chips over ``axes``: model-like axes inside one host
-  (together), the first axis spanning the slices; an axis of size 1 other than
-  'data' adds nothing another preset lacks, so only pure data parallelism
-  keeps one."""
-
-  def split(k: int, i: int) -> Iterable[tuple[int, ...]]:
-    if i == len(axes) - 1:
-      yield (k,)
-      return
-    for d in range(1, k + 1):
-      if k % d == 0:
-        for rest in split(k // d, i + 1):
-          yield (d, *rest)
-
-  for sizes in split(n, 0):
-    named = dict(zip(axes, sizes))
-    inside = math.prod(named[a] for a in _INSIDE_A_HOST if a in named)
-    if inside > 1 and per_host % inside:
-      continue
-    if num_slices > 1 and sizes[0] % num_slices:
-      continue
-    ones = [a for a, s in named.items() if s == 1 and a != 'data']
-    if ones and not (tuple(axes) == ('data', 'fsdp') and named['data'] == n):
-      continue
-    yield sizes
+from flax_shardmeta._units import format_bytes, format_seconds
 
 
 def suggest(
@@ -178,17 +140,17 @@ def suggest(
   start = time.perf_counter()
   _check_arguments(batch, max_candidates)
   say = _progress(progress)
-  pool = _pool(topology, num_slices, devices, target_config)
+  pool = device_pool(topology, num_slices, devices, target_config)
   spec = chip_named(chip) if chip else chip_of(pool)
-  capacity = _capacity(hbm, spec)
+  capacity = judged_capacity(hbm, spec)
   if capacity is None:  # a custom GPU: its own description's memory
     capacity = described_memory(pool)
-  where = _Where(pool, topology, num_slices)
-  memory = _Memory.of(capacity, where.on_gpu, mem_fraction, reserve)
+  where = Where(pool, topology, num_slices)
+  memory = Memory.of(capacity, where.on_gpu, mem_fraction, reserve)
   policies = tuple(remat)
   resolved = presets_lib.resolve(presets)
-  candidates = _candidates(resolved, policies, where, batch * tokens_per_example)
-  first = _first_built(build, candidates)
+  candidates = candidates_of(resolved, policies, where, batch * tokens_per_example)
+  first = first_built(build, candidates)
   unused: dict[str, str] = {}
   if first is not None:
     unused = presets_lib.unused_presets(resolved, presets_lib.model_names(first[1][1:]))
@@ -198,14 +160,14 @@ def suggest(
   estimate_chip = chip or (spec.name if spec is not None else None)
   for c in candidates:
     built = first[1] if first is not None and c is first[0] else None
-    _check(c, build, where, batch, memory, estimate_chip, runs, built)
+    check(c, build, where, batch, memory, estimate_chip, runs, built)
   viable = [c for c in candidates if c.rejected is None]
   rejected = [c for c in candidates if c.rejected is not None]
-  chosen = _pick(viable, max_candidates, memory)
+  chosen = pick(viable, max_candidates, memory)
   skipped = [c for c in viable if c not in chosen]
   for i, c in enumerate(chosen, 1):
     t = time.perf_counter()
-    step, *args = build(_mesh(c, where), c.preset.rules, c.remat)
+    step, *args = build(candidate_mesh(c, where), c.preset.rules, c.remat)
     c.report = r = fit(step, *args, hbm=capacity, chip=chip, cache=cache, **runs)
     say(f'[{i}/{len(chosen)}] {c.label}: {_compiled(r, time.perf_counter() - t)}')
   ranked = ranking.rank(chosen, policies)
@@ -228,70 +190,6 @@ def _check_arguments(batch: Any, max_candidates: Any) -> None:
     raise FitError(f'max_candidates={max_candidates!r}: give at least 1.')
 
 
-def _capacity(hbm: int | str | None, chip: Chip | None) -> int | None:
-  """The memory per chip judged against: ``hbm``, else the chip's."""
-  if hbm is not None:
-    return parse_bytes(hbm)
-  return chip.hbm_bytes if chip is not None else None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Memory:
-  """What the candidates are judged against.
-
-  Attributes:
-    capacity: memory per chip (``hbm=`` or the chip's; GPUs: the GPU's).
-    usable: GPUs: a run's usable memory at its fraction, with the reserve of
-      the CUDA context alone (or ``reserve=``): the most any layout gets at
-      that fraction (its NCCL communicators take more).
-  """
-
-  capacity: int | None
-  usable: usable_lib.UsableMemory | None
-
-  @classmethod
-  def of(
-    cls,
-    capacity: int | None,
-    on_gpu: bool,
-    mem_fraction: float | None,
-    reserve: int | str | None,
-  ) -> _Memory:
-    # A bad fraction or reserve is refused at once, GPU or not.
-    usable_lib.check_run(mem_fraction, reserve)
-    if not on_gpu or capacity is None:
-      return cls(capacity, None)
-    run = gpu_verdict.RunMemory(mem_fraction, reserve)
-    return cls(capacity, run.memory(capacity, ()))
-
-  @property
-  def judged_bytes(self) -> int | None:
-    """The memory a layout is judged to fit in: usable memory on GPUs."""
-    return self.usable.usable_bytes if self.usable is not None else self.capacity
-
-  @property
-  def most_bytes(self) -> int | None:
-    """The most memory any layout could be judged to fit in: on GPUs at the
-    largest fraction ``fit`` proposes (or the run's, when larger)."""
-    if self.usable is None:
-      return self.capacity
-    top = max(self.usable.fraction, usable_lib.MAX_FRACTION)
-    return self.usable.with_fraction(top, 'the largest fraction').usable_bytes
-
-  def most_text(self) -> str:
-    """What :attr:`most_bytes` is, in words."""
-    most = format_bytes(self.most_bytes or 0)
-    if self.usable is None:
-      return most
-    top = max(self.usable.fraction, usable_lib.MAX_FRACTION)
-    name = usable_lib.FRACTION_VARIABLES[0]
-    return (
-      f'{most}, the most a run can give XLA ({name}={top:.2f}, the largest '
-      f'fraction fit proposes, of {format_bytes(self.usable.device_bytes)}, '
-      f'{format_bytes(self.usable.reserve_bytes)} held outside its pool)'
-    )
-
-
 def _compiled(r: FitReport, seconds: float) -> str:
   """How a compiled candidate came out, for the progress line."""
   cached = ', cached' if r.cached else ''
@@ -299,84 +197,6 @@ def _compiled(r: FitReport, seconds: float) -> str:
     f'{format_bytes(r.total_bytes)} per chip, {verdict_words(r)} '
     f'({seconds:.0f} s{cached})'
   )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Where:
-  """The devices candidates are laid over, and the pod they come from."""
-
-  pool: Sequence[Any]
-  topology: str | None
-  num_slices: int
-
-  @property
-  def per_host(self) -> int:
-    hosts = {getattr(d, 'process_index', 0) for d in self.pool}
-    return len(self.pool) // max(len(hosts), 1)
-
-  @property
-  def on_gpu(self) -> bool:
-    """GPU devices (``fit`` compiles their programs without a GPU)."""
-    return bool(self.pool) and getattr(self.pool[0], 'platform', '') == 'gpu'
-
-
-def _pool(
-  topology: str | None,
-  num_slices: int,
-  devices: Sequence[Any] | None,
-  target_config: str | None,
-) -> list[Any]:
-  if topology is not None:
-    return list(
-      topology_devices(topology, num_slices=num_slices, target_config=target_config)
-    )
-  return list(devices if devices is not None else jax.devices())
-
-
-def _candidates(
-  presets: Sequence[RulePreset],
-  policies: Sequence[str],
-  where: _Where,
-  tokens: int,
-) -> list[Candidate]:
-  """Every preset, split of the chips over its axes, and remat policy."""
-  n = len(where.pool)
-  return [
-    Candidate(
-      p,
-      dict(zip(p.axes, sizes)),
-      r,
-      _topology=where.topology,
-      _num_slices=where.num_slices,
-      _tokens=tokens,
-      _gpu=where.on_gpu,
-    )
-    for p in presets
-    for sizes in _factorizations(p.axes, n, where.per_host, where.num_slices)
-    for r in policies
-  ]
-
-
-# Presets the model has no names for
-# ------------------------------------------------------------------------------
-
-
-def _first_built(
-  build: Build, candidates: Sequence[Candidate]
-) -> tuple[Candidate, tuple[Any, ...]] | None:
-  """The first candidate the build lays out on its abstract mesh, and what it
-  returned (its shapes may not divide another's axes; those are rejected by
-  their own check)."""
-  for c in candidates:
-    try:
-      return c, tuple(build(_abstract_mesh(c), c.preset.rules, c.remat))
-    except ShardingError:
-      continue
-  return None
-
-
-# The cheap checks and the estimate
-# ------------------------------------------------------------------------------
 
 
 def _progress(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
@@ -387,108 +207,210 @@ def _progress(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
   return lambda line: None
 
 
-def _mesh(c: Candidate, where: _Where) -> Any:
-  """The candidate's mesh over the pool, its first axis spanning the slices."""
-  sizes, names = tuple(c.shape.values()), tuple(c.shape)
-  auto = (jax.sharding.AxisType.Auto,) * len(names)
-  dcn = None
-  if where.num_slices > 1:
-    dcn = (where.num_slices,) + (1,) * (len(names) - 1)
-  return device_mesh(sizes, names, where.pool, auto, dcn_axis_sizes=dcn)
+def _fits_cell(r: FitReport) -> str:
+  kind = r.verdict_kind
+  if kind == 'fits_with_fraction':
+    return f'only at {r.needed_fraction:.2f}'
+  return {'fits': 'yes', 'does_not_fit': 'no'}.get(kind, '?')
 
 
-def _abstract_mesh(c: Candidate) -> jax.sharding.AbstractMesh:
-  return jax.sharding.AbstractMesh(
-    tuple(c.shape.values()),
-    tuple(c.shape),
-    axis_types=(jax.sharding.AxisType.Auto,) * len(c.shape),
+def ranking_text(gpu: bool) -> str:
+  """How the table is ranked, in a sentence (``gpu``: compile-only GPU programs).
+
+  Example:
+    >>> 'without its HBM term' in ranking_text(True), ranking_text(False)[:30]
+    (True, 'ranked: those that fit first, ')
+  """
+  if not gpu:
+    return (
+      'ranked: those that fit first, then by the roofline step time (to three '
+      'significant digits), then by headroom'
+    )
+  name = FRACTION_VARIABLES[0]
+  return (
+    "ranked: those that fit at the run's fraction first, then those that fit "
+    f'only with a raised {name} (smallest first), then the rest; within each '
+    'by compute and collective time, the roofline without its HBM term (GPU '
+    'programs compiled here are not autotuned, so their HBM bytes are '
+    'inflated: shown, not ranked), then by headroom; more remat never ranks '
+    'above the same layout with less when both fit'
   )
 
 
-def _check(
-  c: Candidate,
-  build: Build,
-  where: _Where,
-  batch: int,
-  memory: _Memory,
-  chip: str | None,
-  runs: dict[str, Any],
-  built: Sequence[Any] | None = None,
-) -> None:
-  """The exact cheap checks (batch and shapes divide, the state fits the most
-  memory the layout could be given), then the estimate."""
-  batch_ways = math.prod(
-    c.shape[a]
-    for name, target in c.preset.rules
-    if name == 'batch'
-    for a in ((target,) if isinstance(target, str) else tuple(target or ()))
-  )
-  if batch % batch_ways:
-    c.rejected = f'the batch of {batch} does not divide over {batch_ways} batch shards'
-    return
-  try:
-    mesh = _mesh(c, where)
-  except FlaxShardmetaError as e:
-    c.rejected = f'no such mesh here: {message(e)}'
-    return
-  del mesh  # it exists: the candidate can be compiled
-  try:
-    # The build itself may lay the arguments out (fsm.jit's in_shardings).
-    if built is None:
-      built = tuple(build(_abstract_mesh(c), c.preset.rules, c.remat))
-    step, *args = built
-    arguments = prepare(Step.of(step, len(args)), args)
-  except ShardingError as e:
-    first = e.problems[0]
-    c.rejected = (
-      f'shapes do not divide: {first.path} {first.shape} -> {format_spec(first.spec)}'
-      f' ({len({q.path for q in e.problems})} array(s))'
-    )
-    return
-  by_category = dict.fromkeys((PARAMETERS, OPTIMIZER), 0)
-  for category, size in zip(arguments.categories, arguments.layout_bytes):
-    if category in by_category:
-      by_category[category] += size
-  # Gradients are laid out like the parameters.
-  c.lower_bound = 2 * by_category[PARAMETERS] + by_category[OPTIMIZER]
-  most = memory.most_bytes
-  if most is not None and c.lower_bound > most:
-    c.rejected = (
-      f'parameters, optimizer state and gradients alone need '
-      f'{format_bytes(c.lower_bound)} per chip, over {memory.most_text()}'
-    )
-    return
-  estimated = fit(step, *args, hbm=memory.capacity, chip=chip, **runs)
-  c.estimate = estimated.total_bytes
-  c.estimate_verdict = estimated.verdict_kind
+class Suggestions(list):
+  """What :func:`suggest` returns: compiled candidates, best first.
 
+  A list of :class:`Candidate` (those that fit first, then, on GPUs, those
+  that fit only with a raised ``XLA_CLIENT_MEM_FRACTION``, then the rest;
+  within each by estimated step time, then by headroom); ``rejected`` holds
+  those rejected without compiling and why, ``skipped`` those beyond
+  ``max_candidates``. ``print`` shows the ranked table; ``to_dict()`` is JSON.
 
-def _pick(viable: list[Candidate], n: int, memory: _Memory) -> list[Candidate]:
-  """The ``n`` most promising: estimated to fit (or too close to call) first,
-  then those a raised fraction may hold, no remat before remat, then least
-  memory; taken in turn from each (preset, remat) group."""
+  Attributes:
+    rejected: candidates rejected by the exact cheap checks, with the reason.
+    skipped: viable candidates not compiled (beyond ``max_candidates``).
+    hbm_bytes: the memory per chip judged against: on GPUs the usable memory
+      at the run's fraction (with the CUDA context's reserve; each layout's
+      NCCL communicators take more, in its report).
+    seconds: how long the search took.
+    usable: GPUs: that usable memory's rows (GPU memory, fraction, reserve).
+    skipped_presets: presets skipped because the model uses none of their
+      logical names, by name, with why.
 
-  def key(c: Candidate) -> tuple[Any, ...]:
-    return (_estimated_tier(c, memory), c.remat != 'none', c.estimate or 0)
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> c = fsm.Candidate(fsm.RULE_PRESETS['fsdp'], {'data': 1, 'fsdp': 8}, 'none',
+    ...                   rejected='the batch of 6 does not divide over 8 batch shards')
+    >>> found = fsm.Suggestions([], [c], [], hbm_bytes=2**30, seconds=0.0)
+    >>> found.fitting, [r.rejected for r in found.rejected]
+    ([], ['the batch of 6 does not divide over 8 batch shards'])
+  """
 
-  groups: dict[tuple[str, str], list[Candidate]] = {}
-  for c in sorted(viable, key=key):
-    groups.setdefault((c.preset.name, c.remat), []).append(c)
-  order = sorted(groups.values(), key=lambda g: key(g[0]))
-  picked: list[Candidate] = []
-  for round_ in itertools.zip_longest(*order):
-    for c in round_:
-      if c is not None and len(picked) < n:
-        picked.append(c)
-  return picked
+  def __init__(
+    self,
+    ranked: Sequence[Candidate],
+    rejected: Sequence[Candidate],
+    skipped: Sequence[Candidate],
+    hbm_bytes: int | None,
+    seconds: float,
+    usable: UsableMemory | None = None,
+    skipped_presets: dict[str, str] | None = None,
+  ):
+    super().__init__(ranked)
+    self.rejected = list(rejected)
+    self.skipped = list(skipped)
+    self.hbm_bytes = hbm_bytes
+    self.seconds = seconds
+    self.usable = usable
+    self.skipped_presets = dict(skipped_presets or {})
 
+  @property
+  def fitting(self) -> list[Candidate]:
+    """The compiled candidates that fit (on GPUs: at the run's fraction),
+    best first."""
+    return [c for c in self if c.fits]
 
-def _estimated_tier(c: Candidate, memory: _Memory) -> int:
-  """0: the estimate fits, is too close to call or has no verdict; 1 (GPUs):
-  over the run's usable memory, within what a raised fraction gives; 2: over."""
-  if c.estimate_verdict != 'does_not_fit':
-    return 0
-  most = memory.most_bytes
-  if memory.usable is not None and most is not None and (c.estimate or 0) <= most:
-    return 1
-  return 2
+  @property
+  def fitting_with_fraction(self) -> list[Candidate]:
+    """GPUs: those that fit only with a raised ``XLA_CLIENT_MEM_FRACTION``
+    (``c.report.needed_fraction``), best first."""
+    return [c for c in self if c.verdict == 'fits_with_fraction']
+
+  @property
+  def closest(self) -> Candidate | None:
+    """When nothing fits: the compiled candidate needing the least memory."""
+    compiled = [c for c in self if c.report is not None]
+    return min(compiled, key=lambda c: c.total_bytes or 0) if compiled else None
+
+  @property
+  def ranked_by(self) -> str:
+    """How the list is ranked, in a sentence."""
+    return ranking_text(self.usable is not None)
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready form (see the CLI's ``suggest --format json``)."""
+    return {
+      'hbm_bytes': self.hbm_bytes,
+      'usable_memory': self.usable.to_dict() if self.usable else None,
+      'seconds': self.seconds,
+      'ranked_by': self.ranked_by,
+      'ranked': [c.to_dict() for c in self],
+      'rejected': [c.to_dict() for c in self.rejected],
+      'skipped': [c.to_dict() for c in self.skipped],
+      'skipped_presets': dict(self.skipped_presets),
+    }
+
+  def format(self, top: int | None = None) -> str:
+    """The ranked table (the first ``top`` rows), then the rejected ones."""
+    gpu = self.usable is not None
+    head = ['#', 'mesh', 'preset', 'remat', 'per chip', 'largest', 'headroom']
+    head += ['fits', 'collectives', 'step (est.)']
+    head += ['HBM traffic'] if gpu else []
+    rows = [(*head, 'tokens/s/chip')]
+    shown = [(c, c.report) for c in (self[:top] if top else self) if c.report]
+    for i, (c, r) in enumerate(shown, 1):
+      big = r.largest_row
+      tps = c.tokens_per_second_per_chip
+      traffic = '-' if r.bytes_accessed is None else format_bytes(int(r.bytes_accessed))
+      rows.append(
+        (
+          str(i),
+          ' '.join(f'{k}={v}' for k, v in c.shape.items()),
+          c.preset.name,
+          c.remat,
+          format_bytes(r.total_bytes),
+          f'{big.name} {format_bytes(big.bytes)}',
+          '-' if r.headroom_bytes is None else signed(r.headroom_bytes),
+          _fits_cell(r),
+          format_bytes(int(r.collective_bytes)),
+          '-' if not c.rank_s else format_seconds(c.rank_s),
+          *([traffic] if gpu else []),
+          '-' if tps is None else f'{tps:,.0f}',
+        )
+      )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+      '  '.join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows
+    ]
+    out = [f'{len(self.fitting)} of {len(self)} compiled layouts fit; best first:']
+    out += self._judged_lines()
+    out += [lines[0], '-' * len(lines[0])]
+    for line, (c, _) in zip(lines[1:], shown):
+      out.append(line)
+      out.append(f'    {c.reason}')
+    out += self._nothing_fits_lines()
+    if self.skipped_presets:
+      out.append('')
+      out.append(f'presets skipped ({len(self.skipped_presets)}):')
+      out += [f'  {name}: {why}' for name, why in self.skipped_presets.items()]
+    if self.rejected:
+      out.append('')
+      out.append(f'rejected without compiling ({len(self.rejected)}):')
+      out += [f'  {c.label}: {c.rejected}' for c in self.rejected]
+    if self.skipped:
+      out.append(f'not compiled (beyond max_candidates): {len(self.skipped)}')
+    return '\n'.join(out)
+
+  def _judged_lines(self) -> list[str]:
+    """GPUs: what the verdicts are against and how the table is ranked."""
+    u = self.usable
+    if u is None:
+      return []
+    name = FRACTION_VARIABLES[0]
+    lines = [
+      f'judged against usable GPU memory at {name}={u.fraction:.2f} '
+      f'({u.fraction_from}): {format_bytes(u.usable_bytes)} of '
+      f'{format_bytes(u.device_bytes)} (at most: each layout judged with its own '
+      'NCCL reserve beside the pool)',
+    ]
+    more = self.fitting_with_fraction
+    if more:
+      lines.append(
+        f'{len(more)} more fit only with a raised {name} ("only at" under fits)'
+      )
+    lines.append(ranking_text(True))
+    return lines
+
+  def _nothing_fits_lines(self) -> list[str]:
+    if self.fitting or self.closest is None:
+      return []
+    raised = self.fitting_with_fraction
+    best = raised[0].report if raised else None
+    if best is not None:
+      return [
+        f"nothing fits at the run's fraction; best with a raised one: "
+        f'{raised[0].label}, {verdict_words(best)}'
+      ]
+    c = self.closest
+    r = c.report
+    limit = r.hbm_bytes if r is not None and r.hbm_bytes is not None else None
+    limit = self.hbm_bytes if limit is None else limit
+    what = ' usable' if r is not None and r.usable is not None else ''
+    short = (c.total_bytes or 0) - (limit or 0)
+    return [
+      f'nothing fits; closest: {c.label}, {format_bytes(short)} over '
+      f'{format_bytes(limit or 0)}{what}'
+    ]
+
+  def __str__(self) -> str:
+    return self.format()

@@ -28,23 +28,23 @@ import jax
 from jax.sharding import AbstractMesh, NamedSharding
 
 from flax_shardmeta._capacity.estimate.propagate import sub_jaxprs
+from flax_shardmeta._capacity.fit.fit import fit
 from flax_shardmeta._capacity.fit.traced_step import (
   Arguments,
   Step,
   input_shardings,
   prepare,
 )
-from flax_shardmeta._capacity.fit.will_it_fit import fit
-from flax_shardmeta._capacity.snapshot.compare import (
+from flax_shardmeta._errors import NoMeshError, message
+from flax_shardmeta._frames import source_line
+from flax_shardmeta._planning.sharding_plan import plan
+from flax_shardmeta._snapshot.compare import (
   SECTIONS,
   VERSION,
   line_order,
   merge_collectives,
   scope_text,
 )
-from flax_shardmeta._errors import NoMeshError, message
-from flax_shardmeta._frames import source_line
-from flax_shardmeta._planning.sharding_plan import plan
 from flax_shardmeta._specs import format_spec, make_spec, reductions_of, spec_entries
 from flax_shardmeta._typing import AnyMesh
 

@@ -14,22 +14,22 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from flax_shardmeta._capacity import vocabulary as rep
-from flax_shardmeta._capacity.snapshot.schema import (
+from flax_shardmeta._capacity import vocabulary as vocab
+from flax_shardmeta._frames import import_path
+from flax_shardmeta._snapshot.schema import (
   VERSION as VERSION,
   check_snapshot,
   outdated as outdated,
   spec_key,
   spec_text,
 )
-from flax_shardmeta._frames import import_path
 from flax_shardmeta._units import format_bytes
 
 # Snapshot section -> the report categories it holds, and how a diff names one.
 SECTIONS = {
-  'parameters': ((rep.PARAMETERS,), 'parameter'),
-  'optimizer_state': ((rep.OPTIMIZER,), 'optimizer state'),
-  'inputs': ((rep.INPUTS, rep.RNG), 'input'),
+  'parameters': ((vocab.PARAMETERS,), 'parameter'),
+  'optimizer_state': ((vocab.OPTIMIZER,), 'optimizer state'),
+  'inputs': ((vocab.INPUTS, vocab.RNG), 'input'),
 }
 
 # What a collective row is matched by between two snapshots: what it does,

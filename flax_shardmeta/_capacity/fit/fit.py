@@ -19,7 +19,7 @@ from typing import Any
 
 from jax.sharding import AbstractMesh
 
-from flax_shardmeta._capacity import report as rep
+from flax_shardmeta._capacity import vocabulary as vocab
 from flax_shardmeta._capacity.estimate.estimator import estimate
 from flax_shardmeta._capacity.fit import gpu_verdict as gv, usable as usable_lib
 from flax_shardmeta._capacity.fit.compiled import figures
@@ -33,10 +33,12 @@ from flax_shardmeta._capacity.fit.traced_step import (
 )
 from flax_shardmeta._capacity.hlo import summary as hlo
 from flax_shardmeta._capacity.hlo.roofline import group, roofline
+from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._devices import gpu
-from flax_shardmeta._devices.chips import CHIPS, Chip, chip_named, chip_of, parse_bytes
+from flax_shardmeta._devices.chips import CHIPS, Chip, chip_named, chip_of
 from flax_shardmeta._devices.topology import describe
-from flax_shardmeta._errors import FitError, message
+from flax_shardmeta._errors import FitError, SizeError, message
+from flax_shardmeta._units import parse_bytes
 
 
 def fit(
@@ -49,7 +51,7 @@ def fit(
   cache: bool = True,
   mem_fraction: float | None = None,
   reserve: int | str | None = None,
-) -> rep.FitReport:
+) -> FitReport:
   """Compiles ``step`` for its mesh and reports what each chip must hold.
 
   Nothing is allocated and nothing runs: the arguments are abstract
@@ -149,7 +151,7 @@ def _capacity(hbm: int | str | None) -> int | None:
     return None
   try:
     value = parse_bytes(hbm)
-  except FitError as e:
+  except SizeError as e:
     raise FitError(f'hbm={hbm!r}: {message(e)}') from None
   if value <= 0:
     raise FitError(f'hbm={hbm!r}: the memory per chip must be positive.')
@@ -177,7 +179,7 @@ def _compiled_report(
   chip_spec: Chip | None,
   use_cache: bool,
   run: gv.RunMemory,
-) -> rep.FitReport:
+) -> FitReport:
   arguments = prepare(target, args)
   mesh = target.mesh
   chip = chip_spec or chip_of(mesh.devices)
@@ -196,10 +198,10 @@ def _compiled_report(
     'cached': found['cached'],
   }
   if 'refusal' in found:
-    refusal = rep.Refusal(**found['refusal'])
+    refusal = vocab.Refusal(**found['refusal'])
     by_category = _sum_by_category(arguments.categories, _on_chip(arguments))
     return _refused_report(refusal, by_category, capacity, common)
-  plan = rep.CompilerPlan.from_found(found.get('planned'))
+  plan = vocab.CompilerPlan.from_found(found.get('planned'))
   memory = found['device_memory']  # XLA's, less what is in host memory
   summary = hlo.ProgramSummary.from_dict(found['summary'])
   by_category, told_by_path = _compiled_categories(arguments, found['input_bytes'])
@@ -226,7 +228,7 @@ def _compiled_report(
     )
     notes += gv.gpu_notes(memory_at_run, plan, tried, cost)
   notes += gv.remat_notes(plan)
-  return rep.FitReport(
+  return FitReport(
     source='compiled',
     method='compiled for the mesh; figures from XLA (memory_analysis, '
     'cost_analysis) and the optimised HLO',
@@ -253,7 +255,7 @@ def _compiled_report(
 
 
 def _sum_by_category(categories: Sequence[str], sizes: Sequence[int]) -> dict[str, int]:
-  out = {rep.PARAMETERS: 0, rep.OPTIMIZER: 0, rep.RNG: 0, rep.INPUTS: 0}
+  out = {vocab.PARAMETERS: 0, vocab.OPTIMIZER: 0, vocab.RNG: 0, vocab.INPUTS: 0}
   for c, b in zip(categories, sizes):
     out[c] = out.get(c, 0) + int(b)
   return out
@@ -282,32 +284,32 @@ def _compiled_categories(
 
 def memory_rows(
   memory: dict[str, int], by_category: dict[str, int]
-) -> tuple[rep.Row, ...]:
+) -> tuple[vocab.Row, ...]:
   """The breakdown: argument categories (adding up to XLA's argument bytes),
   outputs not donated, temporaries and generated code."""
   args = memory['argument_size_in_bytes']
   known = sum(by_category.values())
-  rng = by_category.get(rep.RNG, 0)
+  rng = by_category.get(vocab.RNG, 0)
   held = 'arguments, as the compiled program holds them'
   return (
-    rep.Row(rep.PARAMETERS, by_category[rep.PARAMETERS], held),
-    rep.Row(rep.OPTIMIZER, by_category[rep.OPTIMIZER], held),
-    *((rep.Row(rep.RNG, rng, held),) if rng else ()),
-    rep.Row(rep.INPUTS, by_category[rep.INPUTS], held),
-    rep.Row(
-      rep.PADDING, max(args - known, 0), 'argument bytes XLA adds (padding, layout)'
+    vocab.Row(vocab.PARAMETERS, by_category[vocab.PARAMETERS], held),
+    vocab.Row(vocab.OPTIMIZER, by_category[vocab.OPTIMIZER], held),
+    *((vocab.Row(vocab.RNG, rng, held),) if rng else ()),
+    vocab.Row(vocab.INPUTS, by_category[vocab.INPUTS], held),
+    vocab.Row(
+      vocab.PADDING, max(args - known, 0), 'argument bytes XLA adds (padding, layout)'
     ),
-    rep.Row(
-      rep.OUTPUTS,
+    vocab.Row(
+      vocab.OUTPUTS,
       memory['output_size_in_bytes'] - memory['alias_size_in_bytes'],
       'outputs minus donated (aliased) arguments',
     ),
-    rep.Row(
-      rep.TEMPORARIES,
+    vocab.Row(
+      vocab.TEMPORARIES,
       memory['temp_size_in_bytes'],
       'activations for the backward pass, gradients, workspace',
     ),
-    rep.Row(rep.CODE, memory['generated_code_size_in_bytes'], 'the program itself'),
+    vocab.Row(vocab.CODE, memory['generated_code_size_in_bytes'], 'the program itself'),
   )
 
 
@@ -339,26 +341,26 @@ def _argument_notes(
 
 
 def _refused_report(
-  refusal: rep.Refusal,
+  refusal: vocab.Refusal,
   by_category: dict[str, int],
   capacity: int | None,
   common: dict[str, Any],
-) -> rep.FitReport:
+) -> FitReport:
   known = sum(by_category.values())
   laid_out = 'arguments as laid out (the compiler refused: no program to ask)'
-  rng = by_category.get(rep.RNG, 0)
+  rng = by_category.get(vocab.RNG, 0)
   rows = (
-    rep.Row(rep.PARAMETERS, by_category[rep.PARAMETERS], laid_out),
-    rep.Row(rep.OPTIMIZER, by_category[rep.OPTIMIZER], laid_out),
-    *((rep.Row(rep.RNG, rng, laid_out),) if rng else ()),
-    rep.Row(rep.INPUTS, by_category[rep.INPUTS], laid_out),
-    rep.Row(
-      rep.TEMPORARIES,
+    vocab.Row(vocab.PARAMETERS, by_category[vocab.PARAMETERS], laid_out),
+    vocab.Row(vocab.OPTIMIZER, by_category[vocab.OPTIMIZER], laid_out),
+    *((vocab.Row(vocab.RNG, rng, laid_out),) if rng else ()),
+    vocab.Row(vocab.INPUTS, by_category[vocab.INPUTS], laid_out),
+    vocab.Row(
+      vocab.TEMPORARIES,
       max(refusal.required_bytes - known, 0),
       'the rest of what the compiler requires',
     ),
   )
-  return rep.FitReport(
+  return FitReport(
     source='compiled',
     method='the compiler refused the program for lack of memory; arguments '
     'as laid out, the rest from its message',
@@ -417,11 +419,11 @@ def _fit_layers(
   exact: bool,
   use_cache: bool,
   run: gv.RunMemory,
-) -> rep.FitReport:
+) -> FitReport:
   hbm: Any = capacity
   chip_name = chip_spec.name if chip_spec else None
 
-  def at_depth(made: tuple[Any, ...]) -> rep.FitReport:
+  def at_depth(made: tuple[Any, ...]) -> FitReport:
     step, *args = made
     return fit(
       step,

@@ -43,7 +43,7 @@ class FsmRules:
 
   Example:
     >>> import flax_shardmeta as fsm
-    >>> from flax_shardmeta._flax_rules import FsmRules
+    >>> from flax_shardmeta._flax_adapter import FsmRules
     >>> view = FsmRules(('embed', 'mlp'))
     >>> with fsm.logical_axis_rules([('mlp', 'model')]):
     ...   print(dict(view))
