@@ -504,7 +504,7 @@ def _measure(spec: dict[str, Any], result: dict[str, Any], stage: Any) -> None:
     # Compiled before anything is allocated: autotuning's scratch buffers
     # stay below the step's peak.
     result['stats_after_compile'] = _stats(device)
-    from flax_shardmeta._init.program_memory import memory_fields, step_total
+    from flax_shardmeta._programs.memory import memory_fields, step_total
 
     memory = memory_fields(compiled)  # as fsm.fit reads and adds it up
     if memory is not None:

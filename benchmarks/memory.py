@@ -480,7 +480,7 @@ def main() -> int:
     '`nn.scan` parameters included); fsm.nnx initializers do it per Variable.',
     '',
     'How `fsm.sharded_init` chooses, for every shard size: a program is kept '
-    "when XLA's memory analysis (`flax_shardmeta._init.program_memory`) says its "
+    "when XLA's memory analysis (`flax_shardmeta._programs.memory`) says its "
     'temporaries are at most `FEW_CHUNKS` (5) chunks of `chunk_bytes` (4 MiB). '
     'Plain generation is compiled first when even all generators running at '
     'once would hold no more (16 bytes per element), which is why the tiny '

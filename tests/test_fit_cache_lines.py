@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta._capacity.fit import figure_cache as cache_lib, source_map
+from flax_shardmeta._capacity.fit import figure_cache as cache_lib
+from flax_shardmeta._programs import source_map
 
 S = jax.ShapeDtypeStruct
 

@@ -11,9 +11,9 @@ import flax_shardmeta as fsm
 from flax_shardmeta._capacity.hlo import (
   collectives as hlo_collectives,
   summary as hlo,
-  text as hlo_text,
   work as hlo_work,
 )
+from flax_shardmeta._programs import compiled_text, hlo_text
 
 ADD = """
 %add (a: f32[], b: f32[]) -> f32[] {
@@ -242,9 +242,9 @@ def test_xlas_text_format_is_still_what_the_reader_reads():
     (64, 32), jnp.float32, sharding=NamedSharding(mesh, P('data'))
   )
   compiled = jax.jit(f).lower(x).compile()
-  text = hlo_text.program_text(compiled)
+  text = compiled_text.program_text(compiled)
   computations = hlo_text.parse(text)
-  assert hlo_text.disagreements(computations, compiled) == []
+  assert compiled_text.disagreements(computations, compiled) == []
   summary = hlo.summarize_computations(computations, mesh.devices, mesh.axis_names)
   assert 7 in [n for _, n in summary.loops], summary.loops
   reduces = [c for c in summary.collectives if c.kind == 'all-reduce']
@@ -253,12 +253,12 @@ def test_xlas_text_format_is_still_what_the_reader_reads():
 
 def test_disagreements_name_what_the_reader_got_wrong():
   compiled = jax.jit(lambda x: -x).lower(jnp.ones(4)).compile()
-  computations = hlo_text.parse(hlo_text.program_text(compiled))
+  computations = hlo_text.parse(compiled_text.program_text(compiled))
   entry = hlo_text.entry(computations)
   assert entry is not None
   root = entry.instructions[-1]
   root.opcode, root.operands = 'while', ['nothing']
-  (found,) = hlo_text.disagreements(computations, compiled)
+  (found,) = compiled_text.disagreements(computations, compiled)
   assert f"{root.name}: opcode 'while'" in found
 
 
@@ -358,6 +358,6 @@ def test_reader_agrees_with_xla_on_an_unrolled_nnx_mixture_of_experts():
     return jax.tree.map(lambda w, g: w - 0.1 * g, state, grads)
 
   compiled = jax.jit(step).lower(state, x).compile()
-  computations = hlo_text.parse(hlo_text.program_text(compiled))
+  computations = hlo_text.parse(compiled_text.program_text(compiled))
   assert any(c.thread == 'sparsecore' for c in computations.values())
-  assert hlo_text.disagreements(computations, compiled) == []
+  assert compiled_text.disagreements(computations, compiled) == []

@@ -16,10 +16,11 @@ from flax import linen as nn
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta._capacity.hlo import (
-  collectives as hlo_collectives,
+from flax_shardmeta._capacity.hlo import collectives as hlo_collectives
+from flax_shardmeta._programs import (
+  compiled_text,
+  hlo_text,
   name_stacks as hlo_metadata,
-  text as hlo_text,
 )
 
 # (op_name, scope, primitive)
@@ -284,8 +285,8 @@ def _collective_names(mesh) -> list[str]:
     return jax.tree.map(lambda w, g: w - 0.1 * g, p, grads)
 
   compiled = jax.jit(step).lower(params, x).compile()
-  computations = hlo_text.parse(hlo_text.program_text(compiled))
-  assert hlo_text.disagreements(computations, compiled) == []
+  computations = hlo_text.parse(compiled_text.program_text(compiled))
+  assert compiled_text.disagreements(computations, compiled) == []
   kinds = hlo_collectives.COLLECTIVE_KINDS
   return [
     i.op_name()

@@ -19,6 +19,16 @@ LAYERS = [
   ['_typing', '_specs', '_caches', '_frames', '_arrays', '_views'],
   ['_problem', '_errors'],
   ['_units'],
+  # _programs: what jax traces and XLA compiles, read in one place.
+  [
+    '_programs.memory',
+    '_programs.hosts',
+    '_programs.jaxprs',
+    '_programs.source_map',
+    '_programs.name_stacks',
+    '_programs.hlo_text',
+    '_programs.compiled_text',
+  ],
   # How the rules enter jax.jit's cache key (the rule context sets it).
   ['_jit_key'],
   ['_names', '_unmapped', '_axis_typos'],
@@ -42,7 +52,7 @@ LAYERS = [
   ['_abstract'],
   ['_spec_trees', '_constraints', '_regex_rules'],
   # _init: a whole init as one program, each parameter made by _generate.
-  ['_init.program_memory', '_init.sharded_init'],
+  ['_init.sharded_init'],
   # _jit: fsm.jit.
   ['_jit.graph', '_jit.jit'],
   # _planning: whole-layout plans.
@@ -70,7 +80,6 @@ LAYERS = [
   # _capacity: what a whole step costs, in its vocabulary.
   [
     '_capacity.vocabulary',
-    '_capacity.fit.source_map',
     '_capacity.fit.figure_cache',
     '_capacity.fit.donation',
     '_capacity.fit.host_memory',
@@ -82,9 +91,7 @@ LAYERS = [
   # The compiled program's text: read, its data flow, why each collective is
   # there, then its loops, collectives and work.
   [
-    '_capacity.hlo.name_stacks',
     '_capacity.why.traced_lines',
-    '_capacity.hlo.text',
     '_capacity.hlo.flow',
     '_capacity.hlo.attribution',
     '_capacity.hlo.trip_counts',
@@ -184,6 +191,7 @@ SUBPACKAGES = (
   '_restore',
   '_audit',
   '_snapshot',
+  '_programs',
 )
 # The capacity layer's rooms, one concept each.
 ROOMS = tuple(

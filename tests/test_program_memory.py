@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from flax_shardmeta._init.program_memory import (
+from flax_shardmeta._programs.memory import (
   MEMORY_FIELDS,
   ProgramMemory,
   memory_fields,

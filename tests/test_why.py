@@ -260,7 +260,7 @@ def program_texts(monkeypatch):
 
 
 def _check_combined(report, text):
-  from flax_shardmeta._capacity.hlo import text as hlo_text
+  from flax_shardmeta._programs import hlo_text
 
   rows = report.collectives
   grads = [r for r in rows if r.reason == 'gradient']

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
-from flax_shardmeta._capacity.hlo import name_stacks
+from flax_shardmeta._programs import name_stacks
 
 S = jax.ShapeDtypeStruct
 _INIT = nn.initializers.lecun_normal()

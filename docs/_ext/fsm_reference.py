@@ -221,7 +221,7 @@ def package_modules() -> set[str]:
   """Every module of the package, dotted below it ('' for the package itself).
 
   Example:
-    >>> {'', '_errors', '_capacity.hlo.text', 'cli'} <= package_modules()
+    >>> {'', '_errors', '_programs.hlo_text', 'cli'} <= package_modules()
     True
   """
   out = set()

@@ -11,17 +11,15 @@ per chip.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 from flax_shardmeta._capacity.hlo.summary import summarize
-from flax_shardmeta._capacity.hlo.text import program_text
-
-_SHARDING_OPS = re.compile(
-  r'custom_call @Sharding\b|custom_call_target="Sharding"'
-  r'|sdy\.sharding_constraint|sdy\.reshard'
+from flax_shardmeta._programs.compiled_text import (
+  program_text,
+  sharding_annotations,
+  transposes,
 )
-_TRANSPOSE = re.compile(r'=\s*\S+\s+transpose\(')
+from flax_shardmeta._programs.memory import program_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +30,8 @@ class ProgramFigures:
     collectives: ``{(kind, axes): bytes per chip per step}``.
     sharding_ops: sharding annotations in the lowered program.
     transposes: transposes in the optimised program.
-    memory: bytes per chip (arguments, outputs and temporaries, less
-      donated aliases).
+    memory: bytes per chip (arguments, outputs, temporaries and generated
+      code, less donated aliases): ``fsm.fit``'s total for the same program.
   """
 
   collectives: dict[tuple[str, tuple[str, ...]], int]
@@ -71,19 +69,14 @@ def figures(lowered: Any, compiled: Any, mesh: Any) -> ProgramFigures:
     by[key] = by.get(key, 0) + c.bytes_per_step
   return ProgramFigures(
     by,
-    len(_SHARDING_OPS.findall(lowered.as_text())),
-    len(_TRANSPOSE.findall(text)),
+    sharding_annotations(lowered.as_text()),
+    transposes(text),
     _memory(compiled),
   )
 
 
 def _memory(compiled: Any) -> int:
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # noqa: BLE001 - some backends have none
-    return 0
-  if m is None:
-    return 0
-  fields = ('argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_bytes')
-  total = sum(int(getattr(m, f, 0) or 0) for f in fields)
-  return total - int(getattr(m, 'alias_size_in_bytes', 0) or 0)
+  """Bytes per chip, as ``fsm.fit`` totals them (generated code included);
+  0 where the backend gives no memory analysis."""
+  memory = program_memory(compiled)
+  return 0 if memory is None else memory.step_total

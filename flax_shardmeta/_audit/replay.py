@@ -20,13 +20,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from flax_shardmeta._generate.jaxpr_graph import scan_parts
-
-# Calls whose body is evaluated in place: their boundaries carry no types.
-_INLINED = frozenset({
-  'jit', 'pjit', 'closed_call', 'core_call', 'checkpoint', 'remat',
-  'custom_jvp_call', 'custom_vjp_call', 'custom_vjp_call_jaxpr', 'custom_lin',
-})  # fmt: skip
+from flax_shardmeta._programs.jaxprs import inlined_body, scan_parts
 
 
 class Replay:
@@ -77,9 +71,9 @@ class Replay:
 
   def _apply(self, eqn: Any, invals: list[Any]) -> Any:
     name, params = eqn.primitive.name, eqn.params
-    if name in _INLINED:
-      body, consts = _body(params)
-      outs = self.run(body, consts, invals)
+    inlined = inlined_body(eqn)
+    if inlined is not None:
+      outs = self.run(*inlined, invals)
       return outs if eqn.primitive.multiple_results else outs[0]
     if name == 'scan':
       return self._scan(eqn, invals)
@@ -134,14 +128,6 @@ class Replay:
       (lambda *xs, b=b: self.run(b.jaxpr, b.consts, xs)) for b in eqn.params['branches']
     ]
     return jax.lax.switch(index, branches, *ops)
-
-
-def _body(params: dict[str, Any]) -> tuple[Any, Sequence[Any]]:
-  for key in ('jaxpr', 'call_jaxpr', 'fun_jaxpr'):
-    if key in params:
-      body = params[key]
-      return (body.jaxpr, body.consts) if hasattr(body, 'consts') else (body, ())
-  raise KeyError(f'no body among {sorted(params)}')
 
 
 def equations(

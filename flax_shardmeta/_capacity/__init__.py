@@ -5,11 +5,11 @@ In rooms by concept:
 - ``fit/``: ``fsm.fit``. The step and its arguments (``traced_step``), the
   program compiled for the memory a run will have (``usable``,
   ``compiled``) or read from the cache (``figure_cache``, keyed without
-  source lines: ``source_map``), extrapolated over layers for deep scanned
+  source lines), extrapolated over layers for deep scanned
   models (``extrapolate``), the GPU verdict (``gpu_verdict``) and ``fit``
   itself (``fit``);
-- ``hlo/``: the compiled program's optimised HLO, read in one place
-  (``text``, XLA's metadata in ``name_stacks``), its data flow (``flow``),
+- ``hlo/``: the compiled program's optimised HLO (parsed by ``_programs``,
+  which reads every program jax and XLA produce), its data flow (``flow``),
   why each collective is there (``attribution``), its loops, collectives and
   work, a step's summary of them and the roofline;
 - ``estimate/``: the estimate where nothing can compile for the target
@@ -21,7 +21,7 @@ In rooms by concept:
   ``fsm.suggest``;
 - ``report``: ``FitReport`` and its table.
 
-Modules here may import the core, ``_init``, ``_planning`` and ``_devices``
+Modules here may import the core, ``_programs``, ``_init``, ``_planning`` and ``_devices``
 (chip figures, GPU and TPU topologies); never ``_hosts``, ``_jit``, the NNX
 adapter (``nnx``), the examples or the CLI, which sit above (``suggest``
 takes a model as a factory, and the built-in models' factories live in

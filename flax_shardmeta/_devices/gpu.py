@@ -25,6 +25,7 @@ import re
 from typing import Any
 
 from flax_shardmeta._errors import MeshShapeError, TopologyError
+from flax_shardmeta._programs.hosts import devices_per_host, host_count
 
 GPUS = {
   'a100': 'A100 SXM4 80 GB',
@@ -228,8 +229,7 @@ def node_local_check(sizes: Any, names: Any, devices: Any) -> None:
     ...
     flax_shardmeta._errors.MeshShapeError: ... 'model' groups of 4 would straddle ...
   """
-  nodes = len({getattr(d, 'process_index', 0) for d in devices})
-  per_node = len(devices) // max(nodes, 1)
+  nodes, per_node = host_count(devices), devices_per_host(devices)
   product = 1
   for size, name in zip(reversed(tuple(sizes)), reversed(tuple(names))):
     product *= size

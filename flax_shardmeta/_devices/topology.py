@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from flax_shardmeta._devices import chips, gpu, quiet
 from flax_shardmeta._errors import MeshShapeError, TopologyError
+from flax_shardmeta._programs.hosts import host_count
 
 if TYPE_CHECKING:  # jax is imported when a mesh is made: the CLI starts light
   from jax.sharding import AxisType, Mesh
@@ -210,7 +211,7 @@ def describe(devices: Any) -> str:
   if not flat:
     return 'no devices'
   kind = getattr(flat[0], 'device_kind', '?')
-  hosts = len({getattr(d, 'process_index', 0) for d in flat})
+  hosts = host_count(flat)
   slices = len({getattr(d, 'slice_index', 0) or 0 for d in flat})
   where = f'{hosts} host' + ('s' if hosts > 1 else '')
   if slices > 1:

@@ -3,9 +3,9 @@
 Generating a parameter window by window (:mod:`flax_shardmeta._generate.windowed`)
 follows it back through the operations that compute it. Here the jaxpr of an
 init becomes a list of nodes, one per primitive application, with the bodies
-of calls (``jit``, custom derivatives, remat) inlined, so that the path from
-the random key to each parameter is one list; scans stay nodes, their bodies
-read by :func:`scan_parts`.
+of calls (``jit``, custom derivatives, remat: ``_programs.jaxprs`` says which)
+inlined, so that the path from the random key to each parameter is one list;
+scans stay nodes, their bodies read by :func:`scan_parts`.
 """
 
 from __future__ import annotations
@@ -16,22 +16,8 @@ from typing import Any
 import jax.extend.core as jex
 
 from flax_shardmeta._generate.loops import Unsupported
-
-# Parameters holding the body of a call primitive, and the call primitives
-# whose bodies are inlined.
-_INLINE_PARAMS = ('jaxpr', 'call_jaxpr', 'fun_jaxpr')
-_INLINED = frozenset(
-  {
-    'jit',
-    'pjit',
-    'closed_call',
-    'core_call',
-    'custom_jvp_call',
-    'custom_vjp_call',
-    'remat',
-    'checkpoint',
-  }
-)
+from flax_shardmeta._programs import jaxprs
+from flax_shardmeta._programs.jaxprs import inlined_body
 
 
 @dataclasses.dataclass
@@ -73,12 +59,9 @@ class Graph:
 
     for eqn in jaxpr.eqns:
       args = [read(x) for x in eqn.invars]
-      inner = next((eqn.params[k] for k in _INLINE_PARAMS if k in eqn.params), None)
-      if inner is not None and eqn.primitive.name in _INLINED:
-        if isinstance(inner, jex.ClosedJaxpr):
-          outs = self._flatten(inner.jaxpr, inner.consts, args)
-        else:
-          outs = self._flatten(inner, (), args)
+      inlined = inlined_body(eqn)
+      if inlined is not None:
+        outs = self._flatten(*inlined, args)
       else:
         outs = []
         for i, v in enumerate(eqn.outvars):
@@ -103,23 +86,14 @@ class Graph:
 
 
 def scan_parts(params: dict[str, Any]) -> tuple[jex.ClosedJaxpr, int, int]:
-  """A scan's body, closed, with its numbers of constants and of carries.
-
-  The one place that reads the scan primitive's parameters: jax 0.12 gives
-  the numbers as flat trees (``ft_in``: constants, carries, scanned inputs)
-  and an open body; earlier versions ``num_consts`` / ``num_carry`` and a
-  closed body. Anything else is Unsupported (the output is then generated
-  whole), which tests/test_bit_identity.py's stacked layers notice.
-  """
-  body = params['jaxpr']
-  if not isinstance(body, jex.ClosedJaxpr):
-    body = jex.ClosedJaxpr(body, ())
-  if 'num_consts' in params:
-    return body, params['num_consts'], params['num_carry']
-  if 'ft_in' in params:
-    consts, carry, _ = params['ft_in'].unpack()
-    return body, len(consts), len(carry)
-  raise Unsupported(f'scan parameters {sorted(params)} are not known')
+  """A scan's body, closed, with its numbers of constants and of carries
+  (:func:`flax_shardmeta._programs.jaxprs.scan_parts`); parameters of no
+  known jax release are Unsupported (the output is then generated whole),
+  which tests/test_bit_identity.py's stacked layers notice."""
+  try:
+    return jaxprs.scan_parts(params)
+  except jaxprs.UnknownParameters as e:
+    raise Unsupported(str(e)) from None
 
 
 def bind(node: Node, args: list[Any], drop_sharding: bool = False) -> Any:

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax_shardmeta._annotation import path_str
 from flax_shardmeta._errors import BatchLayoutError, ShardingError, ShardingProblem
 from flax_shardmeta._placement import check_mesh
+from flax_shardmeta._programs.hosts import host_of
 from flax_shardmeta._resolution import logical_to_mesh_axes
 from flax_shardmeta._rules import get_logical_axis_rules
 from flax_shardmeta._specs import mesh_axes_of
@@ -169,7 +170,7 @@ def _rows_per_process(mesh: Mesh, axes: tuple[str, ...]) -> dict[int, frozenset[
     index = 0
     for a in axes:
       index = index * mesh.shape[a] + coords[names.index(a)]
-    out.setdefault(_process_of(devices[coords]), set()).add(index)
+    out.setdefault(host_of(devices[coords]), set()).add(index)
   return {p: frozenset(s) for p, s in out.items()}
 
 
@@ -284,7 +285,7 @@ def _global_shape(
       {
         tuple(c[names.index(a)] for a in axes)
         for c in np.ndindex(devices.shape)
-        if _process_of(devices[c]) == here
+        if host_of(devices[c]) == here
       }
     )
     total = math.prod(mesh.shape[a] for a in axes)
@@ -396,10 +397,6 @@ def _is_names(x: Any) -> bool:
       isinstance(e, tuple) and not all(isinstance(a, str) for a in e) for e in x
     )
   )
-
-
-def _process_of(device: Any) -> int:
-  return device.process_index
 
 
 def global_to_host_local(tree: PyTree) -> PyTree:

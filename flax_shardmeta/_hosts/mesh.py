@@ -23,6 +23,7 @@ from flax_shardmeta._devices.topology import (
   topology_devices,
 )
 from flax_shardmeta._errors import MeshShapeError
+from flax_shardmeta._programs.hosts import host_indices
 
 
 def make_mesh(
@@ -240,7 +241,7 @@ def _hosts(devices: Sequence[Any]) -> list[Any]:
   slices = {getattr(d, 'slice_index', 0) for d in devices}
   if len(slices) > 1:
     return sorted(slices)
-  return sorted({d.process_index for d in devices})
+  return host_indices(devices)
 
 
 def _fill_wildcard(

@@ -31,9 +31,9 @@ from flax_shardmeta._explicit import explain_sharding_type_errors
 from flax_shardmeta._generate import fill, windowed
 from flax_shardmeta._generate.generate import ArrayCall
 from flax_shardmeta._generate.jaxpr_graph import Graph
-from flax_shardmeta._init.program_memory import program_memory
 from flax_shardmeta._jit_key import own_trace
 from flax_shardmeta._placement import check_mesh
+from flax_shardmeta._programs.memory import program_memory
 from flax_shardmeta._rules import logical_axis_rules
 from flax_shardmeta._sharding import get_sharding, layout_tree
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree

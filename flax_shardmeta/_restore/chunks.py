@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
+from flax_shardmeta._programs.hosts import host_of
 from flax_shardmeta._sharding import leaf_shape
 from flax_shardmeta._specs import mesh_axes_of, spec_entries
 from flax_shardmeta._typing import AnyMesh
@@ -64,7 +65,7 @@ def host_of_devices(mesh: AnyMesh, devices_per_host: int | None) -> np.ndarray:
   # An AbstractMesh raises (not AttributeError) when asked for its devices.
   devices = mesh.devices if isinstance(mesh, jax.sharding.Mesh) else None
   if isinstance(devices, np.ndarray):
-    procs = np.array([d.process_index for d in devices.flat], dtype=np.int64)
+    procs = np.array([host_of(d) for d in devices.flat], dtype=np.int64)
     _, hosts = np.unique(procs, return_inverse=True)
     return hosts.astype(np.int64)
   return np.zeros(n, dtype=np.int64)

@@ -27,7 +27,6 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, NamedSharding
 
-from flax_shardmeta._capacity.estimate.propagate import sub_jaxprs
 from flax_shardmeta._capacity.fit.fit import fit
 from flax_shardmeta._capacity.fit.traced_step import (
   Arguments,
@@ -38,6 +37,7 @@ from flax_shardmeta._capacity.fit.traced_step import (
 from flax_shardmeta._errors import NoMeshError, message
 from flax_shardmeta._frames import source_line
 from flax_shardmeta._planning.sharding_plan import plan
+from flax_shardmeta._programs.jaxprs import sub_jaxprs
 from flax_shardmeta._snapshot.compare import (
   SECTIONS,
   VERSION,

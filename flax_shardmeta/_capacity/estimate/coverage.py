@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from flax_shardmeta._capacity.estimate.propagate import sub_jaxprs
+from flax_shardmeta._programs.jaxprs import sub_jaxprs
 
 # Primitives none of the measured steps contains, and what to call them.
 _UNMEASURED = {

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec
 from flax_shardmeta._capacity import vocabulary as vocab
 from flax_shardmeta._capacity.estimate.coverage import unmeasured
 from flax_shardmeta._capacity.estimate.liveness import Walk, walk
-from flax_shardmeta._capacity.estimate.propagate import Spec, aval_spec, sub_jaxprs
+from flax_shardmeta._capacity.estimate.propagate import Spec, aval_spec
 from flax_shardmeta._capacity.estimate.unplaced import Key
 from flax_shardmeta._capacity.fit.traced_step import (
   Step,
@@ -44,6 +44,7 @@ from flax_shardmeta._capacity.fit.traced_step import (
 from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._devices.chips import Chip
 from flax_shardmeta._devices.gpu import GPUS
+from flax_shardmeta._programs.jaxprs import sub_jaxprs
 
 ERROR_BANDS: dict[str, tuple[float, float]] = {
   'tpu': (0.25, 0.41),

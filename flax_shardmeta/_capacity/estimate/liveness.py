@@ -26,9 +26,9 @@ from flax_shardmeta._capacity.estimate.propagate import (
   inner_specs,
   outer_specs,
   propagate,
-  sub_jaxprs,
 )
 from flax_shardmeta._capacity.estimate.unplaced import Found, Key
+from flax_shardmeta._programs.jaxprs import sub_jaxprs
 from flax_shardmeta._specs import mesh_axes_of
 
 

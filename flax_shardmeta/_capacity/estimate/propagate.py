@@ -17,6 +17,7 @@ from typing import Any
 
 from jax.extend import core as jex_core
 
+from flax_shardmeta._programs.jaxprs import UnknownParameters, scan_parts, sub_jaxprs
 from flax_shardmeta._specs import mesh_axes_of
 
 Spec = tuple[Any, ...] | None
@@ -161,37 +162,14 @@ ELEMENTWISE = frozenset(
 )
 
 
-def sub_jaxprs(eqn: Any) -> list[tuple[Any, str]]:
-  """``(jaxpr, how its inputs map)`` for every sub-program of an equation."""
-  name = eqn.primitive.name
-  found = []
-  for key, value in eqn.params.items():
-    values = value if isinstance(value, (tuple, list)) else (value,)
-    for v in values:
-      inner = getattr(v, 'jaxpr', v)
-      if isinstance(inner, jex_core.Jaxpr):
-        if name == 'while' and key == 'cond_jaxpr':
-          continue  # tiny, and its outputs are not the loop's
-        how = {'scan': 'scan', 'while': 'while', 'cond': 'cond'}.get(name, 'call')
-        if name == 'shard_map':
-          how = 'local'
-        found.append((inner, how))
-  return found
-
-
 def scan_split(params: dict[str, Any]) -> tuple[int, int]:
-  """A scan's number of constant and carried operands (the rest are scanned).
-
-  jax up to 0.10 records them as ``num_consts`` / ``num_carry``; newer jax
-  records the operand tree ``ft_in`` = (consts, carry, xs) instead.
-  """
-  if 'num_consts' in params:
-    return int(params['num_consts']), int(params['num_carry'])
-  tree = params.get('ft_in')
-  if tree is not None:
-    consts, carry, _ = tree.unpack()
-    return len(list(consts.vals)), len(list(carry.vals))
-  return 0, 0
+  """A scan's number of constant and carried operands (the rest are scanned);
+  (0, 0) for parameters of no known jax release (nothing is held constant)."""
+  try:
+    _, consts, carry = scan_parts(params)
+  except UnknownParameters:
+    return 0, 0
+  return consts, carry
 
 
 def inner_specs(eqn: Any, how: str, ins: list[Spec], inner: Any) -> list[Spec]:

@@ -39,16 +39,13 @@ from flax_shardmeta._capacity.fit.traced_step import (
   jit_shardings,
   path_category,
 )
-from flax_shardmeta._capacity.hlo import (
-  attribution as hlo_attribution,
-  summary as hlo,
-  text as hlo_text,
-)
+from flax_shardmeta._capacity.hlo import attribution as hlo_attribution, summary as hlo
 from flax_shardmeta._capacity.why.layout_changes import LayoutChange, layout_changes
 from flax_shardmeta._capacity.why.traced_lines import TracedLines, lines_of_trace
 from flax_shardmeta._errors import FitError, IndivisibleDimensionWarning, message
 from flax_shardmeta._frames import source_line
-from flax_shardmeta._init.program_memory import memory_fields
+from flax_shardmeta._programs import compiled_text, hlo_text
+from flax_shardmeta._programs.memory import memory_fields
 
 _REFUSAL = re.compile(
   r'(?:required for HLO temporaries|Used)\s*\(?([0-9.]+)\s*([KMGT]?)i?B?\)?'
@@ -261,7 +258,7 @@ def figures(
   second script fitting the same program reads the first one's entry, with
   the cached program's lines moved to its own (``source_map``).
   """
-  from flax_shardmeta._capacity.fit import source_map
+  from flax_shardmeta._programs import source_map
 
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always', IndivisibleDimensionWarning)
@@ -460,9 +457,9 @@ def _compiled_figures(
   if refusal is not None:
     found = {'refusal': dataclasses.asdict(refusal), 'seconds': seconds}
     return dict(found, planned=planned), None, None
-  text = hlo_text.program_text(compiled)
+  text = compiled_text.program_text(compiled)
   computations = hlo_text.parse(text)
-  planned['remat_instructions'] = len(_REMATERIALIZED.findall(text))
+  planned['remat_instructions'] = compiled_text.rematerialized(text)
   found = {
     'memory': _memory(compiled),
     'cost': _cost(compiled),
@@ -472,12 +469,7 @@ def _compiled_figures(
     'seconds': seconds,
     # Where the text reader disagrees with XLA's own module objects: kept with
     # the figures, so a cached report says so too.
-    'reader': hlo_text.disagreements(computations, compiled),
+    'reader': compiled_text.disagreements(computations, compiled),
     'planned': planned,
   }
   return found, text, computations
-
-
-# XLA's rematerialization names each recomputed instruction after the one it
-# copies with a ".remat" suffix (hlo_rematerialization.cc).
-_REMATERIALIZED = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]*\.remat\d*[\w.\-]*\s*=', re.M)

@@ -20,7 +20,7 @@ from flax_shardmeta._capacity.fit.compiled import figures
 from flax_shardmeta._capacity.fit.traced_step import Arguments, Step
 from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._devices import gpu
-from flax_shardmeta._init.program_memory import step_total
+from flax_shardmeta._programs.memory import step_total
 from flax_shardmeta._units import signed_bytes
 
 

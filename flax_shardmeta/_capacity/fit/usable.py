@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 from flax_shardmeta._devices import gpu
 from flax_shardmeta._devices.chips import GIB
 from flax_shardmeta._errors import FitError, SizeError, message
+from flax_shardmeta._programs.hosts import host_count
 from flax_shardmeta._units import format_bytes as _bytes, parse_bytes
 
 DEFAULT_FRACTION = 0.75
@@ -348,7 +349,7 @@ def compile_for_memory(lowered: Any, limit_bytes: int) -> tuple[Any, bool, bool]
   if text is None:
     compiled, cublas = _compile_gpu(lowered)
     return compiled, False, cublas
-  nodes = len({d.process_index for d in devices})
+  nodes = host_count(devices)
   target = _devices(description_for(text, limit_bytes), nodes, len(devices) // nodes)
   by_id = {d.id: d for d in target}
   if any(d.id not in by_id for d in devices):

@@ -45,16 +45,16 @@ import re
 from collections.abc import Sequence
 
 from flax_shardmeta._capacity.hlo.flow import Flow, Reach
-from flax_shardmeta._capacity.hlo.name_stacks import primitive_of, scope_of
-from flax_shardmeta._capacity.hlo.text import (
+from flax_shardmeta._capacity.why.layout_changes import LayoutChange, asked_for
+from flax_shardmeta._capacity.why.traced_lines import TracedLines, is_explicit
+from flax_shardmeta._frames import NO_USER_LINE, import_path, is_library_file
+from flax_shardmeta._programs.hlo_text import (
   Computation,
   Instruction,
   array_shapes,
   largest_array_bytes,
 )
-from flax_shardmeta._capacity.why.layout_changes import LayoutChange, asked_for
-from flax_shardmeta._capacity.why.traced_lines import TracedLines, is_explicit
-from flax_shardmeta._frames import NO_USER_LINE, import_path, is_library_file
+from flax_shardmeta._programs.name_stacks import primitive_of, scope_of
 
 REASONS = ('parameter', 'gradient', 'activation', 'explicit', 'other', 'unknown')
 """Why a collective runs, in the order ``why()`` lists them."""

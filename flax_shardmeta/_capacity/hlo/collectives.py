@@ -27,12 +27,13 @@ from flax_shardmeta._capacity.hlo.attribution import (
   Attributor,
   operand_dims,
 )
-from flax_shardmeta._capacity.hlo.text import (
+from flax_shardmeta._programs.hlo_text import (
   Computation,
   Instruction,
   largest_array_bytes,
   shape_bytes,
 )
+from flax_shardmeta._programs.hosts import host_count
 
 COLLECTIVE_KINDS = (
   'all-gather',
@@ -234,6 +235,5 @@ def link_of(group: list[int] | None, grid: np.ndarray | None) -> str | None:
     slices = {getattr(d, 'slice_index', 0) or 0 for d in members}
     return 'dcn' if len(slices) > 1 else 'ici'
   if platform in _GPU_PLATFORMS:
-    nodes = {getattr(d, 'process_index', 0) for d in members}
-    return 'network' if len(nodes) > 1 else 'nvlink'
+    return 'network' if host_count(members) > 1 else 'nvlink'
   return None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from flax_shardmeta._capacity.hlo.text import Computation, Instruction, entry
+from flax_shardmeta._programs.hlo_text import Computation, Instruction, entry
 
 # Where a value stops being itself: past a contraction or a reduction (a
 # norm's scale gradient sums the activations' gradients) it is another value.
@@ -85,7 +85,7 @@ class Flow:
   values through it.
 
   Example:
-    >>> from flax_shardmeta._capacity.hlo.text import parse
+    >>> from flax_shardmeta._programs.hlo_text import parse
     >>> flow = Flow(parse('''
     ... ENTRY %main (p: f32[4], q: f32[4]) -> (f32[4], f32[]) {
     ...   %p = f32[4]{0} parameter(0)

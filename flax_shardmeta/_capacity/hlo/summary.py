@@ -16,9 +16,9 @@ from typing import Any
 
 from flax_shardmeta._capacity.hlo.attribution import Attributor
 from flax_shardmeta._capacity.hlo.collectives import CollectiveOp, collectives
-from flax_shardmeta._capacity.hlo.text import Computation, parse
 from flax_shardmeta._capacity.hlo.trip_counts import multiplicities
 from flax_shardmeta._capacity.hlo.work import dot_flops, kernel_bytes
+from flax_shardmeta._programs.hlo_text import Computation, parse
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from flax_shardmeta._capacity.hlo.text import Computation, Instruction, entry
+from flax_shardmeta._programs.hlo_text import Computation, Instruction, entry
 
 _FLIPPED = {'GT': 'LT', 'GE': 'LE', 'LT': 'GT', 'LE': 'GE'}
 

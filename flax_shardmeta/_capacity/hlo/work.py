@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from flax_shardmeta._capacity.hlo.text import (
+from flax_shardmeta._programs.hlo_text import (
   Computation,
   Instruction,
   array_shapes,

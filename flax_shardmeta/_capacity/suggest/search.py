@@ -32,6 +32,7 @@ from flax_shardmeta._errors import (
   SizeError,
   message,
 )
+from flax_shardmeta._programs.hosts import devices_per_host
 from flax_shardmeta._specs import format_spec
 from flax_shardmeta._units import format_bytes, parse_bytes
 
@@ -149,8 +150,7 @@ class Where:
 
   @property
   def per_host(self) -> int:
-    hosts = {getattr(d, 'process_index', 0) for d in self.pool}
-    return len(self.pool) // max(len(hosts), 1)
+    return devices_per_host(self.pool)
 
   @property
   def on_gpu(self) -> bool:

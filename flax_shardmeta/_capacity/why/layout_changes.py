@@ -27,8 +27,8 @@ from flax_shardmeta._capacity.estimate.propagate import (
   inner_specs,
   outer_specs,
   propagate,
-  sub_jaxprs,
 )
+from flax_shardmeta._programs.jaxprs import sub_jaxprs
 from flax_shardmeta._specs import mesh_axes_of
 
 _CONSTRAINTS = ('sharding_constraint', 'reshard')

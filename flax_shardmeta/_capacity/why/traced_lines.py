@@ -25,12 +25,13 @@ from typing import Any
 
 from jax.extend import core as jex_core
 
-from flax_shardmeta._capacity.hlo.name_stacks import (
+from flax_shardmeta._frames import user_line
+from flax_shardmeta._programs.jaxprs import NAMED_CALLS, operand_offset, sub_jaxprs
+from flax_shardmeta._programs.name_stacks import (
   merged_names,
   primitive_of,
   scope_of,
 )
-from flax_shardmeta._frames import user_line
 
 EXPLICIT = frozenset(
   'psum psum_invariant pmax pmin ppermute pbroadcast all_to_all ragged_all_to_all '
@@ -48,7 +49,6 @@ _MOVES = frozenset(
   'transpose sharding_constraint reshard mesh_cast pvary pbroadcast '
   'dynamic_slice slice device_put'.split()
 )
-_CALLS = ('pjit', 'jit')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,28 +126,21 @@ def _walk(jaxpr: Any, prefix: str, found: dict[Key, list[str]]) -> None:
     line = user_line(getattr(eqn.source_info, 'traceback', None))
     if line:
       found.setdefault(key_of(f'{at}/{name}'), []).append(line)
-    inner_prefix = f'{at}/jit({eqn.params.get("name", "")})' if name in _CALLS else at
+    inner_prefix = (
+      f'{at}/jit({eqn.params.get("name", "")})' if name in NAMED_CALLS else at
+    )
     for inner, _ in _sub_jaxprs(eqn):
       _walk(
-        inner, f'{inner_prefix}/{name}' if name not in _CALLS else inner_prefix, found
+        inner,
+        f'{inner_prefix}/{name}' if name not in NAMED_CALLS else inner_prefix,
+        found,
       )
 
 
 def _sub_jaxprs(eqn: Any) -> list[tuple[Any, int]]:
   """Each sub-program of an equation, with the position of the equation's
-  operand its first input is (a while's body skips its condition's
-  constants, a cond's branches its index)."""
-  out = []
-  for key, value in eqn.params.items():
-    for v in value if isinstance(value, (tuple, list)) else (value,):
-      inner = getattr(v, 'jaxpr', v)
-      if not isinstance(inner, jex_core.Jaxpr):
-        continue
-      if key == 'cond_jaxpr':
-        continue
-      skip = {'while': eqn.params.get('cond_nconsts', 0), 'cond': 1}
-      out.append((inner, int(skip.get(eqn.primitive.name, 0))))
-  return out
+  operand its first input is."""
+  return [(inner, operand_offset(eqn)) for inner, _ in sub_jaxprs(eqn)]
 
 
 def _first_uses(

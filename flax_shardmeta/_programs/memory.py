@@ -2,8 +2,9 @@
 
 jax documents ``Compiled.memory_analysis()`` as a debugging aid whose structure
 may change between versions and which some backends do not provide; decisions
-taken from it (how to generate parameters, whether a step fits) read it here,
-defensively, in one place.
+taken from it (how to generate parameters, whether a step fits, what an
+Explicit audit costs) read it here, defensively, in one place: nothing else in
+the package calls ``memory_analysis()``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ class ProgramMemory:
     temporaries: buffers alive only while it runs.
     aliased: inputs whose buffers are reused for outputs (donation).
     generated_code: the compiled code itself.
+    host_arguments, host_outputs, host_aliased, host_temporaries,
+    host_generated_code: the same in host memory (``pinned_host``), where
+      the backend reports it (0 elsewhere).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -36,11 +40,31 @@ class ProgramMemory:
   temporaries: int
   aliased: int = 0
   generated_code: int = 0
+  host_arguments: int = 0
+  host_outputs: int = 0
+  host_aliased: int = 0
+  host_temporaries: int = 0
+  host_generated_code: int = 0
 
   @property
   def peak(self) -> int:
     """Arguments, outputs and temporaries, donated buffers counted once."""
     return self.arguments + self.outputs + self.temporaries - self.aliased
+
+  @property
+  def step_total(self) -> int:
+    """What one device holds over a whole step: :attr:`peak` and the
+    generated code (``fsm.fit``'s ``total_bytes``, the audit's memory)."""
+    return self.peak + self.generated_code
+
+  def to_dict(self) -> dict[str, int]:
+    """XLA's field names and figures, unaltered (``FitReport.memory_analysis``)."""
+    return {f: getattr(self, a) for f, a in zip(MEMORY_FIELDS, _ATTRIBUTES)}
+
+  @classmethod
+  def from_dict(cls, fields: dict[str, int]) -> ProgramMemory:
+    """The record of :meth:`to_dict`'s form (missing fields: 0)."""
+    return cls(**{a: int(fields.get(f, 0)) for f, a in zip(MEMORY_FIELDS, _ATTRIBUTES)})
 
 
 def program_memory(compiled: Any) -> ProgramMemory | None:
@@ -69,13 +93,12 @@ def program_memory(compiled: Any) -> ProgramMemory | None:
     and isinstance(temporaries, int)
   ):
     return None  # not the structure this reads
-  return ProgramMemory(
-    arguments,
-    outputs,
-    temporaries,
-    aliased=int(getattr(stats, 'alias_size_in_bytes', 0) or 0),
-    generated_code=int(getattr(stats, 'generated_code_size_in_bytes', 0) or 0),
-  )
+  optional = {
+    a: int(getattr(stats, f, 0) or 0)
+    for f, a in zip(MEMORY_FIELDS, _ATTRIBUTES)
+    if a not in ('arguments', 'outputs', 'temporaries')
+  }
+  return ProgramMemory(arguments, outputs, temporaries, **optional)
 
 
 MEMORY_FIELDS = (
@@ -91,6 +114,18 @@ MEMORY_FIELDS = (
   'host_generated_code_size_in_bytes',
 )
 """The fields of ``memory_analysis()`` reported unaltered (``fsm.fit``)."""
+_ATTRIBUTES = (
+  'arguments',
+  'outputs',
+  'aliased',
+  'temporaries',
+  'generated_code',
+  'host_arguments',
+  'host_outputs',
+  'host_aliased',
+  'host_temporaries',
+  'host_generated_code',
+)
 
 
 def memory_fields(compiled: Any) -> dict[str, int] | None:
@@ -104,10 +139,8 @@ def memory_fields(compiled: Any) -> dict[str, int] | None:
     >>> memory_fields(compiled)['argument_size_in_bytes']
     16
   """
-  if program_memory(compiled) is None:  # the same checks, in one place
-    return None
-  stats = compiled.memory_analysis()
-  return {f: int(getattr(stats, f, 0) or 0) for f in MEMORY_FIELDS}
+  memory = program_memory(compiled)
+  return None if memory is None else memory.to_dict()
 
 
 def step_total(fields: dict[str, int]) -> int:
@@ -121,10 +154,4 @@ def step_total(fields: dict[str, int]) -> int:
     >>> step_total(memory_fields(compiled)) >= 32
     True
   """
-  return (
-    fields['argument_size_in_bytes']
-    + fields['output_size_in_bytes']
-    - fields['alias_size_in_bytes']
-    + fields['temp_size_in_bytes']
-    + fields['generated_code_size_in_bytes']
-  )
+  return ProgramMemory.from_dict(fields).step_total

@@ -14,7 +14,7 @@ an instruction's metadata, jax's name stack among them: ``hlo_metadata``).
 Why it is fragile: XLA's text form is for people, not a stable interface; a
 release can rename an attribute, change how replica groups print or how
 layouts annotate a shape. Two guards make such a change loud rather than
-silently wrong: :func:`disagreements` checks every parse against XLA's own
+silently wrong: ``compiled_text.disagreements`` checks every parse against XLA's own
 module objects (names, opcodes, operands), and ``tests/test_hlo.py`` compiles
 a program with a known loop and collective and expects to find both.
 """
@@ -25,13 +25,12 @@ import dataclasses
 import functools
 import math
 import re
-from typing import Any
 
 import numpy as np
 
 # The metadata readers live in hlo_metadata; read_frame, read_op_name and
 # stack_frames stay importable from here.
-from flax_shardmeta._capacity.hlo.name_stacks import (
+from flax_shardmeta._programs.name_stacks import (
   read_frame as read_frame,
   read_op_name as read_op_name,
   stack_frames as stack_frames,
@@ -394,102 +393,3 @@ def _mesh_group(attributes: str, n_devices: int | None) -> list[int] | None:
   ids = ids.reshape(dims)
   index = tuple(slice(None) if name in spanned else 0 for name in names)
   return [int(i) for i in ids[index].reshape(-1)]
-
-
-# Reading the compiled program, checked against XLA's own module objects
-# ------------------------------------------------------------------------------
-
-# Opcodes the capacity layer reads; their names print the same in the text
-# and (as CamelCase) in jaxlib's HloOpcode enum.
-_CHECKED_OPCODES = frozenset(
-  'while call conditional fusion parameter constant tuple get-tuple-element '
-  'compare add copy bitcast dot convolution dynamic-slice dynamic-update-slice '
-  'all-gather all-gather-start reduce-scatter all-reduce all-reduce-start '
-  'all-to-all ragged-all-to-all collective-permute collective-permute-start'.split()
-)
-
-
-def program_text(compiled: Any) -> str:
-  """The optimised HLO text of a compiled program (``jax.stages.Compiled``)."""
-  return compiled.as_text()
-
-
-def _modules(compiled: Any) -> list[Any] | None:
-  """jaxlib's ``HloModule`` objects of a compiled program, where it has them."""
-  try:
-    return list(compiled.runtime_executable().hlo_modules())
-  except Exception:  # no runtime executable or no modules on this backend
-    return None
-
-
-def _opcode_text(opcode: Any) -> str:
-  """``HloOpcode.kAllReduceStart`` -> ``'all-reduce-start'``."""
-  name = str(getattr(opcode, 'name', opcode)).split('.')[-1].removeprefix('k')
-  return re.sub(r'(?<!^)(?=[A-Z])', '-', name).lower()
-
-
-def _printed_opcode(inst: Any, opcode: str) -> str:
-  """How the text prints an XLA async op: by the op it wraps (an
-  ``async-start`` around an all-reduce prints as ``all-reduce-start``, as
-  GPU programs of jax 0.12 hold them; one around a call as ``call-start``)."""
-  if opcode not in ('async-start', 'async-update', 'async-done'):
-    return opcode
-  try:
-    wrapped = _opcode_text(inst.async_wrapped_root().opcode)
-  except Exception:  # an older jaxlib, or nothing wrapped
-    return opcode
-  return f'{wrapped}-{opcode.removeprefix("async-")}'
-
-
-def disagreements(computations: dict[str, Computation], compiled: Any) -> list[str]:
-  """Where :func:`parse` read ``compiled``'s text differently from XLA's own
-  module objects: computations, instruction names, the opcodes this layer
-  reads, operands. Empty when they agree, or when the backend has no module
-  objects to compare with (then nothing can be said).
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile()
-    >>> disagreements(parse(program_text(compiled)), compiled)
-    []
-  """
-  modules = _modules(compiled)
-  if not modules:
-    return []
-  found: list[str] = []
-  structured = {c.name: c for c in modules[0].computations()}
-  called = {
-    callee
-    for c in computations.values()
-    for i in c.instructions
-    for _, callee in i.called()
-  }
-  # XLA's modules hold a computation for each async op that the text prints
-  # as the op itself (a GPU's all-gather-start(...), a TPU's SparseCore
-  # call-start(...)); nothing read calls it, so nothing read is missing it.
-  missing = sorted(
-    n
-    for n in set(structured) ^ set(computations)
-    if n in computations or n in called or not n.startswith('async_computation')
-  )
-  if missing:
-    found.append(f'computations read differently: {", ".join(missing[:5])}')
-  for name in sorted(set(structured) & set(computations)):
-    theirs = {i.name: i for i in structured[name].instructions()}
-    ours = {i.name: i for i in computations[name].instructions}
-    if set(theirs) != set(ours):
-      found.append(f'{name}: instructions read differently')
-      continue
-    for inst_name, inst in ours.items():
-      other = theirs[inst_name]
-      opcode = _opcode_text(other.opcode)
-      printed = _printed_opcode(other, opcode)
-      if (inst.opcode in _CHECKED_OPCODES or printed in _CHECKED_OPCODES) and (
-        inst.opcode not in (opcode, printed)
-      ):
-        found.append(f'{name}/{inst_name}: opcode {inst.opcode!r}, XLA {opcode!r}')
-      elif [o.name for o in other.operands()] != inst.operands:
-        found.append(f'{name}/{inst_name}: operands read differently')
-    if len(found) > 5:
-      break
-  return found[:5]
