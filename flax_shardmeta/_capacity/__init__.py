@@ -21,9 +21,9 @@ In rooms by concept:
   ``fsm.suggest``;
 - ``report``: ``FitReport`` and its table.
 
-Modules here may import the core, ``_programs``, ``_init``, ``_planning``
-and ``_devices`` (chip figures, GPU and TPU topologies); never ``_hosts``,
-``_jit``, the NNX adapter (``nnx``), the examples or the CLI, which sit above (``suggest``
-takes a model as a factory, and the built-in models' factories live in
-``examples.train``). The core never imports this layer.
+Modules here may import the core, ``_programs``, ``_init``, ``_planning`` and
+``_devices`` (chip figures, GPU and TPU topologies); never ``_hosts``,
+``_jit``, the NNX adapter (``nnx``), the examples or the CLI, which sit above
+(``suggest`` takes a model as a factory, and the built-in models' factories
+live in ``examples.train``). The core never imports this layer.
 """
