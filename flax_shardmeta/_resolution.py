@@ -73,6 +73,9 @@ class RuleStep:
   """Where the rule comes from: '' for rules passed as ``rules=``, else
   ``fsm.logical_axis_rules``, ``flax's nn.logical_axis_rules`` or
   ``per-variable rules``."""
+  clash: tuple[str, int] | None = None
+  """For a rule skipped because one of its mesh axes is taken: that axis and
+  the dimension already using it (``reason`` says the same in words)."""
 
   def __str__(self) -> str:
     verb = 'gave' if self.applied else 'skipped'
@@ -149,6 +152,7 @@ def _assign(
             (name, target),
             False,
             f"mesh axis '{clash}' already used by dimension {j} ({names[j]!r})",
+            clash=(clash, j),
           )
         )
       continue

@@ -332,3 +332,16 @@ def test_logical_to_mesh_axes_warns_for_a_context_mesh_axis_name():
       fsm.UnmappedMeshAxisNameWarning, match=r"rule \('data', 'data'\)"
     ):
       assert fsm.logical_to_mesh_axes(('data', None), []) == P(None, None)
+
+
+def test_a_skipped_rule_says_which_axis_clashed_as_a_field():
+  # Code that acts on a clash (the Explicit audit's note) reads the field,
+  # never the sentence.
+  dims = fsm.explain_resolution(
+    ('embed', 'mlp'), [('embed', 'model'), ('mlp', 'model')]
+  )
+  (skipped,) = [s for s in dims[1].steps if not s.applied]
+  assert skipped.clash == ('model', 0)
+  assert "already used by dimension 0 ('embed')" in skipped.reason
+  (applied,) = dims[0].steps
+  assert applied.applied and applied.clash is None

@@ -115,10 +115,12 @@ def _two_names(args: Any, mesh: Any, rules: Any) -> list[Note]:
     return []
   out: dict[str, Note] = {}
   for entry in laid_out.entries:
-    for line in str(getattr(entry, 'explain', '') or '').splitlines():
-      if 'already used by' in line:
-        out.setdefault(line.strip(), Note(
-          'rule maps two names to one axis', entry.path, line.strip(),
+    for dim in entry.explain:
+      # A rule skipped because its mesh axis is taken by another dimension.
+      if any(step.clash is not None for step in getattr(dim, 'steps', ())):
+        line = str(dim).strip()
+        out.setdefault(line, Note(
+          'rule maps two names to one axis', entry.path, line,
           'map one of the names to another axis (or None), or name the axis '
           'once: under Explicit axes the type shows the dimension unsharded',
         ))  # fmt: skip
