@@ -12,17 +12,14 @@ from typing import Any
 
 import jax
 
-from flax_shardmeta import _annotation as ann_lib, _unmapped as unmapped_lib
+from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._caches import paused_gc
-from flax_shardmeta._errors import InvalidNamesError, ShardingError, ShardingProblem
+from flax_shardmeta._errors import InvalidNamesError, ShardingError
 from flax_shardmeta._placement import check_mesh
-from flax_shardmeta._rules import SOURCE_NONE, rules_and_source
 from flax_shardmeta._sharding import (
   LeafLayout,
-  layout_tree,
+  lay_out,
   leaf_shape,
-  problems_of,
-  unmapped_record,
 )
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 
@@ -56,26 +53,14 @@ def as_abstract(
     P(None, 'model')
   """
   mesh = check_mesh(mesh, 'as_abstract')
-  rules_t, source = rules_and_source(rules)
-  leaves, layouts, build = layout_tree(tree, mesh, rules_t)
-  problems: list[ShardingProblem] = []
-  bad_names: list[ShardingProblem] = []
-  unmapped: list[unmapped_lib.Unmapped] = []
-  for lf, lay in zip(leaves, layouts):
-    if lay.issues:
-      (bad_names if lay.names_error else problems).extend(problems_of(lf.path, lf, lay))
-    if lay.unmapped:
-      unmapped.append(unmapped_record(lf, lay, rules_t))
-  if bad_names:
-    raise InvalidNamesError(problems=bad_names)
-  problems += unmapped_lib.report(
-    unmapped, tuple(mesh.axis_names), False, no_rules=source == SOURCE_NONE
-  )
-  if problems:
+  laid = lay_out(tree, mesh, rules)
+  if laid.bad_names:
+    raise InvalidNamesError(problems=laid.bad_names)
+  if laid.problems:
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    raise ShardingError(problems, f' on mesh {sizes}')
+    raise ShardingError(laid.problems, f' on mesh {sizes}')
   with paused_gc():
-    return build([_abstract_leaf(lf, lay) for lf, lay in zip(leaves, layouts)])
+    return laid.build([_abstract_leaf(*x) for x in zip(laid.leaves, laid.layouts)])
 
 
 def _abstract_leaf(lf: ann_lib.Leaf, layout: LeafLayout) -> Any:

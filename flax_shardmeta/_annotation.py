@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 
+from flax_shardmeta._errors import ShardingError, ShardingProblem
 from flax_shardmeta._paths import (  # `X as X`: read from here by the modules above
   JoinedPrefix,
   KeyPaths as _KeyPaths,
@@ -450,3 +452,26 @@ def _walk_optimizer(node: Any, paths: _KeyPaths, index: int, every_path: bool):
 @functools.lru_cache(maxsize=16384)
 def _as_optimizer(ann: Annotation) -> Annotation:
   return dataclasses.replace(ann, optimizer_state=True)
+
+
+def check_not_function(tree: Any) -> None:
+  """A function given where its output belongs (``model.init``, a factory)
+  would be one non-array leaf: an empty plan, said to have no problems."""
+  jitted = callable(tree) and hasattr(tree, 'lower') and hasattr(tree, 'trace')
+  if not (inspect.isroutine(tree) or isinstance(tree, functools.partial) or jitted):
+    return
+  name = getattr(tree, '__qualname__', None) or type(tree).__name__
+  raise ShardingError(
+    [
+      ShardingProblem(
+        '(root)',
+        None,
+        None,
+        None,
+        f'the tree is the function {name}, not the tree it makes; a function '
+        'holds no arrays to lay out',
+        'pass its abstract output, e.g. jax.eval_shape(model.init, key, x) '
+        '(Linen) or nnx.eval_shape(lambda: Model(rngs=nnx.Rngs(0))) (NNX)',
+      )
+    ]
+  )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from typing import Any
 
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
@@ -296,20 +295,25 @@ def layout_tree(
   replicate: bool = False,
   *,
   every_path: bool = False,
-) -> tuple[list[ann_lib.Leaf], list[LeafLayout], Any]:
+  skip: Any = None,
+) -> tuple[list[ann_lib.Leaf], list[Any], Any]:
   """Walks ``tree`` and lays out every leaf; returns leaves, layouts, builder.
 
   ``replicate``: replicate what the mesh cannot divide (see :func:`layout_of`).
   ``every_path``: the caller reads every leaf's path (see ``walk``).
+  ``skip``: leaves it returns True for get no layout (None).
   """
   rules_t = effective_rules(rules)
-  _check_not_function(tree)
+  ann_lib.check_not_function(tree)
   with paused_gc():  # a few objects per leaf: see _caches
     leaves, build = ann_lib.walk(tree, every_path)
     # mesh, rules and replicate are fixed for this call: memoize on what varies.
     memo: dict[Any, LeafLayout] = {}
     layouts = []
     for lf in leaves:
+      if skip is not None and skip(lf):
+        layouts.append(None)
+        continue
       if isinstance(lf.value, PartitionSpec):
         layouts.append(spec_layout(lf.value, mesh))
         continue
@@ -319,29 +323,6 @@ def layout_tree(
         layout = memo[key] = layout_of(key[0], key[1], mesh, rules_t, replicate)
       layouts.append(layout)
   return leaves, layouts, build
-
-
-def _check_not_function(tree: Any) -> None:
-  """A function given where its output belongs (``model.init``, a factory)
-  would be one non-array leaf: an empty plan, said to have no problems."""
-  jitted = callable(tree) and hasattr(tree, 'lower') and hasattr(tree, 'trace')
-  if not (inspect.isroutine(tree) or isinstance(tree, functools.partial) or jitted):
-    return
-  name = getattr(tree, '__qualname__', None) or type(tree).__name__
-  raise ShardingError(
-    [
-      ShardingProblem(
-        '(root)',
-        None,
-        None,
-        None,
-        f'the tree is the function {name}, not the tree it makes; a function '
-        'holds no arrays to lay out',
-        'pass its abstract output, e.g. jax.eval_shape(model.init, key, x) '
-        '(Linen) or nnx.eval_shape(lambda: Model(rngs=nnx.Rngs(0))) (NNX)',
-      )
-    ]
-  )
 
 
 def unmapped_record(
@@ -358,6 +339,93 @@ def unmapped_record(
     lay.spec,
     lay.unmapped,
     lambda: composite_rules(rules, local),
+  )
+
+
+@dataclasses.dataclass
+class TreeLayout:
+  """A tree laid out on a mesh under rules: what :func:`lay_out` returns.
+
+  Attributes:
+    leaves: every walked leaf, in tree order.
+    layouts: each leaf's :class:`LeafLayout` (None for a skipped leaf).
+    build: rebuilds the tree from one value per leaf.
+    rules: the effective rules; ``source`` says where they come from.
+    problems: every leaf's problems in tree order (names errors included),
+      then the unmapped names ``strict`` makes problems; the misspelt-axis
+      hint applied.
+    bad_names: the problems that are malformed names.
+    adjusted: ``(leaf, changes)`` where ``replicate`` replicated dimensions.
+  """
+
+  leaves: list[ann_lib.Leaf]
+  layouts: list[LeafLayout | None]
+  build: Any
+  rules: tuple[tuple[str, Any], ...]
+  source: str
+  problems: list[ShardingProblem]
+  bad_names: list[ShardingProblem]
+  adjusted: list[tuple[ann_lib.Leaf, tuple[str, ...]]]
+
+
+def lay_out(
+  tree: PyTree,
+  mesh: AnyMesh,
+  rules: LogicalRules | None = None,
+  *,
+  replicate: bool = False,
+  strict: bool = False,
+  every_path: bool = False,
+  skip: Any = None,
+  names_first: bool = True,
+  stacklevel: int = 4,
+) -> TreeLayout:
+  """Lays out every leaf of ``tree`` on ``mesh`` and collects its problems:
+  the one pipeline ``get_sharding``, ``as_abstract``, ``plan`` and a
+  restore's targets are views of (each decides what to raise or keep).
+
+  Unmapped names are reported once, the same way for all of them (warnings,
+  or problems with ``strict``); ``skip(leaf)`` leaves a leaf out (a restore
+  target that brings its own sharding); with ``names_first`` malformed names
+  stop there (their error comes before any unmapped-name warning);
+  ``stacklevel`` is the warnings' (2 + the caller's depth below the user's
+  call, counting this function).
+  """
+  rules_t, source = rules_and_source(rules)
+  leaves, layouts, build = layout_tree(
+    tree, mesh, rules_t, replicate, every_path=every_path, skip=skip
+  )
+  problems: list[ShardingProblem] = []
+  bad_names: list[ShardingProblem] = []
+  adjusted: list[tuple[ann_lib.Leaf, tuple[str, ...]]] = []
+  unmapped: list[unmapped_lib.Unmapped] = []
+  # Paths are made only for leaves that something is reported about.
+  for lf, lay in zip(leaves, layouts):
+    if lay is None:
+      continue
+    if lay.adjustments:
+      adjusted.append((lf, lay.adjustments))
+    if lay.issues:
+      found = problems_of(lf.path, lf, lay)
+      problems.extend(found)
+      if lay.names_error:
+        bad_names.extend(found)
+    if lay.unmapped:  # names only annotations have: never a plain array
+      unmapped.append(unmapped_record(lf, lay, rules_t))
+  if bad_names and names_first:
+    return TreeLayout(
+      leaves, layouts, build, rules_t, source, problems, bad_names, adjusted
+    )
+  problems += unmapped_lib.report(
+    unmapped,
+    tuple(mesh.axis_names),
+    strict,
+    no_rules=source == SOURCE_NONE,
+    stacklevel=stacklevel,
+  )
+  problems = with_typo_hint(problems, mesh.axis_names, rules_t)
+  return TreeLayout(
+    leaves, layouts, build, rules_t, source, problems, bad_names, adjusted
   )
 
 
@@ -413,29 +481,12 @@ def get_sharding(
   """
   replicate = replicate_option(replicate_indivisible, fit, 'get_sharding')
   mesh = check_mesh(mesh, 'get_sharding')
-  rules_t, source = rules_and_source(rules)
-  leaves, layouts, build = layout_tree(tree, mesh, rules_t, replicate)
-  problems: list[ShardingProblem] = []
-  bad_names: list[ShardingProblem] = []
-  adjusted: list[tuple[ann_lib.Leaf, tuple[str, ...]]] = []
-  unmapped: list[unmapped_lib.Unmapped] = []
-  results: list[Any] = []
-  for lf, lay in zip(leaves, layouts):
-    if lay.adjustments:
-      adjusted.append((lf, lay.adjustments))
-    if lay.issues:
-      (bad_names if lay.names_error else problems).extend(problems_of(lf.path, lf, lay))
-    if lay.unmapped:
-      unmapped.append(unmapped_record(lf, lay, rules_t))
-    results.append(lay.sharding)
-  if bad_names:
-    raise InvalidNamesError(problems=bad_names)
-  problems += unmapped_lib.report(
-    unmapped, mesh.axis_names, strict, no_rules=source == SOURCE_NONE
-  )
-  if problems:
-    raise ShardingError(with_typo_hint(problems, mesh.axis_names, rules_t))
-  if adjusted:
-    warn_replicated(adjusted)
+  laid = lay_out(tree, mesh, rules, replicate=replicate, strict=strict)
+  if laid.bad_names:
+    raise InvalidNamesError(problems=laid.bad_names)
+  if laid.problems:
+    raise ShardingError(laid.problems)
+  if laid.adjusted:
+    warn_replicated(laid.adjusted)
   with paused_gc():
-    return build(results)
+    return laid.build([lay.sharding for lay in laid.layouts])

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 from flax_shardmeta import _annotation as ann_lib
-from flax_shardmeta._axis_typos import with_typo_hint
 from flax_shardmeta._caches import paused_gc
 from flax_shardmeta._errors import ShardingError, ShardingProblem
 from flax_shardmeta._paths import nest
@@ -29,17 +28,10 @@ from flax_shardmeta._planning.entry import (
   shard_shape,
 )
 from flax_shardmeta._planning.format import format_table
-from flax_shardmeta._rules import SOURCE_NONE, rules_and_source
-from flax_shardmeta._sharding import (
-  LeafLayout,
-  layout_tree,
-  problems_of,
-  unmapped_record,
-)
+from flax_shardmeta._sharding import LeafLayout, lay_out
 from flax_shardmeta._specs import json_entry
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 from flax_shardmeta._units import format_bytes
-from flax_shardmeta._unmapped import Unmapped, report as report_unmapped
 from flax_shardmeta._validate import replicate_option, warn_replicated
 from flax_shardmeta._views import ShownWithTreescope
 
@@ -290,25 +282,19 @@ def plan(
   """
   replicate = replicate_option(replicate_indivisible, fit, 'plan')
   mesh = check_mesh(mesh, 'plan')
-  rules_t, source = rules_and_source(rules)
-  leaves, layouts, build = layout_tree(tree, mesh, rules_t, replicate)
-  problems: list[ShardingProblem] = []
-  adjusted: list[tuple[ann_lib.Leaf, tuple[str, ...]]] = []
-  unmapped: list[Unmapped] = []
-  # Paths are made only for leaves that something is reported about.
-  for lf, lay in zip(leaves, layouts):
-    if lay.adjustments:
-      adjusted.append((lf, lay.adjustments))
-    if lay.issues:
-      problems.extend(problems_of(lf.path, lf, lay))
-    if lay.unmapped and lf.annotation is not None:  # only annotations map names
-      unmapped.append(unmapped_record(lf, lay, rules_t))
-  problems += report_unmapped(
-    unmapped, tuple(mesh.axis_names), strict, no_rules=source == SOURCE_NONE
+  # A plan collects every problem, malformed names among them.
+  laid = lay_out(
+    tree, mesh, rules, replicate=replicate, strict=strict, names_first=False
   )
-  problems = with_typo_hint(problems, mesh.axis_names, rules_t)
-  if adjusted:
-    warn_replicated(adjusted)
+  if laid.adjusted:
+    warn_replicated(laid.adjusted)
   return ShardingPlan(
-    mesh, rules_t, source, tuple(problems), leaves, layouts, adjusted, build
+    mesh,
+    laid.rules,
+    laid.source,
+    tuple(laid.problems),
+    laid.leaves,
+    laid.layouts,
+    laid.adjusted,
+    laid.build,
   )

@@ -16,15 +16,9 @@ from typing import Any
 
 from jax.sharding import NamedSharding
 
-from flax_shardmeta import _annotation as ann_lib, _unmapped as unmapped_lib
+from flax_shardmeta import _annotation as ann_lib
 from flax_shardmeta._errors import ShardingProblem
-from flax_shardmeta._rules import SOURCE_NONE, rules_and_source
-from flax_shardmeta._sharding import (
-  layout_of,
-  leaf_shape,
-  problems_of,
-  unmapped_record,
-)
+from flax_shardmeta._sharding import lay_out, leaf_shape
 from flax_shardmeta._typing import AnyMesh, LogicalRules, PyTree
 from flax_shardmeta._validate import check_spec
 
@@ -57,35 +51,51 @@ def target_leaves(
   rules: LogicalRules | None,
   problems: list[ShardingProblem],
 ) -> list[Target]:
-  """Every array leaf of ``tree`` with its sharding; problems appended."""
-  rules_t, source = rules_and_source(rules)
-  leaves, _ = ann_lib.walk(tree, every_path=True)
+  """Every array leaf of ``tree`` with its sharding; problems appended.
+
+  A leaf that brings its own ``NamedSharding`` keeps it (checked against its
+  shape); an annotated one is laid out on ``mesh`` as ``fsm.plan`` lays it
+  out, its problems and unmapped names reported the same way.
+  """
+  if mesh is None:
+    leaves, _ = ann_lib.walk(tree, every_path=True)
+    layouts: list[Any] = [None] * len(leaves)
+  else:
+    # Warnings name the user's call: 5 up (report, lay_out, here, the plan).
+    laid = lay_out(
+      tree, mesh, rules, every_path=True, skip=_keeps_its_own, names_first=False,
+      stacklevel=5,
+    )  # fmt: skip
+    leaves, layouts = laid.leaves, laid.layouts
+    problems.extend(_for_restore(p) for p in laid.problems)
   out = []
-  unmapped: list[unmapped_lib.Unmapped] = []
-  for lf in leaves:
+  for lf, layout in zip(leaves, layouts):
     shape = leaf_shape(lf.value)
     if shape is None:
       continue
-    sharding = getattr(lf.value, 'sharding', None)
-    if not isinstance(sharding, NamedSharding):
-      sharding = None
-    if sharding is None and lf.annotation is not None and mesh is not None:
-      layout = layout_of(shape, lf.annotation, mesh, rules_t)
-      problems.extend(_for_restore(p) for p in problems_of(lf.path, lf, layout))
-      if layout.unmapped:
-        unmapped.append(unmapped_record(lf, layout, rules_t))
+    if layout is not None:
       out.append(Target(lf.path, lf.value, layout.sharding, bool(layout.issues)))
       continue
+    sharding = _own_sharding(lf)
     split = [] if sharding is None else split_problems(lf.path, shape, sharding)
     problems.extend(split)
     out.append(Target(lf.path, lf.value, sharding, bool(split)))
-  if mesh is not None:
-    # As fsm.plan reports them: warnings, user's call as the place (4 up).
-    problems += unmapped_lib.report(
-      unmapped, tuple(mesh.axis_names), False, no_rules=source == SOURCE_NONE,
-      stacklevel=4,
-    )  # fmt: skip
   return out
+
+
+def _own_sharding(lf: ann_lib.Leaf) -> NamedSharding | None:
+  sharding = getattr(lf.value, 'sharding', None)
+  return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def _keeps_its_own(lf: ann_lib.Leaf) -> bool:
+  """Not laid out by the rules: not an array, unannotated, or it brings a
+  NamedSharding of its own."""
+  return (
+    leaf_shape(lf.value) is None
+    or lf.annotation is None
+    or _own_sharding(lf) is not None
+  )
 
 
 def split_problems(
