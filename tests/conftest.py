@@ -7,10 +7,11 @@ import tempfile
 # its tests, never in the user's ~/.cache.
 os.environ['FLAX_SHARDMETA_CACHE'] = tempfile.mkdtemp(prefix='fsm-fit-cache-')
 
-# Must happen before jax is imported anywhere in the test session.
-os.environ['XLA_FLAGS'] = (
-  os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
-).strip()
+# Must happen before jax is imported anywhere in the test session (importing
+# this module imports neither jax nor the rest of the package).
+from flax_shardmeta._devices.simulated import cpu_device_flags  # noqa: E402
+
+os.environ['XLA_FLAGS'] = cpu_device_flags(os.environ.get('XLA_FLAGS', ''), 8)
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import jax  # noqa: E402

@@ -60,7 +60,13 @@ LAYERS = [
   ['_planning.sharding_plan', '_planning.verify'],
   # _devices: what the chips are, GPU clusters and TPU topologies, meshes over
   # their devices; below both _hosts and _capacity.
-  ['_devices.quiet', '_devices.chips', '_devices.gpu', '_devices.topology'],
+  [
+    '_devices.quiet',
+    '_devices.simulated',
+    '_devices.chips',
+    '_devices.gpu',
+    '_devices.topology',
+  ],
   # _restore: restoring a checkpoint onto another mesh, on plans' vocabulary.
   [
     '_restore.chunks',

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from flax_shardmeta._devices.simulated import cpu_device_flags
 from flax_shardmeta._errors import LaunchError
 
 _COORDINATOR = 'FLAX_SHARDMETA_COORDINATOR'
@@ -71,12 +72,7 @@ def launch(
       each process's exit code and the end of its stderr.
   """
   base = dict(os.environ if env is None else env)
-  flags = [
-    f
-    for f in base.get('XLA_FLAGS', '').split()
-    if not f.startswith('--xla_force_host_platform_device_count')
-  ]
-  flags.append(f'--xla_force_host_platform_device_count={devices_per_process}')
+  flags = cpu_device_flags(base.get('XLA_FLAGS', ''), devices_per_process)
   port = free_port()
   with tempfile.TemporaryDirectory(prefix='fsm-launch-') as tmp:
     procs, files = [], []
@@ -88,7 +84,7 @@ def launch(
         child_env = {
           **base,
           'JAX_PLATFORMS': 'cpu',
-          'XLA_FLAGS': ' '.join(flags),
+          'XLA_FLAGS': flags,
           _COORDINATOR: f'127.0.0.1:{port}',
           _NUM_PROCESSES: str(num_processes),
           _PROCESS_ID: str(i),

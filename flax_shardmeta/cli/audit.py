@@ -23,10 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 from typing import Any
 
+from flax_shardmeta._devices.simulated import simulate_cpu_devices
 from flax_shardmeta.cli import checks, options, rule_files, step
 from flax_shardmeta.cli.factory import CONTRACT, under
 from flax_shardmeta.cli.options import UsageError
@@ -87,9 +86,5 @@ def run(args: argparse.Namespace) -> int:
 def _simulate_devices(mesh_text: str) -> None:
   """As many CPU devices as the mesh has, set before jax starts."""
   _, sizes = checks.parse_mesh(mesh_text)
-  if 'jax' in sys.modules:
-    return  # too late to change (the tests' process has its 8)
-  flags = os.environ.get('XLA_FLAGS', '')
-  if '--xla_force_host_platform_device_count' not in flags:
-    count = f'--xla_force_host_platform_device_count={math.prod(sizes)}'
-    os.environ['XLA_FLAGS'] = f'{flags} {count}'.strip()
+  # Too late once jax has started (the tests' process has its 8).
+  simulate_cpu_devices(math.prod(sizes))
