@@ -443,3 +443,19 @@ def test_explicit_axes_sharding_type_errors_are_named():
       fsm.fit(step, x, w, cache=False)
     with pytest.raises(fsm.ExplicitShardingError, match='out_sharding'):
       fsm.fit(jax.jit(step), x, w, cache=False)
+
+
+def test_rows_are_keyed_by_category_not_their_text():
+  from flax_shardmeta._capacity.vocabulary import Category
+
+  mesh = cpu_mesh()
+  layout = NamedSharding(mesh, P('data'))
+  x = jax.ShapeDtypeStruct((256, 64), jnp.float32, sharding=layout)
+  with jax.set_mesh(mesh):
+    report = fsm.fit(jax.jit(lambda a: a * 2), x, cache=False)
+  assert report.row(Category.INPUTS) == report.row('batch and other inputs') > 0
+  assert {r.name for r in report.rows} <= set(Category)
+  # The JSON keeps the display text; a name that is no row is refused.
+  assert 'batch and other inputs' in json.dumps(report.to_dict())
+  with pytest.raises(fsm.FitError, match="no report row is called 'inputs'"):
+    report.row('inputs')

@@ -26,12 +26,14 @@ from flax_shardmeta._capacity.vocabulary import (  # `X as X`: read from here to
   PARAMETERS as PARAMETERS,
   RNG as RNG,
   TEMPORARIES as TEMPORARIES,
+  Category as Category,
   CompilerPlan as CompilerPlan,
   Refusal as Refusal,
   Row as Row,
 )
 from flax_shardmeta._capacity.why.readable import format_unknown_why, format_why
 from flax_shardmeta._devices.chips import Chip
+from flax_shardmeta._errors import FitError
 from flax_shardmeta._units import format_seconds, signed_bytes, table
 
 
@@ -196,8 +198,14 @@ class FitReport:
     return sum(r.bytes for r in self.collectives)
 
   def row(self, name: str) -> int:
-    """Bytes of the row called ``name`` (0 when there is none)."""
-    return sum(r.bytes for r in self.rows if r.name == name)
+    """Bytes of the row ``name``: a ``Category`` or its text, e.g.
+    ``'parameters'`` (0 when there is none)."""
+    try:
+      key = Category(name)
+    except ValueError:
+      known = ', '.join(repr(c.value) for c in Category)
+      raise FitError(f'no report row is called {name!r}; the rows: {known}') from None
+    return sum(r.bytes for r in self.rows if r.name == key)
 
   def why(self, top: int = 8) -> str:
     """Why each collective is there, grouped by reason, largest bytes first,

@@ -8,18 +8,42 @@ speaks them; ``report`` builds ``FitReport`` on them.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
-PARAMETERS = 'parameters'
-OPTIMIZER = 'optimizer state'
-RNG = 'RNG state'
-INPUTS = 'batch and other inputs'
-PADDING = 'argument padding'
-OUTPUTS = 'outputs not donated'
-TEMPORARIES = 'temporaries'
-CODE = 'generated code'
-GRADIENTS = 'gradients'
-ACTIVATIONS = 'activations and workspace'
+
+class Category(enum.StrEnum):
+  """A report row's memory category. Code keys rows by the member; its value
+  is the row's display text (and its JSON), so ``report.row('parameters')``
+  and ``report.row(Category.PARAMETERS)`` are the same row.
+
+  Example:
+    >>> Category.INPUTS == 'batch and other inputs', f'{Category.INPUTS}'
+    (True, 'batch and other inputs')
+  """
+
+  PARAMETERS = 'parameters'
+  OPTIMIZER = 'optimizer state'
+  RNG = 'RNG state'
+  INPUTS = 'batch and other inputs'
+  PADDING = 'argument padding'
+  OUTPUTS = 'outputs not donated'
+  TEMPORARIES = 'temporaries'
+  CODE = 'generated code'
+  GRADIENTS = 'gradients'
+  ACTIVATIONS = 'activations and workspace'
+
+
+PARAMETERS = Category.PARAMETERS
+OPTIMIZER = Category.OPTIMIZER
+RNG = Category.RNG
+INPUTS = Category.INPUTS
+PADDING = Category.PADDING
+OUTPUTS = Category.OUTPUTS
+TEMPORARIES = Category.TEMPORARIES
+CODE = Category.CODE
+GRADIENTS = Category.GRADIENTS
+ACTIVATIONS = Category.ACTIVATIONS
 
 ARGUMENT_ROWS = (PARAMETERS, OPTIMIZER, RNG, INPUTS, PADDING)
 """The rows that together are XLA's ``argument_size_in_bytes``."""

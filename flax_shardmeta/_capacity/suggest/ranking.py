@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flax_shardmeta._capacity.suggest.candidate import Candidate, summary, verdict_words
+from flax_shardmeta._capacity.vocabulary import TEMPORARIES
 from flax_shardmeta._units import format_bytes
 
 
@@ -118,7 +119,7 @@ def _reason(c: Candidate, ref: Candidate | None, first: bool) -> str:
   parts = []
   if c.rank_s and ref.rank_s:
     parts.append(f"step {c.rank_s / ref.rank_s:.2f}x {other}'s")
-  temp = r.row('temporaries') - ref.report.row('temporaries')
+  temp = r.row(TEMPORARIES) - ref.report.row(TEMPORARIES)
   sign = '+' if temp >= 0 else '-'
   parts.append(f'activations {sign}{format_bytes(abs(temp))} vs {other}')
   parts.append(comm)
