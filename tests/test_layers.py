@@ -120,6 +120,7 @@ LAYERS = [
     '_capacity.estimate.estimator',
   ],
   [
+    '_capacity.fit.compiled_figures',
     '_capacity.fit.compiled',
     '_capacity.fit.extrapolate',
     '_capacity.fit.gpu_verdict',

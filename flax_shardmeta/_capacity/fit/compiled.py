@@ -26,6 +26,7 @@ import jax
 from flax_shardmeta._arrays import is_key, shard_bytes
 from flax_shardmeta._capacity import vocabulary as vocab
 from flax_shardmeta._capacity.fit import figure_cache as cache_lib, usable
+from flax_shardmeta._capacity.fit.compiled_figures import CompiledFigures
 from flax_shardmeta._capacity.fit.host_memory import (
   given_hosts,
   on_host,
@@ -245,7 +246,7 @@ def input_bytes(compiled: Any) -> list[tuple[str, int, bool, list[int], bool]]:
 
 def figures(
   target: Step, arguments: Arguments, use_cache: bool, limit: int | None = None
-) -> dict[str, Any]:
+) -> CompiledFigures:
   """Compiles (or reads the cache) and returns the program's figures.
 
   The cache keeps XLA's own figures and the optimised HLO text; the HLO is
@@ -327,7 +328,7 @@ def figures(
     if issubclass(w.category, IndivisibleDimensionWarning)
   ]
   out['compile_seconds'] = 0.0 if cached else out['seconds']
-  return out
+  return CompiledFigures.of(out)
 
 
 def attributor(

@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import collections
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from flax_shardmeta._programs.memory import ProgramMemory
 from flax_shardmeta._units import format_bytes
+
+if TYPE_CHECKING:
+  from flax_shardmeta._capacity.fit.compiled_figures import CompiledFigures
 
 _ARGUMENT = re.compile(r'^\[(\d+)\]')
 
 
 def donation_notes(
-  found: Mapping[str, Any], memory: Mapping[str, int], names: Sequence[str]
+  found: CompiledFigures, memory: ProgramMemory, names: Sequence[str]
 ) -> tuple[str, ...]:
   """A note naming the arguments that could be donated, and the bytes that
   would save; none when the step donates anything already, or returns none
@@ -33,19 +37,15 @@ def donation_notes(
     memory: XLA's memory figures of the program.
     names: the step's positional parameter names.
   """
-  not_donated = memory.get('output_size_in_bytes', 0) - memory.get(
-    'alias_size_in_bytes', 0
-  )
-  if memory.get('alias_size_in_bytes', 0) or not_donated <= 0:
+  not_donated = memory.outputs - memory.aliased
+  if memory.aliased or not_donated <= 0:
     return ()  # donating already: the user chose what to donate
   outputs = collections.Counter(
     (tuple(path_shape[1]), int(size[0]))
-    for path_shape, size in zip(
-      found.get('outputs') or [], found.get('output_bytes') or []
-    )
+    for path_shape, size in zip(found.outputs or [], found.output_bytes)
   )
   by_argument: dict[int, list[tuple[tuple[int, ...], int]]] = {}
-  for leaf in found.get('input_bytes') or []:
+  for leaf in found.input_bytes:
     at = _ARGUMENT.match(str(leaf[0]))
     if at is not None:
       by_argument.setdefault(int(at.group(1)), []).append(

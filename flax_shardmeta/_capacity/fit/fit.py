@@ -38,6 +38,7 @@ from flax_shardmeta._devices import gpu
 from flax_shardmeta._devices.chips import CHIPS, Chip, chip_named, chip_of
 from flax_shardmeta._devices.topology import describe
 from flax_shardmeta._errors import FitError, SizeError, message
+from flax_shardmeta._programs.memory import ProgramMemory
 from flax_shardmeta._units import parse_bytes
 
 
@@ -194,19 +195,19 @@ def _compiled_report(
     'mesh': dict(zip(mesh.axis_names, mesh.axis_sizes)),
     'devices': describe(mesh.devices),
     'chip': chip,
-    'compile_seconds': found['compile_seconds'],
-    'cached': found['cached'],
+    'compile_seconds': found.compile_seconds,
+    'cached': found.cached,
   }
-  if 'refusal' in found:
-    refusal = vocab.Refusal(**found['refusal'])
+  if found.refusal is not None:
     by_category = _sum_by_category(arguments.categories, _on_chip(arguments))
-    return _refused_report(refusal, by_category, capacity, common)
-  plan = vocab.CompilerPlan.from_found(found.get('planned'))
-  memory = found['device_memory']  # XLA's, less what is in host memory
-  summary = hlo.ProgramSummary.from_dict(found['summary'])
-  by_category, told_by_path = _compiled_categories(arguments, found['input_bytes'])
+    return _refused_report(found.refusal, by_category, capacity, common)
+  plan = vocab.CompilerPlan.from_found(found.planned)
+  # A program that compiled has its memory, device memory and summary.
+  memory: ProgramMemory = found.device_memory  # XLA's, less what is in host memory
+  summary: hlo.ProgramSummary = found.summary
+  by_category, told_by_path = _compiled_categories(arguments, found.input_bytes)
   rows = memory_rows(memory, by_category)
-  cost = found['cost']
+  cost = found.cost
   flops = None
   if 'flops' in cost:
     # XLA's cost model counts no matmul handed to cuBLAS (GPU programs are
@@ -216,8 +217,8 @@ def _compiled_report(
   traffic = traffic + summary.extra_bytes if traffic is not None else None
   collectives = group(summary.collectives, chip)
   total = sum(r.bytes for r in rows)
-  notes = _notes(mesh, chip, summary, hbm) + tuple(found['host_notes'])
-  notes += _argument_notes(memory, by_category, told_by_path, found['reader'])
+  notes = _notes(mesh, chip, summary, hbm) + found.host_notes
+  notes += _argument_notes(memory, by_category, told_by_path, found.reader)
   notes += donation_notes(found, memory, target.names)
   memory_at_run, needed = None, None
   if on_gpu and hbm:
@@ -235,8 +236,8 @@ def _compiled_report(
     rows=rows,
     total_bytes=sum(r.bytes for r in rows),
     hbm_bytes=hbm,
-    memory_analysis=found['memory'],
-    donated_bytes=memory['alias_size_in_bytes'],
+    memory_analysis=found.memory.to_dict() if found.memory else None,
+    donated_bytes=memory.aliased,
     collectives=collectives,
     flops=flops,
     bytes_accessed=traffic,
@@ -246,7 +247,7 @@ def _compiled_report(
     else None,
     loops=summary.loops,
     notes=notes,
-    replicated=tuple(found.get('replicated', ())),
+    replicated=found.replicated,
     usable=memory_at_run,
     needed_fraction=needed,
     plan=plan,
@@ -283,11 +284,11 @@ def _compiled_categories(
 
 
 def memory_rows(
-  memory: dict[str, int], by_category: dict[str, int]
+  memory: ProgramMemory, by_category: dict[str, int]
 ) -> tuple[vocab.Row, ...]:
   """The breakdown: argument categories (adding up to XLA's argument bytes),
   outputs not donated, temporaries and generated code."""
-  args = memory['argument_size_in_bytes']
+  args = memory.arguments
   known = sum(by_category.values())
   rng = by_category.get(vocab.RNG, 0)
   held = 'arguments, as the compiled program holds them'
@@ -301,26 +302,26 @@ def memory_rows(
     ),
     vocab.Row(
       vocab.OUTPUTS,
-      memory['output_size_in_bytes'] - memory['alias_size_in_bytes'],
+      memory.outputs - memory.aliased,
       'outputs minus donated (aliased) arguments',
     ),
     vocab.Row(
       vocab.TEMPORARIES,
-      memory['temp_size_in_bytes'],
+      memory.temporaries,
       'activations for the backward pass, gradients, workspace',
     ),
-    vocab.Row(vocab.CODE, memory['generated_code_size_in_bytes'], 'the program itself'),
+    vocab.Row(vocab.CODE, memory.generated_code, 'the program itself'),
   )
 
 
 def _argument_notes(
-  memory: dict[str, int],
+  memory: ProgramMemory,
   by_category: dict[str, int],
   told_by_path: bool,
   reader: list[str],
 ) -> tuple[str, ...]:
   notes = []
-  over = sum(by_category.values()) - memory['argument_size_in_bytes']
+  over = sum(by_category.values()) - memory.arguments
   if over > 0:  # the argument rows then add up to more than XLA's figure
     notes.append(
       f"the arguments as laid out come to {over:,} bytes more than XLA's "

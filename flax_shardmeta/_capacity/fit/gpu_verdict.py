@@ -20,7 +20,6 @@ from flax_shardmeta._capacity.fit.compiled import figures
 from flax_shardmeta._capacity.fit.traced_step import Arguments, Step
 from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._devices import gpu
-from flax_shardmeta._programs.memory import step_total
 from flax_shardmeta._units import signed_bytes
 
 
@@ -81,9 +80,9 @@ def needed_fraction(
       return None, tried
     at = memory.with_fraction(x, 'mem_fraction=')
     found = figures(target, arguments, use_cache, at.compile_limit_bytes)
-    if 'refusal' in found:
+    if found.device_memory is None:  # refused
       return None, tried
-    total_x = step_total(found['device_memory'])
+    total_x = found.device_memory.step_total
     tried.append((x, total_x, at.usable_bytes))
     if total_x <= at.usable_bytes:
       return x, tried
