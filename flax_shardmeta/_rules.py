@@ -24,6 +24,7 @@ from flax_shardmeta._errors import (
   InvalidRulesError,
   RuleConflictError,
   RuleContextError,
+  message,
 )
 from flax_shardmeta._jit_key import require_key_honoured, set_thread_key, thread_key
 from flax_shardmeta._specs import UNCONSTRAINED
@@ -224,6 +225,32 @@ def logical_axis_rules(rules: LogicalRules) -> contextlib.AbstractContextManager
     P(None, 'model')
   """
   return _RulesContext(normalize_rules(rules))
+
+
+def rules_from_lists(data: Any, where: str) -> tuple[tuple[str, Any], ...]:
+  """Rules read from JSON or TOML: a list of ``[name, target]`` lists, where
+  an empty list target means replicated (TOML has no null; JSON may say
+  either). ``where`` names the text in the error.
+
+  The one reading of a rules file, for ``--rules`` and presets files alike.
+
+  Example:
+    >>> rules_from_lists([['batch', 'data'], ['embed', []]], 'rules.toml')
+    (('batch', 'data'), ('embed', None))
+  """
+  if not isinstance(data, list):
+    raise InvalidRulesError(
+      f'{where} must hold a list of [name, target] pairs '
+      '(TOML: rules = [[name, target], ...])'
+    )
+  pairs = [
+    (r[0], None if r[1] == [] else r[1]) if isinstance(r, list) and len(r) == 2 else r
+    for r in data
+  ]
+  try:
+    return normalize_rules(pairs)
+  except InvalidRulesError as e:
+    raise InvalidRulesError(f'{where}: {message(e)}') from None
 
 
 def normalize_rules(rules: LogicalRules | None) -> tuple[tuple[str, Any], ...]:

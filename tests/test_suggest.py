@@ -437,3 +437,23 @@ def test_cli_presets_file_with_a_misspelt_axis(capsys, tmp_path):
     f"flax-shardmeta: error: --presets '{path}': preset 'mine' shards over mesh axis "
     "'modle', which is not among its axes ('data', 'model'): did you mean 'model'?\n"
   )
+
+
+def test_python_users_get_the_presets_misspelt_axis_and_one_rules_reader():
+  # The hint the command line gives for a presets file, for RulePreset itself.
+  with pytest.raises(fsm.InvalidRulesError, match="did you mean 'model'"):
+    fsm.RulePreset('mine', ('data', 'model'), [('batch', 'data'), ('mlp', 'modle')])
+  # A presets file's rules and a --rules file are read by one function: an
+  # empty list is replicated, and a malformed rule names its preset.
+  (p,) = presets_lib.load('[presets.dp]\naxes = ["data"]\nrules = [["embed", []]]')
+  assert p.rules == (('embed', None),)
+  with pytest.raises(fsm.InvalidRulesError, match="preset 'bad' in <presets>"):
+    presets_lib.load('[presets.bad]\naxes = ["data"]\nrules = [["embed"]]')
+
+
+@pytest.mark.parametrize('spelling', ['t5x', 't5x-1d', 't5x-2d'])
+def test_rules_accept_the_preset_spelling(spelling):
+  from flax_shardmeta.cli import rule_files
+
+  wanted = fsm.RULE_PRESETS['t5x-2d' if spelling == 't5x-2d' else 't5x-1d'].rules
+  assert rule_files.load_rules(spelling) == wanted

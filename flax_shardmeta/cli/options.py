@@ -156,9 +156,10 @@ def add_rules(p: argparse.ArgumentParser) -> None:
   """``--rules``: a preset, inline JSON or a file (see :func:`load_rules`)."""
   p.add_argument(
     '--rules',
-    metavar='t5x|t5x-2d|JSON|FILE.json|FILE.toml',
+    metavar='t5x-1d|t5x-2d|JSON|FILE.json|FILE.toml',
     help='logical axis rules: a preset, an inline JSON list of [name, target] '
-    "pairs or a file (default: the built-in model's own rules, t5x for --module)",
+    "pairs or a file (default: the built-in model's own rules, t5x-1d for "
+    '--module; t5x is its short name)',
   )
 
 

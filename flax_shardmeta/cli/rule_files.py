@@ -18,9 +18,14 @@ from flax_shardmeta.cli.checks import check_mesh_axis_names
 from flax_shardmeta.cli.options import UsageError
 from flax_shardmeta.examples import state as example_state
 
+T5X_PRESETS = {'t5x': 't5x-1d', 't5x-1d': 't5x-1d', 't5x-2d': 't5x-2d'}
+"""``--rules`` names of the rule presets, as ``suggest --presets`` spells them
+(``t5x`` is ``t5x-1d``)."""
+
 
 def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
-  """Rules from ``t5x``, ``t5x-2d``, inline JSON or a JSON / TOML file.
+  """Rules from a T5X preset (``t5x-1d``, or ``t5x`` for short, and
+  ``t5x-2d``: ``fsm.RULE_PRESETS``' rules), inline JSON or a JSON / TOML file.
 
   JSON: a list of ``[name, target]`` pairs, given inline (``'[["batch",
   "data"]]'``) or in a file. TOML: ``rules = [[name, target], ...]``. A target
@@ -34,12 +39,10 @@ def load_rules(spec: str) -> tuple[tuple[str, Any], ...]:
     >>> load_rules('[["batch", "data"], ["embed", null]]')
     (('batch', 'data'), ('embed', None))
   """
-  if spec in ('t5x', 't5x-2d'):
-    from flax_shardmeta._standard_rules import standard_logical_axis_rules
+  if spec in T5X_PRESETS:
+    import flax_shardmeta as fsm
 
-    if spec == 't5x-2d':
-      return standard_logical_axis_rules(1, 2)
-    return standard_logical_axis_rules()
+    return fsm.RULE_PRESETS[T5X_PRESETS[spec]].rules
   if spec.lstrip().startswith('['):  # inline JSON: a file name never starts so
     try:
       data = json.loads(spec)
@@ -71,29 +74,19 @@ def _rules_text(spec: str, missing: OSError) -> tuple[tuple[str, Any], ...]:
     raise UsageError(
       f'--rules {spec!r} is not valid: as JSON text: {e}; as a file path: '
       f'{missing.strerror}. Give a JSON list such as [["batch", "data"]], a '
-      '.json or .toml rules file, or t5x / t5x-2d'
+      '.json or .toml rules file, or t5x-1d (t5x) / t5x-2d'
     ) from None
   return _rule_pairs(data, f'--rules {spec!r}')
 
 
 def _rule_pairs(data: Any, where: str) -> tuple[tuple[str, Any], ...]:
-  if not isinstance(data, list):
-    raise UsageError(
-      f'{where} must hold a list of [name, target] pairs '
-      '(TOML: rules = [[name, target], ...])'
-    )
-  # An empty list target means replicated, the only way to say None in TOML.
-  pairs: Any = [
-    (r[0], None if r[1] == [] else r[1]) if isinstance(r, list) and len(r) == 2 else r
-    for r in data
-  ]
   # The rule engine (and with it jax) only once the file has been read.
-  from flax_shardmeta._rules import normalize_rules
+  from flax_shardmeta._rules import rules_from_lists
 
   try:
-    return normalize_rules(pairs)
+    return rules_from_lists(data, where)
   except ValueError as e:
-    raise UsageError(f'{where}: {message(e)}') from None
+    raise UsageError(message(e)) from None
 
 
 def command_rules(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:

@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import json
 import sys
-import tomllib
 from typing import Any
 
 from flax_shardmeta import _errors as errors
@@ -196,33 +195,8 @@ def _presets(text: str) -> list[Any]:
         f'--presets: {item!r} is neither a preset ({", ".join(fsm.RULE_PRESETS)}) '
         f'nor a readable file ({e.strerror})'
       ) from None
-    _check_preset_axes(content, item)
     try:
       presets += presets_lib.load(content, item)
     except fsm.InvalidRulesError as e:
-      raise options.UsageError(f'--presets: {errors.message(e)}') from None
+      raise options.UsageError(f'--presets {item!r}: {errors.message(e)}') from None
   return presets
-
-
-def _check_preset_axes(content: str, source: str) -> None:
-  """A preset whose rules shard over an axis it lacks, spelled like one of its
-  axes that no rule uses, is a typo: say which (the file's own errors are
-  ``presets.load``'s to report)."""
-  try:
-    data = json.loads(content) if content.lstrip().startswith('{') else None
-    data = tomllib.loads(content) if data is None else data
-  except ValueError:
-    return
-  table = data.get('presets', data) if isinstance(data, dict) else None
-  for name, body in table.items() if isinstance(table, dict) else ():
-    if not isinstance(body, dict):
-      continue
-    axes, rules = body.get('axes'), body.get('rules')
-    typo = None
-    if isinstance(axes, list) and isinstance(rules, list):
-      typo = checks.misspelt_axis(axes, rules)
-    if typo is not None:
-      raise options.UsageError(
-        f'--presets {source!r}: preset {name!r} shards over mesh axis {typo[0]!r}, '
-        f'which is not among its axes {tuple(axes or ())}: did you mean {typo[1]!r}?'
-      )

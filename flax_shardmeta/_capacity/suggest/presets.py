@@ -42,8 +42,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from flax_shardmeta import _annotation as ann_lib
+from flax_shardmeta._axis_typos import misspelt_axis
 from flax_shardmeta._errors import InvalidRulesError
-from flax_shardmeta._rules import normalize_rules
+from flax_shardmeta._rules import normalize_rules, rules_from_lists
 from flax_shardmeta._standard_rules import standard_logical_axis_rules
 
 _TP = (
@@ -85,6 +86,12 @@ class RulePreset:
   def __post_init__(self) -> None:
     object.__setattr__(self, 'axes', tuple(self.axes))
     object.__setattr__(self, 'rules', normalize_rules(self.rules))
+    typo = misspelt_axis(self.axes, self.rules)
+    if typo is not None:
+      raise InvalidRulesError(
+        f'preset {self.name!r} shards over mesh axis {typo[0]!r}, which is not '
+        f'among its axes {self.axes}: did you mean {typo[1]!r}?'
+      )
     used = {a for _, target in self.rules for a in _axes(target)}
     unknown = sorted(used - set(self.axes))
     if unknown:
@@ -204,10 +211,7 @@ def load(text: str, source: str = '<presets>') -> tuple[RulePreset, ...]:
   for name, body in table.items():
     if not isinstance(body, dict) or 'axes' not in body or 'rules' not in body:
       raise InvalidRulesError(f'preset {name!r} in {source} needs axes and rules.')
-    rules = [
-      (r[0], None if r[1] == [] else r[1]) if isinstance(r, list) and len(r) == 2 else r
-      for r in body['rules']
-    ]
+    rules = rules_from_lists(body['rules'], f'preset {name!r} in {source}')
     out.append(
       RulePreset(name, tuple(body['axes']), rules, body.get('description', ''))
     )
