@@ -15,13 +15,13 @@ from typing import Any, NoReturn
 from flax_shardmeta.examples import state as example_state
 
 REMAT = ('none', 'full', 'dots')
-"""The built-in models' remat policies (``examples.linen.REMAT_POLICIES``)."""
+"""The built-in models' remat policies (``examples.linen.REMAT_POLICIES``),
+kept in step with them by a test: repeated here so that argument errors are
+reported before jax and flax are imported."""
 
-
-OPTIMIZERS = ('adamw', 'adam', 'adafactor', 'sgd')
-"""The built-in training step's optimizers (``examples.train.OPTIMIZERS``)."""
-# Both kept in step with the examples by a test; repeated here so that argument
-# errors are reported before jax and flax are imported.
+OPTIMIZERS = example_state.TRAINING_OPTIMIZERS
+"""The built-in training step's optimizers: the examples' one table (importing
+it imports neither jax nor flax)."""
 
 
 class UsageError(Exception):

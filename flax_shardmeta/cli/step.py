@@ -90,10 +90,12 @@ def mesh(
 
 def builtin_options(args: argparse.Namespace, rules: Any) -> dict[str, Any]:
   """``examples.train.train_step``'s options from the command line."""
+  from flax_shardmeta.examples import train
+
   return {
     'rules': rules,
-    'batch': args.batch or 8,
-    'seq': args.seq or 2048,
+    'batch': args.batch or train.BATCH,
+    'seq': args.seq or train.SEQ,
     'api': args.api,
     'remat': args.remat or 'none',
     'optimizer_name': args.optimizer,

@@ -88,13 +88,15 @@ def run(args: argparse.Namespace) -> int:
   presets = _presets(args.presets)
 
   import flax_shardmeta as fsm
+  from flax_shardmeta.examples import train
 
-  seq = args.seq or (2048 if args.module is None else 1)
+  seq = args.seq or (train.SEQ if args.module is None else 1)
+  tokens = seq if args.module is not None else train.tokens_per_example(args.model, seq)
   with running:
     found = fsm.suggest(
       build,
       batch=args.batch,
-      tokens_per_example=1 if args.model == 'mlp' else seq,
+      tokens_per_example=tokens,
       topology=args.topology,
       num_slices=args.num_slices,
       target_config=args.target_config,
@@ -144,7 +146,7 @@ def _builtin_build(args: argparse.Namespace) -> Any:
   return train.builder(
     args.model,
     batch=args.batch,
-    seq=args.seq or 2048,
+    seq=args.seq or train.SEQ,
     api=args.api,
     optimizer_name=args.optimizer,
     dtype=rule_files.param_dtype(args),

@@ -15,8 +15,12 @@ from typing import Any
 import flax_shardmeta as fsm
 from flax_shardmeta.examples._model_names import LLAMA_RULES, MLP_RULES, MODEL_NAMES
 
-OPTIMIZERS = ('adam', 'adafactor', 'none')
+TRAINING_OPTIMIZERS = ('adamw', 'adam', 'adafactor', 'sgd')
+"""The built-in training step's optimizers (``examples.train.OPTIMIZERS``)."""
+OPTIMIZERS = (*TRAINING_OPTIMIZERS, 'none')
 """Optimizer names :func:`abstract_state` (and ``--optimizer``) accepts."""
+LEARNING_RATE = 1e-4
+"""Every built-in optimizer's (the state's shapes do not depend on it)."""
 
 
 class UnknownNameError(fsm.FlaxShardmetaError):
@@ -58,10 +62,15 @@ def optimizer(name: str) -> Any:
   """
   import optax  # only when an optimizer is planned
 
-  if name == 'adam':
-    return optax.adam(1e-3)
-  if name == 'adafactor':
-    return optax.adafactor(1e-3)
+  # The one table of the built-in optimizers, for plans and training alike.
+  made = {
+    'adamw': optax.adamw,
+    'adam': optax.adam,
+    'adafactor': optax.adafactor,
+    'sgd': optax.sgd,
+  }.get(name)
+  if made is not None:
+    return made(LEARNING_RATE)
   if name == 'none':
     return None
   raise UnknownNameError(

@@ -21,9 +21,31 @@ from flax.training import train_state
 
 import flax_shardmeta as fsm
 from flax_shardmeta.examples._common import llama_config
-from flax_shardmeta.examples.state import UnknownNameError, model_rules
+from flax_shardmeta.examples.state import (
+  TRAINING_OPTIMIZERS,
+  UnknownNameError,
+  model_rules,
+  optimizer as state_optimizer,
+)
 
-OPTIMIZERS = ('adamw', 'adam', 'adafactor', 'sgd')
+OPTIMIZERS = TRAINING_OPTIMIZERS
+
+BATCH, SEQ = 8, 2048
+"""The built-in models' default global batch and sequence length (the command
+line's too)."""
+
+
+def tokens_per_example(name: str, seq: int) -> int:
+  """Tokens one example of model ``name`` holds: ``seq`` for the language
+  models, 1 for the MLP (one vector an example).
+
+  Example:
+    >>> tokens_per_example('mlp', 2048), tokens_per_example('llama3-8b', 2048)
+    (1, 2048)
+  """
+  return 1 if name == 'mlp' else seq
+
+
 """Optimizers the built-in steps take (optax, learning rate 1e-4)."""
 
 
@@ -34,17 +56,11 @@ def optimizer(name: str) -> optax.GradientTransformation:
     >>> type(optimizer('adamw')).__name__
     'GradientTransformationExtraArgs'
   """
-  if name == 'adamw':
-    return optax.adamw(1e-4)
-  if name == 'adam':
-    return optax.adam(1e-4)
-  if name == 'adafactor':
-    return optax.adafactor(1e-4)
-  if name == 'sgd':
-    return optax.sgd(1e-4)
-  raise UnknownNameError(
-    f'unknown optimizer {name!r}; choose from {", ".join(OPTIMIZERS)}'
-  )
+  if name not in OPTIMIZERS:
+    raise UnknownNameError(
+      f'unknown optimizer {name!r}; choose from {", ".join(OPTIMIZERS)}'
+    )
+  return state_optimizer(name)
 
 
 def num_layers(name: str) -> int:
@@ -96,8 +112,8 @@ def train_step(
   mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
   *,
   rules: Sequence[tuple[str, Any]] | None = None,
-  batch: int = 8,
-  seq: int = 2048,
+  batch: int = BATCH,
+  seq: int = SEQ,
   api: str = 'linen',
   remat: str = 'none',
   optimizer_name: str = 'adamw',
@@ -214,8 +230,8 @@ def _nnx(
 def builder(
   name: str,
   *,
-  batch: int = 8,
-  seq: int = 2048,
+  batch: int = BATCH,
+  seq: int = SEQ,
   api: str = 'linen',
   optimizer_name: str = 'adamw',
   dtype: Any = jnp.bfloat16,
