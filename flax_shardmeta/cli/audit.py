@@ -63,10 +63,7 @@ def run(args: argparse.Namespace) -> int:
         '(jax started before the command could simulate them); give a mesh of '
         f'{have} devices or fewer, or --topology'
       )
-    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
-    mesh = jax.make_mesh(
-      tuple(mesh.axis_sizes), tuple(mesh.axis_names), axis_types=auto
-    )
+    mesh = step.mesh(args, mesh.axis_names, mesh.axis_sizes, local=True)
   if made.factory is None:
     from flax_shardmeta.examples import train
 

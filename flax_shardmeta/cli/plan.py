@@ -34,7 +34,7 @@ import sys
 import warnings
 from typing import Any
 
-from flax_shardmeta.cli import checks, options, process, rule_files
+from flax_shardmeta.cli import checks, options, process, rule_files, step as step_lib
 from flax_shardmeta.cli.factory import CONTRACT, Factory
 from flax_shardmeta.examples import state as example_state
 
@@ -84,17 +84,12 @@ def run(args: argparse.Namespace) -> int:
   factory = Factory.load(args.module) if args.module is not None else None
 
   # Heavy imports only once the arguments are known to be good.
-  import jax
-  from jax.sharding import AxisType
 
   from flax_shardmeta._errors import IndivisibleDimensionWarning
   from flax_shardmeta._planning.sharding_plan import plan
 
-  # Stated, not left to jax: its default changed from Auto to Explicit.
-  kind = AxisType.Explicit if args.axis_types == 'explicit' else AxisType.Auto
-  mesh = jax.sharding.AbstractMesh(
-    axis_sizes, axis_names, axis_types=(kind,) * len(axis_names)
-  )
+  explicit = args.axis_types == 'explicit'
+  mesh = step_lib.mesh(args, axis_names, axis_sizes, explicit=explicit)
   left_out: tuple[str, ...] = ()
   if factory is None:
     dtype = rule_files.param_dtype(args)

@@ -32,7 +32,7 @@ import sys
 import warnings
 from typing import Any
 
-from flax_shardmeta.cli import checks, options, process, rule_files
+from flax_shardmeta.cli import checks, options, process, rule_files, step as step_lib
 from flax_shardmeta.cli.factory import CONTRACT, Factory
 from flax_shardmeta.examples import state as example_state
 
@@ -124,16 +124,11 @@ def run(args: argparse.Namespace) -> int:
   factory = Factory.load(args.module) if args.module is not None else None
 
   # Heavy imports only once the arguments are known to be good.
-  import jax
-  from jax.sharding import AxisType
 
   import flax_shardmeta as fsm
   from flax_shardmeta._units import format_bytes
 
-  # Stated, not left to jax: its default changed from Auto to Explicit.
-  mesh = jax.sharding.AbstractMesh(
-    axis_sizes, axis_names, axis_types=(AxisType.Auto,) * len(axis_names)
-  )
+  mesh = step_lib.mesh(args, axis_names, axis_sizes)
   if factory is None:
     dtype = rule_files.param_dtype(args)
     state = example_state.abstract_state(args.model, args.api, args.optimizer, dtype)

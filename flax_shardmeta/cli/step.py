@@ -67,25 +67,37 @@ def prepared(args: argparse.Namespace) -> Prepared:
 
 
 def mesh(
-  args: argparse.Namespace, names: tuple[str, ...], sizes: tuple[int, ...]
+  args: argparse.Namespace,
+  names: tuple[str, ...],
+  sizes: tuple[int, ...],
+  *,
+  explicit: bool = False,
+  local: bool = False,
 ) -> Any:
-  """Over the topology's devices, else abstract; Auto axes, as the built-in
-  models are written for."""
+  """Every command's mesh from its options: over ``--topology``'s devices,
+  else over this process's devices (``local``: the audit's simulated ones),
+  else abstract. Axis types are stated, never left to jax (its default
+  changed from Auto to Explicit): Auto, as the built-in models are written
+  for, unless ``explicit``."""
   import jax
 
   import flax_shardmeta as fsm
 
-  auto = (jax.sharding.AxisType.Auto,) * len(names)
-  if not args.topology:
-    return jax.sharding.AbstractMesh(sizes, names, axis_types=auto)
-  return fsm.make_mesh(
-    sizes,
-    names,
-    topology=args.topology,
-    num_slices=args.num_slices,
-    target_config=args.target_config,
-    axis_types=auto,
-  )
+  kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+  types = (kind,) * len(names)
+  topology = getattr(args, 'topology', None)
+  if topology:
+    return fsm.make_mesh(
+      sizes,
+      names,
+      topology=topology,
+      num_slices=args.num_slices,
+      target_config=args.target_config,
+      axis_types=types,
+    )
+  if local:
+    return jax.make_mesh(tuple(sizes), tuple(names), axis_types=types)
+  return jax.sharding.AbstractMesh(tuple(sizes), tuple(names), axis_types=types)
 
 
 def builtin_options(args: argparse.Namespace, rules: Any) -> dict[str, Any]:
