@@ -383,3 +383,36 @@ def _computes_eagerly(error: Exception, mesh: Any) -> bool:
   except Exception as probe:
     return type(probe) is type(error) and str(probe) == str(error)
   return False
+
+
+# What a factory returned
+# ------------------------------------------------------------------------------
+
+
+def made_kind(made: Any) -> str:
+  """What a factory returned, as every command reads it: ``'module'`` (a Linen
+  module and its example inputs), ``'step'`` (``(step, *abstract_args)``),
+  ``'builder'`` (a function of no arguments building the variables or an NNX
+  module) or ``'value'`` (the tree itself)."""
+  from flax import linen as nn
+
+  seq = isinstance(made, (tuple, list)) and bool(made)
+  if seq and isinstance(made[0], nn.Module):
+    return 'module'
+  if seq and callable(made[0]):
+    return 'step'
+  return 'builder' if callable(made) else 'value'
+
+
+def built(made: Any, api: str) -> Any:
+  """A ``'builder'``'s abstract result: ``nnx.eval_shape`` of it under
+  ``--api nnx`` (an NNX module comes back as its state), else
+  ``jax.eval_shape``."""
+  import jax
+
+  if api == 'nnx':
+    from flax import nnx
+
+    out = nnx.eval_shape(made)
+    return nnx.state(out) if isinstance(out, nnx.Module) else out
+  return jax.eval_shape(made)

@@ -35,7 +35,7 @@ import warnings
 from typing import Any
 
 from flax_shardmeta.cli import checks, options, process, rule_files, step as step_lib
-from flax_shardmeta.cli.factory import CONTRACT, Factory
+from flax_shardmeta.cli.factory import CONTRACT, Factory, built, made_kind
 from flax_shardmeta.examples import state as example_state
 
 HELP = "show every array's layout, memory per device and problems"
@@ -138,20 +138,18 @@ def user_state(
   """The abstract state of ``--module pkg.mod:factory`` (see the module doc),
   and the arguments of a step left out of it."""
   made = factory(mesh, rules)
-  import jax
-  from flax import linen as nn
-
+  kind = made_kind(made)
   with factory.running():
-    if isinstance(made, tuple) and made and isinstance(made[0], nn.Module):
+    if kind == 'module':
       params = example_state.abstract_linen_params(made[0], *made[1:])
-    elif isinstance(made, (tuple, list)) and made and callable(made[0]):
+    elif kind == 'step':
       return _step_arguments(factory, made)
-    elif callable(made) and api == 'nnx':
+    elif kind == 'builder' and api == 'nnx':
       from flax import nnx
 
-      params = nnx.state(nnx.eval_shape(made), nnx.Param)
-    elif callable(made):
-      variables = jax.eval_shape(made)
+      params = built(made, api).filter(nnx.Param)
+    elif kind == 'builder':
+      variables = built(made, api)
       is_dict = isinstance(variables, dict) and 'params' in variables
       params = variables['params'] if is_dict else variables
     else:

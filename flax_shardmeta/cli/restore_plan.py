@@ -33,7 +33,7 @@ import warnings
 from typing import Any
 
 from flax_shardmeta.cli import checks, options, process, rule_files, step as step_lib
-from flax_shardmeta.cli.factory import CONTRACT, Factory
+from flax_shardmeta.cli.factory import CONTRACT, Factory, built, made_kind
 from flax_shardmeta.examples import state as example_state
 
 HELP = 'what each host reads to restore a checkpoint onto another mesh'
@@ -189,16 +189,13 @@ def restored_state(
   """The state ``--module pkg.mod:factory`` restores, as it is (see the
   module doc): never re-wrapped as the parameters of a train state."""
   made = factory(mesh, rules)
-  import jax
-  from flax import linen as nn
-
-  seq = isinstance(made, (tuple, list)) and bool(made)
+  kind = made_kind(made)
   with factory.running():
-    if seq and isinstance(made[0], nn.Module):
+    if kind == 'module':
       # A model and its inputs: its parameters and --optimizer's state, as plan.
       params = example_state.abstract_linen_params(made[0], *made[1:])
       return example_state.abstract_train_state(params, optimizer)
-    if seq and callable(made[0]):
+    if kind == 'step':
       if len(made) < 2:
         raise options.UsageError(
           f'--module {factory.target}: the factory returned a step without '
@@ -206,13 +203,8 @@ def restored_state(
           'function building it'
         )
       return made[1]
-    if callable(made) and api == 'nnx':
-      from flax import nnx
-
-      built = nnx.eval_shape(made)
-      return nnx.state(built) if isinstance(built, nnx.Module) else built
-    if callable(made):
-      return jax.eval_shape(made)
+    if kind == 'builder':
+      return built(made, api)
   return made
 
 
