@@ -60,7 +60,8 @@ def as_abstract(
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     raise ShardingError(laid.problems, f' on mesh {sizes}')
   with paused_gc():
-    return laid.build([_abstract_leaf(*x) for x in zip(laid.leaves, laid.layouts)])
+    leaves = zip(laid.leaves, laid.every_layout())
+    return laid.build([_abstract_leaf(lf, lay) for lf, lay in leaves])
 
 
 def _abstract_leaf(lf: ann_lib.Leaf, layout: LeafLayout) -> Any:

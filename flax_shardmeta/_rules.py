@@ -243,7 +243,7 @@ def rules_from_lists(data: Any, where: str) -> tuple[tuple[str, Any], ...]:
       f'{where} must hold a list of [name, target] pairs '
       '(TOML: rules = [[name, target], ...])'
     )
-  pairs = [
+  pairs: Any = [
     (r[0], None if r[1] == [] else r[1]) if isinstance(r, list) and len(r) == 2 else r
     for r in data
   ]

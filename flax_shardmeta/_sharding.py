@@ -367,6 +367,10 @@ class TreeLayout:
   bad_names: list[ShardingProblem]
   adjusted: list[tuple[ann_lib.Leaf, tuple[str, ...]]]
 
+  def every_layout(self) -> list[LeafLayout]:
+    """Each leaf's layout, for a tree laid out without ``skip``."""
+    return [lay for lay in self.layouts if lay is not None]
+
 
 def lay_out(
   tree: PyTree,
@@ -489,4 +493,4 @@ def get_sharding(
   if laid.adjusted:
     warn_replicated(laid.adjusted)
   with paused_gc():
-    return laid.build([lay.sharding for lay in laid.layouts])
+    return laid.build([lay.sharding for lay in laid.every_layout()])

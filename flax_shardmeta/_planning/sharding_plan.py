@@ -294,7 +294,7 @@ def plan(
     laid.source,
     tuple(laid.problems),
     laid.leaves,
-    laid.layouts,
+    laid.every_layout(),
     laid.adjusted,
     laid.build,
   )

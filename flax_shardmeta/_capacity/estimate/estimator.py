@@ -161,7 +161,9 @@ def _walk_step(target: Step, arguments: Any, traced: Any, w: Walk) -> _Totals:
   )
   if len(leaf_bytes) != len(arguments.categories):
     leaf_bytes = list(arguments.layout_bytes)  # the same leaves, as laid out
-  by_category = {vocab.PARAMETERS: 0, vocab.OPTIMIZER: 0, vocab.RNG: 0, vocab.INPUTS: 0}
+  by_category: dict[str, int] = dict.fromkeys(
+    (vocab.PARAMETERS, vocab.OPTIMIZER, vocab.RNG, vocab.INPUTS), 0
+  )
   for c, b in zip(arguments.categories, leaf_bytes):
     by_category[c] = by_category.get(c, 0) + b
   outputs = sum(

@@ -202,9 +202,10 @@ def _compiled_report(
     by_category = _sum_by_category(arguments.categories, _on_chip(arguments))
     return _refused_report(found.refusal, by_category, capacity, common)
   plan = vocab.CompilerPlan.from_found(found.planned)
-  # A program that compiled has its memory, device memory and summary.
-  memory: ProgramMemory = found.device_memory  # XLA's, less what is in host memory
-  summary: hlo.ProgramSummary = found.summary
+  memory = found.device_memory  # XLA's, less what is in host memory
+  summary = found.summary
+  if memory is None or summary is None or found.memory is None:
+    raise FitError('the compiled figures hold no memory analysis of the step')
   by_category, told_by_path = _compiled_categories(arguments, found.input_bytes)
   rows = memory_rows(memory, by_category)
   cost = found.cost
@@ -236,7 +237,7 @@ def _compiled_report(
     rows=rows,
     total_bytes=sum(r.bytes for r in rows),
     hbm_bytes=hbm,
-    memory_analysis=found.memory.to_dict() if found.memory else None,
+    memory_analysis=found.memory.to_dict(),
     donated_bytes=memory.aliased,
     collectives=collectives,
     flops=flops,
@@ -256,7 +257,9 @@ def _compiled_report(
 
 
 def _sum_by_category(categories: Sequence[str], sizes: Sequence[int]) -> dict[str, int]:
-  out = {vocab.PARAMETERS: 0, vocab.OPTIMIZER: 0, vocab.RNG: 0, vocab.INPUTS: 0}
+  out: dict[str, int] = dict.fromkeys(
+    (vocab.PARAMETERS, vocab.OPTIMIZER, vocab.RNG, vocab.INPUTS), 0
+  )
   for c, b in zip(categories, sizes):
     out[c] = out.get(c, 0) + int(b)
   return out
