@@ -434,7 +434,7 @@ def treescope_view(report: FitReport) -> dict[str, Any]:
     'method': report.method,
     'mesh': dict(report.mesh),
     'devices': report.devices,
-    'per_chip': {r.name: signed_bytes(r.bytes) for r in report.rows},
+    'per_chip': {str(r.name): signed_bytes(r.bytes) for r in report.rows},
     'total': signed_bytes(report.total_bytes),
     'hbm': signed_bytes(report.hbm_bytes),
     'collectives': {

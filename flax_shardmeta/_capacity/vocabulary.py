@@ -54,9 +54,10 @@ class Row:
   """One line of the per-chip breakdown.
 
   Attributes:
-    name: what the bytes are (``'parameters'``, ``'temporaries'``, ...); RNG
-      streams (key arrays, NNX ``RngKey``/``RngCount``) are ``'RNG state'``,
-      a row only when the step's arguments hold some.
+    name: what the bytes are, a :class:`Category` (``'parameters'``,
+      ``'temporaries'``, ...); RNG streams (key arrays, NNX
+      ``RngKey``/``RngCount``) are ``'RNG state'``, a row only when the
+      step's arguments hold some.
     bytes: bytes per chip.
     note: where the figure comes from.
   """
@@ -67,7 +68,7 @@ class Row:
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-ready form."""
-    return {'name': self.name, 'bytes': int(self.bytes), 'note': self.note}
+    return {'name': str(self.name), 'bytes': int(self.bytes), 'note': self.note}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ report: rematerialised instructions, transposes, sharding annotations.
 
 Example:
   >>> import jax, jax.numpy as jnp
+  >>> from flax_shardmeta._programs.hlo_text import parse
   >>> compiled = jax.jit(lambda x: x.T @ x).lower(jnp.ones((4, 4))).compile()
   >>> text = program_text(compiled)
   >>> disagreements(parse(text), compiled), rematerialized(text)
@@ -67,6 +68,7 @@ def disagreements(computations: dict[str, Computation], compiled: Any) -> list[s
 
   Example:
     >>> import jax, jax.numpy as jnp
+    >>> from flax_shardmeta._programs.hlo_text import parse
     >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile()
     >>> disagreements(parse(program_text(compiled)), compiled)
     []

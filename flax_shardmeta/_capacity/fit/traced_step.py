@@ -452,7 +452,7 @@ def path_category(path: str, key_array: bool = False) -> str:
 
   Example:
     >>> path_category("[0]['rngs']['params']['key']"), path_category("[1]['x']")
-    ('RNG state', 'batch and other inputs')
+    (<Category.RNG: 'RNG state'>, <Category.INPUTS: 'batch and other inputs'>)
   """
   parts = set(re.findall(r"\['([^']*)'\]|\.(\w+)", path))
   names = {a or b for a, b in parts}
