@@ -209,13 +209,7 @@ def _compiled_report(
   by_category, told_by_path = _compiled_categories(arguments, found.input_bytes)
   rows = memory_rows(memory, by_category)
   cost = found.cost
-  flops = None
-  if 'flops' in cost:
-    # XLA's cost model counts no matmul handed to cuBLAS (GPU programs are
-    # compiled so): then the program text's count of one pass is the larger.
-    flops = max(cost['flops'], summary.hlo_flops) + summary.extra_flops
-  traffic = cost.get('bytes accessed')
-  traffic = traffic + summary.extra_bytes if traffic is not None else None
+  flops, traffic = _work(cost, summary)
   collectives = group(summary.collectives, chip)
   total = sum(r.bytes for r in rows)
   notes = _notes(mesh, chip, summary, hbm) + found.host_notes
@@ -254,6 +248,21 @@ def _compiled_report(
     plan=plan,
     **common,
   )
+
+
+def _work(
+  cost: dict[str, float], summary: hlo.ProgramSummary
+) -> tuple[float | None, float | None]:
+  """A step's flops and bytes accessed: XLA's cost analysis with what the
+  program text adds."""
+  flops = None
+  if 'flops' in cost:
+    # XLA's cost model counts no matmul handed to cuBLAS (GPU programs are
+    # compiled so): then the program text's count of one pass is the larger.
+    flops = max(cost['flops'], summary.hlo_flops) + summary.extra_flops
+  traffic = cost.get('bytes accessed')
+  traffic = traffic + summary.extra_bytes if traffic is not None else None
+  return flops, traffic
 
 
 def _sum_by_category(categories: Sequence[str], sizes: Sequence[int]) -> dict[str, int]:
