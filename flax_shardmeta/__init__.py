@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     ExplicitAudit as ExplicitAudit,
     audit_explicit as audit_explicit,
   )
+  from flax_shardmeta._axis_typos import misspelt_axis as misspelt_axis
   from flax_shardmeta._boxes import (
     PARTITION_NAME as PARTITION_NAME,
     LogicallyPartitioned as LogicallyPartitioned,
@@ -55,6 +56,16 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     shard_value as shard_value,
     with_logical_constraint as with_logical_constraint,
   )
+  from flax_shardmeta._devices.chips import (
+    CHIPS as CHIPS,
+    Chip as Chip,
+    chip_named as chip_named,
+  )
+  from flax_shardmeta._devices.gpu import is_gpu_topology as is_gpu_topology
+  from flax_shardmeta._devices.quiet import cpu_only_jax as cpu_only_jax
+  from flax_shardmeta._devices.simulated import (
+    simulate_cpu_devices as simulate_cpu_devices,
+  )
   from flax_shardmeta._errors import (
     BatchLayoutError as BatchLayoutError,
     CheckpointDamagedError as CheckpointDamagedError,
@@ -65,6 +76,7 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     IndivisibleDimensionWarning as IndivisibleDimensionWarning,
     InvalidNamesError as InvalidNamesError,
     InvalidRulesError as InvalidRulesError,
+    LaunchError as LaunchError,
     MeshShapeError as MeshShapeError,
     NnxJitError as NnxJitError,
     NoMeshError as NoMeshError,
@@ -100,6 +112,7 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     ShardingPlan as ShardingPlan,
     plan as plan,
   )
+  from flax_shardmeta._planning.step_arguments import step_arguments as step_arguments
   from flax_shardmeta._planning.verify import (
     Mismatch as Mismatch,
     Mismatches as Mismatches,
@@ -121,6 +134,7 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     composite_rules as composite_rules,
     get_logical_axis_rules as get_logical_axis_rules,
     logical_axis_rules as logical_axis_rules,
+    rules_from_lists as rules_from_lists,
     set_logical_axis_rules as set_logical_axis_rules,
   )
   from flax_shardmeta._sharding import get_sharding as get_sharding
@@ -133,6 +147,10 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
   )
   from flax_shardmeta._standard_rules import (
     standard_logical_axis_rules as standard_logical_axis_rules,
+  )
+  from flax_shardmeta._units import (
+    format_bytes as format_bytes,
+    parse_bytes as parse_bytes,
   )
 
 __version__ = '0.1.0'

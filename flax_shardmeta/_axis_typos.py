@@ -34,10 +34,14 @@ def misspelt_axis(
   """``(in_rules, in_axes)``: a mesh axis the rules shard over that ``axes``
   lacks, spelled like one of ``axes`` that no rule uses; else None.
 
+  ``fsm.plan`` and the others put it in every problem it causes; the command
+  line checks its ``--mesh`` with it first, and so can a launcher.
+
   Example:
-    >>> misspelt_axis(('data', 'modle'), [('batch', 'data'), ('mlp', 'model')])
+    >>> import flax_shardmeta as fsm
+    >>> fsm.misspelt_axis(('data', 'modle'), [('batch', 'data'), ('mlp', 'model')])
     ('model', 'modle')
-    >>> misspelt_axis(('data', 'model'), [('mlp', 'model')]) is None
+    >>> fsm.misspelt_axis(('data', 'model'), [('mlp', 'model')]) is None
     True
   """
   rules = [

@@ -6,53 +6,16 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+# The errors page machinery, re-exported: every message here ends with its line.
+from flax_shardmeta._error_pages import (
+  ERRORS_PAGE as ERRORS_PAGE,
+  NamesItsSection as _NamesItsSection,
+  errors_page_line as errors_page_line,
+  message as message,
+)
+
 # Re-exported: the records travel with the errors that carry them.
 from flax_shardmeta._problem import ShardingProblem as ShardingProblem
-
-ERRORS_PAGE = 'docs/errors.md'
-"""The page with a section per error and warning class: what raises it, what to do."""
-
-
-def errors_page_line(cls: type) -> str:
-  """The line ending the message of an error or warning ``cls``: its section.
-
-  The section is that of the nearest class of this module in ``cls``'s MRO (a
-  subclass made elsewhere points to its base's); its anchor is the class name
-  in lower case, as the page's headings make it.
-
-  Example:
-    >>> errors_page_line(RuleConflictError)
-    '(errors page: docs/errors.md#ruleconflicterror)'
-  """
-  documented = next(
-    c for c in cls.__mro__ if c.__module__ == __name__ and c.__name__[0] != '_'
-  )
-  return f'(errors page: {ERRORS_PAGE}#{documented.__name__.lower()})'
-
-
-class _NamesItsSection:
-  """Ends ``str()`` of an error or warning with its errors page line."""
-
-  # In ``__str__``, not the arguments: a traceback, ``print``, pytest's
-  # ``match=`` and a shown warning all read it, while ``args`` keep the
-  # message as raised (``message`` returns it, to quote inside another one).
-  def __str__(self) -> str:
-    text = super().__str__()
-    line = errors_page_line(type(self))
-    return f'{text}\n{line}' if text else line
-
-
-def message(error: BaseException | str) -> str:
-  """``error``'s message without the errors page line, to quote in another one
-  (also a caught warning's ``message``: the warning or its text).
-
-  Example:
-    >>> message(NoMeshError('no mesh'))
-    'no mesh'
-  """
-  if isinstance(error, BaseException) and isinstance(error, _NamesItsSection):
-    return BaseException.__str__(error)
-  return str(error)
 
 
 class FlaxShardmetaError(_NamesItsSection, ValueError):

@@ -7,6 +7,7 @@ on demand; ``_annotation.Leaf`` is one leaf met with its path.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -187,3 +188,24 @@ def nest(items: Any) -> dict[str, Any]:
       node = node.setdefault(p, {})
     node[leaf] = value
   return tree
+
+
+def argument_names(step: Any, n: int) -> tuple[str, ...]:
+  """The names of ``step``'s first ``n`` positional parameters (``arg{i}``
+  where it has none), as paths of its arguments begin (``state/params/w``)
+  in fit, why and plans of a step.
+
+  Example:
+    >>> argument_names(lambda state, batch: None, 3)
+    ('state', 'batch', 'arg2')
+  """
+  fn = inspect.unwrap(step)
+  try:
+    params = [
+      p.name
+      for p in inspect.signature(fn).parameters.values()
+      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+  except (TypeError, ValueError):
+    params = []
+  return tuple(params[i] if i < len(params) else f'arg{i}' for i in range(n))

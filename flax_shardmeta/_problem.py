@@ -44,6 +44,33 @@ class ShardingProblem:
       f'spec {_format(self.spec)}: {self.reason}. Fix: {self.hint}'
     )
 
+  def shards(self, mesh: Any) -> tuple[int, ...]:
+    """How many shards ``mesh`` (its ``axis_names`` and ``axis_sizes``) cuts
+    each of :attr:`dims` into under :attr:`spec`: what the dimensions must be
+    multiples of.
+
+    Example:
+      >>> import jax, flax_shardmeta as fsm
+      >>> from jax.sharding import PartitionSpec as P
+      >>> problem = fsm.ShardingProblem('w', (6, 10), ('batch', 'mlp'),
+      ...     P(None, ('data', 'model')), 'indivisible', '...', dims=(1,))
+      >>> problem.shards(jax.sharding.AbstractMesh((2, 4), ('data', 'model')))
+      (8,)
+    """
+    import math
+
+    from flax_shardmeta._specs import mesh_axes_of, spec_entries
+
+    if self.spec is None:
+      return ()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    entries = spec_entries(self.spec)
+    return tuple(
+      math.prod(sizes.get(a, 1) for a in mesh_axes_of(entries[d]))
+      for d in self.dims
+      if d < len(entries)
+    )
+
   def to_dict(self) -> dict[str, Any]:
     """JSON-ready form."""
     return {

@@ -14,7 +14,13 @@ from flax_shardmeta._errors import SizeError
 
 
 def format_bytes(n: int) -> str:
-  """Bytes in binary units, e.g. ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+  """Bytes in binary units, as every table and message of fsm writes them.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> fsm.format_bytes(3 * 2**30), fsm.format_bytes(512)
+    ('3.00 GiB', '512 B')
+  """
   if n < 1024:
     return f'{n} B'
   value = float(n)

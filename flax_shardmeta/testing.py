@@ -1,10 +1,17 @@
-"""Helpers for tests: a step's layout pinned in a golden file.
+"""Helpers for tests: a step's layout pinned in a golden file, and several
+processes on one machine.
 
 ``fsm.testing.assert_snapshot(fsm.snapshot(step, *args), path)`` records the
 layout in ``path`` the first time and compares with it afterwards, failing
 with the differences (``fsm.snapshot_diff``) when they differ. Run the tests
 with ``FLAX_SHARDMETA_UPDATE_SNAPSHOTS=1`` to record the new layouts when a
 change is meant.
+
+``fsm.testing.launch(argv, num_processes=2)`` runs ``python argv`` as that
+many processes on 127.0.0.1, each with its own CPU devices, joined by
+``jax.distributed`` with gloo collectives: what a pod does with a process per
+host. Each calls ``fsm.testing.join_launch()`` first; outside a launch it
+returns ``(0, 1)``, so the same script runs alone too.
 """
 
 from __future__ import annotations
@@ -15,6 +22,13 @@ import pathlib
 from typing import Any
 
 from flax_shardmeta._errors import FitError
+
+# Re-exported: multi-process tests on one machine.
+from flax_shardmeta._hosts.launch import (
+  ProcessResult as ProcessResult,
+  initialize as join_launch,
+  launch as launch,
+)
 from flax_shardmeta._snapshot.compare import snapshot_diff
 from flax_shardmeta._snapshot.schema import check_snapshot
 
@@ -25,7 +39,14 @@ rewrites every golden file."""
 _YES = ('1', 'true', 'yes', 'on')
 _NO = ('', '0', 'false', 'no', 'off')
 
-__all__ = ['UPDATE_VARIABLE', 'SnapshotMismatch', 'assert_snapshot']
+__all__ = [
+  'UPDATE_VARIABLE',
+  'ProcessResult',
+  'SnapshotMismatch',
+  'assert_snapshot',
+  'join_launch',
+  'launch',
+]
 
 
 class SnapshotMismatch(AssertionError):

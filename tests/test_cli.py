@@ -521,9 +521,10 @@ def test_the_factory_is_called_under_the_mesh_and_rules(capsys, mine):
 
 def test_cli_modules_share_their_pieces_not_their_privates():
   # Shared argument pieces live in cli.options, cli.checks and cli.rule_files,
-  # the factory contract in
-  # cli.factory; no CLI module reaches for another module's private helpers,
-  # by name (`from m import _x`) or through the module (`m._x`).
+  # the factory contract in cli.factory. The command line is built on the
+  # public library: no CLI module imports a private module of the package
+  # (`flax_shardmeta._x`, `from flax_shardmeta import _x`), nor reaches for a
+  # private name, by name (`from m import _x`) or through a module (`m._x`).
   import ast
   import importlib.util
 
@@ -541,6 +542,16 @@ def test_cli_modules_share_their_pieces_not_their_privates():
     tree = ast.parse(path.read_text())
     modules = set()
     for node in ast.walk(tree):
+      imported = []
+      if isinstance(node, ast.ImportFrom) and node.module:
+        imported = [node.module, *(f'{node.module}.{a.name}' for a in node.names)]
+      elif isinstance(node, ast.Import):
+        imported = [a.name for a in node.names]
+      for name in imported:
+        parts = name.split('.')
+        if parts[0] == 'flax_shardmeta' and any(p.startswith('_') for p in parts[1:]):
+          if is_module(name) or name == getattr(node, 'module', None):
+            taken.append(f'{path.name}:{node.lineno}: private module {name}')
       if isinstance(node, ast.ImportFrom) and (node.module or '').startswith('flax'):
         for alias in node.names:
           name = f'{node.module}.{alias.name}'

@@ -310,7 +310,7 @@ def test_cli_budget_of_zero_exits_2_in_one_line(capsys, four):
   )  # fmt: skip
   out, err = capsys.readouterr()
   assert code == 2 and out == ''
-  assert err.startswith('flax-shardmeta: error: --host-budget: host_budget=')
+  assert err.startswith('flax-shardmeta: error: --host-budget 0: ')
   assert err.count('\n') == 1
 
 

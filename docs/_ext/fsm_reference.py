@@ -8,8 +8,8 @@ them against the package.
 
 Example:
   >>> rows = api_rows('flax_shardmeta.testing')
-  >>> [(row.name, row.kind) for row in rows][-1]
-  ('assert_snapshot', 'function')
+  >>> [(row.name, row.kind) for row in rows if row.name == 'assert_snapshot']
+  [('assert_snapshot', 'function')]
 """
 
 from __future__ import annotations

@@ -178,6 +178,33 @@ class FitReport:
     return 'fits_with_fraction' if self.needed_fraction else 'does_not_fit'
 
   @property
+  def verdict_words(self) -> str:
+    """The verdict in a few words, with the fraction it holds at on GPUs:
+    ``'fits at XLA_CLIENT_MEM_FRACTION=0.75'``, ``'fits only with
+    XLA_CLIENT_MEM_FRACTION=0.88'``, ``'does not fit'``, ...
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
+      >>> step = jax.jit(lambda x: x * 2)
+      >>> x = jax.ShapeDtypeStruct((256,), jnp.float32)
+      >>> with jax.set_mesh(jax.make_mesh((8,), ('data',))):
+      ...   report = fsm.fit(step, x, hbm='1KiB', cache=False)
+      >>> report.verdict_words
+      'does not fit'
+    """
+    name = FRACTION_VARIABLES[0]
+    at = f' at {name}={self.usable.fraction:.2f}' if self.usable is not None else ''
+    kind = self.verdict_kind
+    if kind == 'fits_with_fraction':
+      return f'fits only with {name}={self.needed_fraction:.2f}'
+    words = {
+      'fits': f'fits{at}',
+      'too_close': 'too close to call',
+      'unknown': 'no verdict (memory unknown)',
+    }
+    return words.get(kind, f'does not fit{at}')
+
+  @property
   def headroom_bytes(self) -> int | None:
     """``hbm_bytes - total_bytes`` (negative when it does not fit)."""
     if self.hbm_bytes is None:

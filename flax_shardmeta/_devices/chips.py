@@ -53,11 +53,11 @@ class Chip:
   (:meth:`collective_bandwidth`). ``hbm_bytes`` is the memory CUDA reports.
 
   Example:
-    >>> from flax_shardmeta._devices.chips import chip_named
-    >>> v5p = chip_named('v5p')
+    >>> import flax_shardmeta as fsm
+    >>> v5p = fsm.chip_named('v5p')
     >>> round(v5p.hbm_bytes / 2**30, 2), v5p.peak_flops / 1e12
     (95.74, 459.0)
-    >>> h100 = chip_named('h100')
+    >>> h100 = fsm.chip_named('h100')
     >>> h100.ici_bandwidth / 1e9, h100.collective_bandwidth(crosses_slices=False) / 1e9
     (450.0, 360.0)
   """
@@ -73,6 +73,16 @@ class Chip:
   source: str = ''
   ici_bus_bandwidth: float | None = None
   dcn_bus_bandwidth: float | None = None
+
+  @property
+  def is_gpu(self) -> bool:
+    """Whether this is a GPU (options of jax's GPU allocator apply to it).
+
+    Example:
+      >>> chip_named('h100').is_gpu, chip_named('v5p').is_gpu
+      (True, False)
+    """
+    return self.device_kind.startswith('NVIDIA')
 
   def collective_bandwidth(self, crosses_slices: bool) -> float:
     """Bytes/s per device a collective is timed at: over the network when its

@@ -10,9 +10,10 @@ described; they are closed off here, and only where that hardware is absent:
 - the CUDA plugin's C++ libraries print to file descriptor 2 while they load
   and start, which no setting silences: :func:`stderr_closed` around both.
 
-The command line calls these as it starts jax (``cli.process``); the venvs'
-start-up helpers (``dev/quiet_libtpu.pth``, ``dev/quiet_cuda.py``) call them
-for every script. Nothing here imports jax at module level.
+The command line starts jax with :func:`cpu_only_jax` (public as
+``fsm.cpu_only_jax``), which calls both; the venvs' start-up helpers
+(``dev/quiet_libtpu.pth``, ``dev/quiet_cuda.py``) call them for every script.
+Nothing here imports jax at module level.
 """
 
 from __future__ import annotations
@@ -95,10 +96,36 @@ def quiet_cuda_plugin() -> None:
   """Where no NVIDIA GPU is attached: the CUDA plugin stays compile-only
   (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``) and its libraries load, and the
   plugin starts, with standard error closed, whoever imports them."""
-  if on_an_nvidia_machine() or any(isinstance(f, _Finder) for f in sys.meta_path):
+  # By a marker, not the class: the venvs' start-up helper loads this file as
+  # a module of its own, whose _Finder is another class.
+  if on_an_nvidia_machine() or any(_is_ours(f) for f in sys.meta_path):
     return
   os.environ.setdefault('JAX_SKIP_CUDA_CONSTRAINTS_CHECK', '1')
   sys.meta_path.insert(0, _Finder())
+
+
+def cpu_only_jax() -> None:
+  """jax on this machine's CPU, quiet about the accelerators it lacks: what
+  laying out, fitting and compiling for a pod from a laptop need.
+
+  Off a TPU VM, ``JAX_PLATFORMS`` defaults to ``cpu`` (with libtpu installed
+  jax would try a local TPU first and warn that there is none); libtpu is
+  told about this machine and the CUDA plugin's start-up lines are closed off
+  (:func:`quiet_libtpu`, :func:`quiet_cuda_plugin`). TPU pods and GPU clusters
+  are still described to the compiler (``fsm.make_mesh(..., topology=...)``).
+  Call it before jax starts; a ``JAX_PLATFORMS`` already set is kept. The
+  command line starts this way.
+
+  Example:
+    >>> import os, flax_shardmeta as fsm
+    >>> fsm.cpu_only_jax()
+    >>> os.environ['JAX_PLATFORMS']
+    'cpu'
+  """
+  if not on_a_tpu_vm():
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  quiet_libtpu()
+  quiet_cuda_plugin()
 
 
 class _Loader(importlib.abc.Loader):
@@ -116,12 +143,18 @@ class _Loader(importlib.abc.Loader):
       module.initialize = closed(start)
 
 
+def _is_ours(finder: Any) -> bool:
+  return getattr(finder, 'fsm_quiet_cuda', False) is True
+
+
 class _Finder(importlib.abc.MetaPathFinder):
+  fsm_quiet_cuda = True  # what _is_ours looks for
+
   def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
     if name not in CUDA_LOUD_MODULES:
       return None
     for finder in sys.meta_path:
-      if finder is self or not hasattr(finder, 'find_spec'):
+      if _is_ours(finder) or not hasattr(finder, 'find_spec'):
         continue
       spec = finder.find_spec(name, path, target)
       if spec is not None and spec.loader is not None:

@@ -31,18 +31,32 @@ def cpu_device_flags(flags: str, count: int) -> str:
 def simulate_cpu_devices(
   count: int, env: MutableMapping[str, str] | None = None
 ) -> bool:
-  """Asks for ``count`` simulated CPU devices, unless the user's ``XLA_FLAGS``
-  already name a count (theirs is kept) or jax has already started in this
-  process (too late: its devices are fixed). Returns whether it was set.
+  """Asks for ``count`` simulated CPU devices, to lay out and run meshes
+  bigger than this machine's on its CPU. Returns whether it was set.
+
+  Before jax is imported the count goes into ``XLA_FLAGS`` (and so into every
+  process started from this one); after, into jax's ``jax_num_cpu_devices``
+  option, which holds until the first device query starts the backends. A
+  count the user's ``XLA_FLAGS`` already name is kept, and once the backends
+  have started the devices are fixed: nothing is set then.
 
   Example:
+    >>> import flax_shardmeta as fsm
     >>> env = {'XLA_FLAGS': '--xla_dump_to=/tmp/d'}
-    >>> simulate_cpu_devices(16, env), env['XLA_FLAGS']
+    >>> fsm.simulate_cpu_devices(16, env), env['XLA_FLAGS']
     (True, '--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=16')
   """
   env = os.environ if env is None else env
   flags = env.get('XLA_FLAGS', '')
-  if COUNT_FLAG in flags or (env is os.environ and 'jax' in sys.modules):
+  if COUNT_FLAG in flags:
     return False
-  env['XLA_FLAGS'] = cpu_device_flags(flags, count)
+  if env is not os.environ or 'jax' not in sys.modules:
+    env['XLA_FLAGS'] = cpu_device_flags(flags, count)
+    return True
+  import jax
+
+  try:
+    jax.config.update('jax_num_cpu_devices', count)
+  except RuntimeError:  # the backends have started: the devices are fixed
+    return False
   return True

@@ -62,7 +62,18 @@ def launch(
   """Runs ``python *argv`` in ``num_processes`` processes that form one job.
 
   Each process sees ``devices_per_process`` CPU devices and finds the job
-  through environment variables that :func:`initialize` reads.
+  through environment variables that :func:`initialize` reads
+  (``fsm.testing.join_launch``).
+
+  Example (a script that joins the job, then uses the 8 devices of all)::
+
+    # job.py
+    import flax_shardmeta as fsm
+    fsm.testing.join_launch()
+    import jax
+    print(jax.process_index(), jax.device_count())
+
+    fsm.testing.launch(['job.py'], num_processes=2, devices_per_process=4)
 
   Returns:
     One :class:`ProcessResult` per process, when all exited with 0.

@@ -108,19 +108,6 @@ def annotation_of(kind: type, metadata: dict[str, Any]) -> ann_lib.Annotation | 
     return _from_key(*key, marker)
 
 
-@functools.lru_cache(maxsize=65536)
-def _annotation_cached(
-  kind: type,
-  raw_type: type,
-  raw: Any,
-  mesh: Any,
-  stored_type: type,
-  stored_key: Any,
-  marker: Any,
-) -> ann_lib.Annotation | None:
-  return _from_key(kind, raw_type, raw, mesh, stored_type, stored_key, marker)
-
-
 def _from_key(
   kind: type,
   raw_type: type,
@@ -138,3 +125,7 @@ def _from_key(
   if marker is not _ABSENT:
     metadata[FSM_LOGICAL] = marker
   return annotation_from_metadata(kind, metadata)
+
+
+# Metadata of a kind repeats across a model's Variables: read each key once.
+_annotation_cached = functools.lru_cache(maxsize=65536)(_from_key)

@@ -31,6 +31,7 @@ import numpy as np
 # The metadata readers live in hlo_metadata; read_frame, read_op_name and
 # stack_frames stay importable from here.
 from flax_shardmeta._programs.name_stacks import (
+  bracket_end,
   read_frame as read_frame,
   read_op_name as read_op_name,
   stack_frames as stack_frames,
@@ -229,15 +230,8 @@ class Computation:
 
 def _split_top(text: str, open_: str, close: str) -> tuple[str, str]:
   """``'(a, (b)) rest'`` -> ``('(a, (b))', ' rest')``: a balanced prefix."""
-  depth = 0
-  for i, ch in enumerate(text):
-    if ch in open_:
-      depth += 1
-    elif ch in close:
-      depth -= 1
-      if depth == 0:
-        return text[: i + 1], text[i + 1 :]
-  return text, ''
+  end = bracket_end(text, open_, close)
+  return (text, '') if end is None else (text[: end + 1], text[end + 1 :])
 
 
 def parse_instruction(line: str) -> Instruction | None:

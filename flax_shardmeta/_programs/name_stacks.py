@@ -70,17 +70,28 @@ def _split(text: str, sep: str) -> list[str] | None:
   return [*parts, text[start:]]
 
 
-def _closes_at_end(text: str) -> bool:
-  """Whether the first bracket ``text`` opens closes at its last character."""
+def bracket_end(text: str, open_: str = _OPEN, close: str = _CLOSE) -> int | None:
+  """Where the first bracket ``text`` opens closes (None: it never does);
+  the one scan of nested brackets, for name stacks and HLO text alike.
+
+  Example:
+    >>> bracket_end('(a, (b)) rest'), bracket_end('f(x') is None
+    (7, True)
+  """
   depth = 0
   for i, ch in enumerate(text):
-    if ch in _OPEN:
+    if ch in open_:
       depth += 1
-    elif ch in _CLOSE:
+    elif ch in close:
       depth -= 1
       if depth == 0:
-        return i == len(text) - 1
-  return False
+        return i
+  return None
+
+
+def _closes_at_end(text: str) -> bool:
+  """Whether the first bracket ``text`` opens closes at its last character."""
+  return bracket_end(text) == len(text) - 1
 
 
 def name_stack(op_name: str) -> list[str]:

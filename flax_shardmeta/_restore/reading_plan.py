@@ -304,6 +304,7 @@ def restore_plan(
   step: int | None = None,
   partial: bool = False,
   allow_cast: bool = False,
+  replicate_unannotated: bool = False,
 ) -> RestorePlan:
   """Plans restoring a checkpoint saved with ``source``'s layouts as ``target``.
 
@@ -330,6 +331,10 @@ def restore_plan(
       more (those it lacks are then notes, not problems).
     allow_cast: a target dtype that can lose saved values (float to int, a
       narrower type) is a note, not a problem.
+    replicate_unannotated: with ``mesh``, an unannotated array leaf with no
+      sharding of its own (a step count) is replicated on it, as
+      ``fsm.plan`` and ``fsm.as_abstract`` lay it out, instead of being a
+      problem (it would restore with the saved layout).
 
   Returns:
     The :class:`RestorePlan`; problems of the leaves are collected, not raised.
@@ -356,6 +361,7 @@ def restore_plan(
   per_host = count('devices_per_host', devices_per_host, 1)
   partial = check_flag('partial', partial)
   allow_cast = check_flag('allow_cast', allow_cast)
+  replicate = check_flag('replicate_unannotated', replicate_unannotated)
   mesh = None if mesh is None else check_mesh(mesh, 'restore_plan')
   problems: list[ShardingProblem] = []
   saved_ckpt = None
@@ -365,7 +371,7 @@ def restore_plan(
     source = saved_ckpt.tree
   with paused_gc():
     saved = _arrays(source)
-    targets = target_leaves(target, mesh, rules, problems)
+    targets = target_leaves(target, mesh, rules, problems, replicate)
   if not targets:
     raise RestoreError(
       f'the target holds no arrays (got {type(target).__name__}): pass the '

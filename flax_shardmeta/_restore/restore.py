@@ -42,6 +42,7 @@ def restore(
   step: int | None = None,
   partial: bool = False,
   allow_cast: bool = False,
+  replicate_unannotated: bool = False,
 ) -> PyTree:
   """Restores the orbax checkpoint at ``path`` as ``target`` lays it out.
 
@@ -68,6 +69,8 @@ def restore(
     partial: restore the target's leaves even though the checkpoint has more.
     allow_cast: restore into target dtypes that can lose saved values (float
       to int, a narrower type); casts that keep every value need no opt-in.
+    replicate_unannotated: with ``mesh``, replicate unannotated array leaves
+      that have no sharding of their own (as for ``restore_plan``).
 
   Returns:
     ``target`` with ``jax.Array`` leaves in place of its structs (boxes hold
@@ -110,7 +113,7 @@ def restore(
   plan = restore_plan(
     path, target, mesh=mesh, rules=rules, host_budget=host_budget,
     devices_per_host=devices_per_host, step=step, partial=partial,
-    allow_cast=allow_cast,
+    allow_cast=allow_cast, replicate_unannotated=replicate_unannotated,
   )  # fmt: skip
   _check(plan)
   shardings = _shardings(plan)

@@ -50,20 +50,31 @@ def target_leaves(
   mesh: AnyMesh | None,
   rules: LogicalRules | None,
   problems: list[ShardingProblem],
+  replicate_unannotated: bool = False,
 ) -> list[Target]:
   """Every array leaf of ``tree`` with its sharding; problems appended.
 
   A leaf that brings its own ``NamedSharding`` keeps it (checked against its
   shape); an annotated one is laid out on ``mesh`` as ``fsm.plan`` lays it
-  out, its problems and unmapped names reported the same way.
+  out, its problems and unmapped names reported the same way; with
+  ``replicate_unannotated``, so is an unannotated one (replicated).
   """
   if mesh is None:
     leaves, _ = ann_lib.walk(tree, every_path=True)
     layouts: list[Any] = [None] * len(leaves)
   else:
     # Warnings name the user's call: 5 up (report, lay_out, here, the plan).
+    def keeps_its_own(lf: ann_lib.Leaf) -> bool:
+      """Not laid out by the rules: not an array, unannotated (unless asked
+      to replicate those), or it brings a NamedSharding of its own."""
+      return (
+        leaf_shape(lf.value) is None
+        or (lf.annotation is None and not replicate_unannotated)
+        or _own_sharding(lf) is not None
+      )
+
     laid = lay_out(
-      tree, mesh, rules, every_path=True, skip=_keeps_its_own, names_first=False,
+      tree, mesh, rules, every_path=True, skip=keeps_its_own, names_first=False,
       stacklevel=5,
     )  # fmt: skip
     leaves, layouts = laid.leaves, laid.layouts
@@ -86,16 +97,6 @@ def target_leaves(
 def _own_sharding(lf: ann_lib.Leaf) -> NamedSharding | None:
   sharding = getattr(lf.value, 'sharding', None)
   return sharding if isinstance(sharding, NamedSharding) else None
-
-
-def _keeps_its_own(lf: ann_lib.Leaf) -> bool:
-  """Not laid out by the rules: not an array, unannotated, or it brings a
-  NamedSharding of its own."""
-  return (
-    leaf_shape(lf.value) is None
-    or lf.annotation is None
-    or _own_sharding(lf) is not None
-  )
 
 
 def split_problems(

@@ -126,7 +126,9 @@ def _sort_key(key: tuple[Any, ...]) -> tuple[Any, ...]:
 # ------------------------------------------------------------------------------
 
 
-def snapshot_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+def snapshot_diff(
+  old: dict[str, Any], new: dict[str, Any], names: tuple[str, str] = ('old', 'new')
+) -> list[str]:
   """What changed from snapshot ``old`` to ``new``, one readable line each.
 
   Specs are compared by plan path, constraints by scope and layout (shape
@@ -139,6 +141,8 @@ def snapshot_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
   Args:
     old: a snapshot (:func:`snapshot`, or one read back from JSON).
     new: another.
+    names: what to call ``old`` and ``new`` when one is not a snapshot (their
+      files, say).
 
   Returns:
     The lines, in a fixed order (mesh, specs, constraints, collectives);
@@ -160,8 +164,8 @@ def snapshot_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     >>> fsm.snapshot_diff(new, new)
     []
   """
-  check_snapshot(old, 'old')
-  check_snapshot(new, 'new')
+  check_snapshot(old, names[0])
+  check_snapshot(new, names[1])
   lines = _mesh_lines(old, new)
   for section, (_, label) in SECTIONS.items():
     lines += _spec_lines(old.get(section) or {}, new.get(section) or {}, label)

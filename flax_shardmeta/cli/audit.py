@@ -25,7 +25,6 @@ import json
 import math
 from typing import Any
 
-from flax_shardmeta._devices.simulated import simulate_cpu_devices
 from flax_shardmeta.cli import checks, options, rule_files, step
 from flax_shardmeta.cli.factory import CONTRACT, under
 from flax_shardmeta.cli.options import UsageError
@@ -82,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _simulate_devices(mesh_text: str) -> None:
   """As many CPU devices as the mesh has, set before jax starts."""
+  import flax_shardmeta as fsm
+
   _, sizes = checks.parse_mesh(mesh_text)
-  # Too late once jax has started (the tests' process has its 8).
-  simulate_cpu_devices(math.prod(sizes))
+  # Too late once jax's backends have started (the tests' process has its 8).
+  fsm.simulate_cpu_devices(math.prod(sizes))

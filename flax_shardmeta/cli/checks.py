@@ -11,8 +11,6 @@ import argparse
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-# The core's: fsm.plan's problems give the same "did you mean" fix.
-from flax_shardmeta._axis_typos import misspelt_axis as misspelt_axis
 from flax_shardmeta.cli.options import REMAT, UsageError
 from flax_shardmeta.examples import state as example_state
 
@@ -45,13 +43,12 @@ def check_hbm(text: str | None, flag: str = '--hbm') -> None:
   """``--hbm`` (or another size ``flag``), when given, is a size (``95GiB``)."""
   if text is None:
     return
-  from flax_shardmeta._errors import SizeError, message
-  from flax_shardmeta._units import parse_bytes
+  import flax_shardmeta as fsm
 
   try:
-    parse_bytes(text)
-  except SizeError as e:
-    raise UsageError(f'{flag}: {message(e)}') from None
+    fsm.parse_bytes(text)
+  except fsm.SizeError as e:
+    raise UsageError(f'{flag}: {e.message}') from None
 
 
 def check_gpu_run(args: argparse.Namespace) -> None:
@@ -65,8 +62,7 @@ def check_gpu_run(args: argparse.Namespace) -> None:
 def check_gpu_only(args: argparse.Namespace) -> None:
   """``--mem-fraction`` and ``--reserve`` size a GPU run's allocator pool: on
   a TPU, or with no GPU named, they would do nothing, so they are refused."""
-  from flax_shardmeta._devices import gpu
-  from flax_shardmeta._devices.chips import chip_named
+  import flax_shardmeta as fsm
 
   given = [
     f'{flag} {value}'
@@ -80,12 +76,12 @@ def check_gpu_only(args: argparse.Namespace) -> None:
     return
   chip = getattr(args, 'chip', None)
   if args.topology:
-    if gpu.is_gpu_topology(args.topology):
+    if fsm.is_gpu_topology(args.topology):
       return
     where = f'--topology {args.topology} is not a GPU cluster'
   else:
-    named = chip_named(chip) if chip else None
-    if named is not None and named.name in gpu.GPUS:
+    named = fsm.chip_named(chip) if chip else None
+    if named is not None and named.is_gpu:
       return
     where = (
       f'--chip {chip} is not a GPU'
@@ -158,6 +154,9 @@ def check_mesh_axis_names(
 ) -> None:
   """A mesh axis the rules never use, spelled like one they use but the mesh
   lacks, is a typo: say so once, instead of a problem per array."""
+  # The core's: fsm.plan's problems give the same "did you mean" fix.
+  from flax_shardmeta import misspelt_axis
+
   typo = misspelt_axis(axis_names, rules)
   if typo is not None:
     wanted, given = typo

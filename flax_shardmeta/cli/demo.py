@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from flax_shardmeta.cli import options, process
+from flax_shardmeta.cli import options
 
 HELP = (
   'plan, init and train a small model on 8 simulated devices, checking every sharding'
@@ -44,15 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
   """The ``demo`` subcommand: in this process, or across ``--processes``."""
-  process.start_jax_quietly()
-  from flax_shardmeta._hosts import launch
+  import flax_shardmeta as fsm
 
   n = args.processes
   if n < 1 or 8 % n:
     raise options.UsageError(f'--processes {n}: use 1, 2, 4 or 8 (8 devices in all)')
-  _, launched = launch.initialize()  # a worker of a launch joins it here
+  _, launched = fsm.testing.join_launch()  # a worker of a launch joins it here
   if launched == 1:
-    _simulate_cpu_devices(8)
+    fsm.simulate_cpu_devices(8)  # before the first device query: still in time
   from flax_shardmeta.examples import demo as demo_lib
 
   if n == 1 or launched > 1:
@@ -66,7 +65,7 @@ def _across_processes(n: int, steps: int) -> int:
   import io
   import tempfile
 
-  from flax_shardmeta._hosts import launch
+  import flax_shardmeta as fsm
   from flax_shardmeta.examples import demo as demo_lib
 
   with tempfile.TemporaryDirectory(prefix='fsm-demo-') as tmp:
@@ -75,7 +74,7 @@ def _across_processes(n: int, steps: int) -> int:
     )
     argv = ['-m', 'flax_shardmeta', 'demo', '--steps', str(steps)]
     try:
-      results = launch.launch(
+      results = fsm.testing.launch(
         [*argv, '--out', str(Path(tmp) / 'multi')],
         num_processes=n,
         devices_per_process=8 // n,
@@ -106,18 +105,3 @@ def _across_processes(n: int, steps: int) -> int:
     f'from {n} processes x {8 // n} devices'
   )
   return 0
-
-
-def _simulate_cpu_devices(n: int) -> None:
-  """Asks jax for ``n`` CPU devices, if its backends have not started yet.
-
-  No backend exists until the first device query, so the config option
-  still takes effect here (``flax-shardmeta`` and ``python -m
-  flax_shardmeta`` alike).
-  """
-  import jax
-
-  try:
-    jax.config.update('jax_num_cpu_devices', n)
-  except RuntimeError:
-    pass  # already started (e.g. under pytest): use the devices that exist

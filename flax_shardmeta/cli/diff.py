@@ -32,13 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
   """The ``diff`` subcommand; returns the exit code."""
   old, new = _read(args.old), _read(args.new)
-  from flax_shardmeta._snapshot.compare import snapshot_diff
-  from flax_shardmeta._snapshot.schema import check_snapshot
+  import flax_shardmeta as fsm
 
   # Each file checked under its own name: which one to correct (exit 2).
-  check_snapshot(old, args.old)
-  check_snapshot(new, args.new)
-  lines = snapshot_diff(old, new)
+  lines = fsm.snapshot_diff(old, new, names=(args.old, args.new))
   for line in lines:
     print(line)
   return 1 if lines else 0

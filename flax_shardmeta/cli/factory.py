@@ -33,14 +33,13 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
-import math
 import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from flax_shardmeta._errors import FlaxShardmetaError, message
+from flax_shardmeta import FlaxShardmetaError
 from flax_shardmeta.cli.options import UsageError
 
 CONTRACT = (__doc__ or '').partition('\n\n')[2]
@@ -198,13 +197,13 @@ def under(mesh: Any, rules: Any) -> Iterator[None]:
   """``mesh`` (concrete or abstract) and logical axis ``rules`` as the context."""
   import jax
 
-  from flax_shardmeta._rules import logical_axis_rules
+  import flax_shardmeta as fsm
 
   if isinstance(mesh, jax.sharding.AbstractMesh):
     context: Any = jax.sharding.use_abstract_mesh(mesh)
   else:
     context = jax.set_mesh(mesh)
-  with context, logical_axis_rules(rules):
+  with context, fsm.logical_axis_rules(rules):
     yield
 
 
@@ -241,7 +240,8 @@ def _gist(error: Exception) -> str:
   """``error``'s message in one line: its first line, and under a heading
   (``1 leaf cannot be sharded as annotated:``) the first item listed too,
   which says what is wrong."""
-  lines = [line.strip() for line in message(error).splitlines() if line.strip()]
+  text = error.message if isinstance(error, FlaxShardmetaError) else str(error)
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
   if not lines:
     return ''
   head, rest = lines[0], lines[1:]
@@ -298,16 +298,14 @@ def _constraint_failure(error: Exception, mesh: Any) -> str | None:
   Told by the traceback: the constraint's own frame (its ``names``) and the
   line of the model that called it.
   """
-  from flax_shardmeta._constraints import with_logical_constraint
-  from flax_shardmeta._errors import NoMeshError, ShardingError
-  from flax_shardmeta._specs import format_spec, mesh_axes_of, spec_entries
+  import flax_shardmeta as fsm
 
   frames = list(traceback.walk_tb(error.__traceback__))
   at = next(
     (
       i
       for i, (frame, _) in enumerate(frames)
-      if frame.f_code is with_logical_constraint.__code__
+      if frame.f_code is fsm.with_logical_constraint.__code__
     ),
     None,
   )
@@ -323,16 +321,10 @@ def _constraint_failure(error: Exception, mesh: Any) -> str | None:
     f'{names!r}){where}'
   )
   on = _mesh_text(mesh)
-  problems = getattr(error, 'problems', ()) if isinstance(error, ShardingError) else ()
+  problems = error.problems if isinstance(error, fsm.ShardingError) else ()
   if problems:
     p = problems[0]
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    entries = spec_entries(p.spec)
-    factors = [
-      math.prod(sizes.get(a, 1) for a in mesh_axes_of(entries[d]))
-      for d in p.dims
-      if d < len(entries)
-    ]
+    factors = p.shards(mesh)
     if (
       factors
       and p.shape is not None
@@ -348,9 +340,9 @@ def _constraint_failure(error: Exception, mesh: Any) -> str | None:
       fix = f'Fix: {p.hint}'
     return (
       f'{what} cannot lay out the value the factory gives it, on {on}: shape '
-      f'{p.shape}, spec {format_spec(p.spec)}: {p.reason}. {fix}'
+      f'{p.shape}, spec {p.to_dict()["spec"]}: {p.reason}. {fix}'
     )
-  if isinstance(error, NoMeshError) or _computes_eagerly(error, mesh):
+  if isinstance(error, fsm.NoMeshError) or _computes_eagerly(error, mesh):
     return (
       f'{what} was applied eagerly, to a concrete array outside jit, while the '
       f'factory ran; nothing can be laid out on {on}. Initialise the model '

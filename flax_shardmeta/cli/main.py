@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Protocol
 
-from flax_shardmeta._errors import FlaxShardmetaError, errors_page_line, message
+from flax_shardmeta import FlaxShardmetaError
 from flax_shardmeta.cli import (
   audit,
   demo,
@@ -118,8 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except FlaxShardmetaError as e:  # a layout that cannot be, a topology unknown...
     # The errors page's section on the message's last line: a one-line error
     # stays one line.
-    section = errors_page_line(type(e))
-    print(f'flax-shardmeta: error: {message(e)} {section}', file=sys.stderr)
+    print(f'flax-shardmeta: error: {e.message} {e.errors_page}', file=sys.stderr)
     return 2
   except SystemExit as e:  # --help
     return e.code if isinstance(e.code, int) else 0

@@ -34,7 +34,7 @@ import sys
 import warnings
 from typing import Any
 
-from flax_shardmeta.cli import checks, options, process, rule_files, step as step_lib
+from flax_shardmeta.cli import checks, options, rule_files, step as step_lib
 from flax_shardmeta.cli.factory import CONTRACT, Factory, built, made_kind
 from flax_shardmeta.examples import state as example_state
 
@@ -80,13 +80,11 @@ def run(args: argparse.Namespace) -> int:
   checks.check_model_name(args.model)
   axis_names, axis_sizes = checks.parse_mesh(args.mesh)
   rules = rule_files.mesh_rules(args, axis_names)
-  process.start_jax_quietly()
   factory = Factory.load(args.module) if args.module is not None else None
 
   # Heavy imports only once the arguments are known to be good.
 
-  from flax_shardmeta._errors import IndivisibleDimensionWarning
-  from flax_shardmeta._planning.sharding_plan import plan
+  import flax_shardmeta as fsm
 
   explicit = args.axis_types == 'explicit'
   mesh = step_lib.mesh(args, axis_names, axis_sizes, explicit=explicit)
@@ -98,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     state, left_out = user_state(factory, mesh, rules, args.api, args.optimizer)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
-    result = plan(
+    result = fsm.plan(
       state,
       mesh,
       rules,
@@ -108,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
   for w in caught:
     # Replicated dimensions are part of the output below; no need to say them
     # twice.
-    if not issubclass(w.category, IndivisibleDimensionWarning):
+    if not issubclass(w.category, fsm.IndivisibleDimensionWarning):
       print(f'flax-shardmeta: warning: {w.message}', file=sys.stderr)
   rule_files.note_default_rules(args)
   if left_out:
@@ -167,21 +165,15 @@ def _step_arguments(
   """The annotated arguments of ``(step, *abstract_args)`` by the step's
   parameter names (``state/params/...``, as ``fit`` names them), and the names
   of the others."""
-  from flax_shardmeta import _annotation as ann_lib
-  from flax_shardmeta._capacity.fit.traced_step import argument_names
+  import flax_shardmeta as fsm
 
   step, *args = made
-  names = argument_names(step, len(args))
-
-  def annotated(arg: Any) -> bool:
-    return any(lf.annotation is not None for lf in ann_lib.walk(arg)[0])
-
-  out = {n: a for n, a in zip(names, args) if annotated(a)}
+  out, others = fsm.step_arguments(step, args)
   if not out:
     raise options.UsageError(
       f'--module {factory.target}: none of the arguments of the step it returned '
-      f'({", ".join(names) or "none"}) carries annotations, so there is nothing '
+      f'({", ".join(others) or "none"}) carries annotations, so there is nothing '
       'to plan; annotate them (fsm.with_logical_partitioning, '
       'fsm.LogicalPartitioned) or see the layout with flax-shardmeta fit'
     )
-  return out, tuple(n for n in names if n not in out)
+  return out, others

@@ -32,7 +32,7 @@ import sys
 import warnings
 from typing import Any
 
-from flax_shardmeta.cli import checks, options, process, rule_files, step as step_lib
+from flax_shardmeta.cli import checks, options, rule_files, step as step_lib
 from flax_shardmeta.cli.factory import CONTRACT, Factory, built, made_kind
 from flax_shardmeta.examples import state as example_state
 
@@ -102,16 +102,18 @@ _PYTHON_NAMES = re.compile(r'\b(step|devices_per_host|host_budget)=(\S*)')
 
 def _in_flag_names(error: Exception) -> Exception:
   """``error`` as the command line says it: ``--step 2``, not ``step=2``."""
-  from flax_shardmeta._errors import RestoreError, message
+  import flax_shardmeta as fsm
 
   def flag(m: re.Match[str]) -> str:
     name = '--' + m.group(1).replace('_', '-')
     return f'{name} {m.group(2)}' if m.group(2) else name
 
-  text = _PYTHON_NAMES.sub(flag, message(error))
-  if text == message(error) or type(error) is not RestoreError:
+  if type(error) is not fsm.RestoreError:
     return error
-  return RestoreError(text, getattr(error, 'problems', ()))
+  text = _PYTHON_NAMES.sub(flag, error.message)
+  if text == error.message:
+    return error
+  return fsm.RestoreError(text, getattr(error, 'problems', ()))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,13 +122,11 @@ def run(args: argparse.Namespace) -> int:
   _check_budget(args.host_budget)
   axis_names, axis_sizes = checks.parse_mesh(args.mesh)
   rules = rule_files.mesh_rules(args, axis_names)
-  process.start_jax_quietly()
   factory = Factory.load(args.module) if args.module is not None else None
 
   # Heavy imports only once the arguments are known to be good.
 
   import flax_shardmeta as fsm
-  from flax_shardmeta._units import format_bytes
 
   mesh = step_lib.mesh(args, axis_names, axis_sizes)
   if factory is None:
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     try:
       result = fsm.restore_plan(
         args.checkpoint,
-        _replicate_unannotated(state, mesh),
+        state,
         mesh=mesh,
         rules=rules,
         host_budget=args.host_budget,
@@ -148,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
         step=args.step,
         partial=args.partial,
         allow_cast=args.allow_cast,
+        # Step counts replicated, as plan lays them out.
+        replicate_unannotated=True,
       )
     except fsm.RestoreError as e:
       raise _in_flag_names(e) from None
@@ -165,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     print(
       'flax-shardmeta restore-plan: no schedule fits --host-budget '
       f'{args.host_budget}; the smallest budget is '
-      f'{format_bytes(result.min_budget_bytes)}',
+      f'{fsm.format_bytes(result.min_budget_bytes)}',
       file=sys.stderr,
     )
     return 1
@@ -174,13 +176,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_budget(text: str | None) -> None:
   """``--host-budget``, when given, is a positive size."""
-  from flax_shardmeta._errors import HostBudgetError, message
-  from flax_shardmeta._restore.inputs import budget_bytes
+  import flax_shardmeta as fsm
 
-  try:
-    budget_bytes(text)
-  except HostBudgetError as e:
-    raise options.UsageError(f'--host-budget: {message(e)}') from None
+  if text is None:
+    return
+  checks.check_hbm(text, '--host-budget')
+  if fsm.parse_bytes(text) < 1:
+    raise options.UsageError(
+      f'--host-budget {text}: the host memory a restore may stage per host '
+      "must be at least one byte; give a size such as '8GiB'"
+    )
 
 
 def restored_state(
@@ -206,27 +211,3 @@ def restored_state(
     if kind == 'builder':
       return built(made, api)
   return made
-
-
-def _replicate_unannotated(tree: Any, mesh: Any) -> Any:
-  """``tree`` with its unannotated array leaves (a step count) as structs
-  replicated on ``mesh``, as ``plan`` lays them out; annotated ones are left
-  to the restore plan, which names what is wrong with them."""
-  import jax
-  from jax.sharding import NamedSharding, PartitionSpec
-
-  from flax_shardmeta import _annotation as ann_lib
-  from flax_shardmeta._sharding import leaf_shape
-
-  leaves, build = ann_lib.walk(tree)
-  out = []
-  for lf in leaves:
-    shape = leaf_shape(lf.value)
-    if lf.annotation is not None or shape is None:
-      out.append(lf.leaf)
-      continue
-    struct = jax.ShapeDtypeStruct(
-      shape, lf.value.dtype, sharding=NamedSharding(mesh, PartitionSpec())
-    )
-    out.append(struct if lf.leaf is lf.value else ann_lib.hold(lf.leaf, struct))
-  return build(out)

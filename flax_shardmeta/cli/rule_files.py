@@ -13,7 +13,6 @@ import sys
 import tomllib
 from typing import Any
 
-from flax_shardmeta._errors import message
 from flax_shardmeta.cli.checks import check_mesh_axis_names
 from flax_shardmeta.cli.options import UsageError
 from flax_shardmeta.examples import state as example_state
@@ -81,12 +80,12 @@ def _rules_text(spec: str, missing: OSError) -> tuple[tuple[str, Any], ...]:
 
 def _rule_pairs(data: Any, where: str) -> tuple[tuple[str, Any], ...]:
   # The rule engine (and with it jax) only once the file has been read.
-  from flax_shardmeta._rules import rules_from_lists
+  import flax_shardmeta as fsm
 
   try:
-    return rules_from_lists(data, where)
-  except ValueError as e:
-    raise UsageError(message(e)) from None
+    return fsm.rules_from_lists(data, where)
+  except fsm.FlaxShardmetaError as e:
+    raise UsageError(e.message) from None
 
 
 def command_rules(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:

@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from flax_shardmeta.cli import checks, options, process, rule_files
+from flax_shardmeta.cli import checks, options, rule_files
 from flax_shardmeta.cli.factory import Factory
 
 
@@ -56,7 +56,6 @@ def prepared(args: argparse.Namespace) -> Prepared:
   names, sizes = checks.step_arguments(args)
   run_options = checks.gpu_run_options(args)
   rules = rule_files.mesh_rules(args, names)
-  process.start_jax_quietly()
   over = mesh(args, names, sizes)
   if args.module is None:
     factory, options = None, builtin_options(args, rules)

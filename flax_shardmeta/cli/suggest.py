@@ -32,8 +32,7 @@ import json
 import sys
 from typing import Any
 
-from flax_shardmeta import _errors as errors
-from flax_shardmeta.cli import checks, options, process, rule_files
+from flax_shardmeta.cli import checks, options, rule_files
 from flax_shardmeta.cli.factory import CONTRACT, Factory
 
 HELP = 'search meshes, rule presets and remat for the best layout on a pod'
@@ -75,7 +74,6 @@ def run(args: argparse.Namespace) -> int:
   remat = [r.strip() for r in (args.remat or 'none,full').split(',') if r.strip()]
   checks.check_remat(args.remat, remat, builtin=args.model is not None)
   checks.check_gpu_run(args)
-  process.start_jax_quietly()
   if args.module is not None:
     factory = Factory.load(args.module)
     build = _user_build(factory, args)
@@ -119,21 +117,17 @@ def run(args: argparse.Namespace) -> int:
     closest = found.closest
     report = closest.report if closest is not None else None
     if raised and raised[0].report is not None:
-      from flax_shardmeta._capacity.suggest.candidate import verdict_words
-
       print(
         "flax-shardmeta suggest: nothing fits at the run's fraction; best with a "
-        f'raised one is {raised[0].label}: {verdict_words(raised[0].report)}',
+        f'raised one is {raised[0].label}: {raised[0].report.verdict_words}',
         file=sys.stderr,
       )
     elif closest is not None and report is not None and report.hbm_bytes is not None:
-      from flax_shardmeta._units import format_bytes
-
       what = 'the usable memory' if report.usable is not None else 'the HBM'
       short = (closest.total_bytes or 0) - report.hbm_bytes
       print(
         f'flax-shardmeta suggest: nothing fits; closest is {closest.label}, '
-        f'{format_bytes(short)} over {what}',
+        f'{fsm.format_bytes(short)} over {what}',
         file=sys.stderr,
       )
     return 1
@@ -182,7 +176,6 @@ def _user_build(factory: Factory, args: argparse.Namespace) -> Any:
 def _presets(text: str) -> list[Any]:
   """``--presets``: built-in names and presets files, in order."""
   import flax_shardmeta as fsm
-  from flax_shardmeta._capacity.suggest import presets as presets_lib
 
   presets: list[Any] = []
   for item in (x.strip() for x in text.split(',') if x.strip()):
@@ -198,7 +191,7 @@ def _presets(text: str) -> list[Any]:
         f'nor a readable file ({e.strerror})'
       ) from None
     try:
-      presets += presets_lib.load(content, item)
+      presets += fsm.RulePreset.load(content, item)
     except fsm.InvalidRulesError as e:
-      raise options.UsageError(f'--presets {item!r}: {errors.message(e)}') from None
+      raise options.UsageError(f'--presets {item!r}: {e.message}') from None
   return presets

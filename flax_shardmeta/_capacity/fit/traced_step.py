@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 import re
 import warnings
@@ -29,7 +28,7 @@ from flax_shardmeta._capacity import vocabulary as vocab
 from flax_shardmeta._errors import NoMeshError, ShardingError, ShardingProblem
 from flax_shardmeta._explicit import explain_sharding_type_errors
 from flax_shardmeta._jit_key import own_trace
-from flax_shardmeta._paths import path_str
+from flax_shardmeta._paths import argument_names, path_str
 from flax_shardmeta._placement import context_mesh
 from flax_shardmeta._planning.sharding_plan import plan
 from flax_shardmeta._rules import get_logical_axis_rules, logical_axis_rules
@@ -150,26 +149,6 @@ def _mesh_context(mesh: AnyMesh) -> Any:
   if isinstance(mesh, AbstractMesh):
     return jax.sharding.use_abstract_mesh(mesh)
   return jax.set_mesh(mesh)
-
-
-def argument_names(step: Any, n: int) -> tuple[str, ...]:
-  """The names of ``step``'s first ``n`` positional parameters (``arg{i}``
-  where it has none), as paths of its arguments begin.
-
-  Example:
-    >>> argument_names(lambda state, batch: None, 3)
-    ('state', 'batch', 'arg2')
-  """
-  fn = inspect.unwrap(step)
-  try:
-    params = [
-      p.name
-      for p in inspect.signature(fn).parameters.values()
-      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-  except (TypeError, ValueError):
-    params = []
-  return tuple(params[i] if i < len(params) else f'arg{i}' for i in range(n))
 
 
 # Arguments: layouts and categories

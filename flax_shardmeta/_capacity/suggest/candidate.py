@@ -12,7 +12,6 @@ import math
 import warnings
 from typing import Any
 
-from flax_shardmeta._capacity.fit.usable import FRACTION_VARIABLES
 from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._capacity.suggest import presets as presets_lib
 from flax_shardmeta._capacity.suggest.presets import RulePreset
@@ -216,34 +215,6 @@ def signed(n: int) -> str:
   return ('+' if n >= 0 else '-') + format_bytes(abs(n))
 
 
-def verdict_words(r: FitReport) -> str:
-  """The verdict in a few words, with the fraction it holds at on GPUs:
-  ``'fits at XLA_CLIENT_MEM_FRACTION=0.75'``, ``'fits only with
-  XLA_CLIENT_MEM_FRACTION=0.88'``, ``'does not fit'``, ...
-
-  Example:
-    >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
-    >>> step = jax.jit(lambda x: x * 2)
-    >>> x = jax.ShapeDtypeStruct((256,), jnp.float32)
-    >>> with jax.set_mesh(jax.make_mesh((8,), ('data',))):
-    ...   report = fsm.fit(step, x, hbm='1KiB', cache=False)
-    >>> verdict_words(report)
-    'does not fit'
-  """
-  name = FRACTION_VARIABLES[0]
-  at = f' at {name}={r.usable.fraction:.2f}' if r.usable is not None else ''
-  kind = r.verdict_kind
-  if kind == 'fits':
-    return f'fits{at}'
-  if kind == 'fits_with_fraction':
-    return f'fits only with {name}={r.needed_fraction:.2f}'
-  if kind == 'too_close':
-    return 'too close to call'
-  if kind == 'unknown':
-    return 'no verdict (memory unknown)'
-  return f'does not fit{at}'
-
-
 def summary(c: Candidate) -> str:
   """One line: bytes per chip, the largest row, the verdict, the step time."""
   r = c.report
@@ -252,7 +223,7 @@ def summary(c: Candidate) -> str:
   big = r.largest_row
   parts = [
     f'{format_bytes(r.total_bytes)} per chip ({big.name} {format_bytes(big.bytes)})',
-    verdict_words(r),
+    r.verdict_words,
   ]
   if c.rank_s:
     parts.append(f'step ~{format_seconds(c.rank_s)}')

@@ -100,6 +100,20 @@ class RulePreset:
         f'among its axes {self.axes}; add them to axes or change the rules.'
       )
 
+  @staticmethod
+  def load(text: str, source: str = '<presets>') -> tuple[RulePreset, ...]:
+    """Presets from a presets file's text, TOML or JSON (see :func:`load`);
+    ``source`` names it in errors.
+
+    Example:
+      >>> import flax_shardmeta as fsm
+      >>> (p,) = fsm.RulePreset.load(
+      ...     '[presets.dp]\\naxes = ["data"]\\nrules = [["batch", "data"]]')
+      >>> p.name, p.rules
+      ('dp', (('batch', 'data'),))
+    """
+    return load(text, source)
+
 
 def _axes(target: Any) -> tuple[str, ...]:
   if target is None:

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flax_shardmeta._capacity.suggest.candidate import Candidate, summary, verdict_words
+from flax_shardmeta._capacity.suggest.candidate import Candidate, summary
 from flax_shardmeta._capacity.vocabulary import TEMPORARIES
 from flax_shardmeta._units import format_bytes
 
@@ -108,7 +108,7 @@ def _reason(c: Candidate, ref: Candidate | None, first: bool) -> str:
   kind = r.verdict_kind
   if kind == 'fits_with_fraction':
     at = f' at {r.usable.fraction:.2f}' if r.usable is not None else ''
-    return f'{verdict_words(r)}: needs {short} more than {limit}{at}; {comm}'
+    return f'{r.verdict_words}: needs {short} more than {limit}{at}; {comm}'
   if kind == 'unknown':
     return f'no verdict: the memory per chip is unknown (pass hbm=); {comm}'
   if not r.fits:

@@ -34,7 +34,7 @@ from flax_shardmeta._capacity.fit.fit import fit
 from flax_shardmeta._capacity.fit.usable import FRACTION_VARIABLES, UsableMemory
 from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._capacity.suggest import presets as presets_lib, ranking
-from flax_shardmeta._capacity.suggest.candidate import Candidate, signed, verdict_words
+from flax_shardmeta._capacity.suggest.candidate import Candidate, signed
 from flax_shardmeta._capacity.suggest.presets import RulePreset
 from flax_shardmeta._capacity.suggest.search import (
   Build,
@@ -194,7 +194,7 @@ def _compiled(r: FitReport, seconds: float) -> str:
   """How a compiled candidate came out, for the progress line."""
   cached = ', cached' if r.cached else ''
   return (
-    f'{format_bytes(r.total_bytes)} per chip, {verdict_words(r)} '
+    f'{format_bytes(r.total_bytes)} per chip, {r.verdict_words} '
     f'({seconds:.0f} s{cached})'
   )
 
@@ -399,7 +399,7 @@ class Suggestions(list):
     if best is not None:
       return [
         f"nothing fits at the run's fraction; best with a raised one: "
-        f'{raised[0].label}, {verdict_words(best)}'
+        f'{raised[0].label}, {best.verdict_words}'
       ]
     c = self.closest
     r = c.report
