@@ -45,7 +45,8 @@ from flax_shardmeta._capacity.why.layout_changes import LayoutChange, layout_cha
 from flax_shardmeta._capacity.why.traced_lines import TracedLines, lines_of_trace
 from flax_shardmeta._errors import FitError, IndivisibleDimensionWarning, message
 from flax_shardmeta._frames import source_line
-from flax_shardmeta._programs import compiled_text, hlo_text
+from flax_shardmeta._programs import buffers as buffers_lib, compiled_text, hlo_text
+from flax_shardmeta._programs.buffers import Buffers
 from flax_shardmeta._programs.memory import memory_fields
 
 _REFUSAL = re.compile(
@@ -54,7 +55,7 @@ _REFUSAL = re.compile(
   re.S,
 )
 # Bumped when the cached figures change form: older entries are not read.
-_FIGURES_FORMAT = 'figures-8'
+_FIGURES_FORMAT = 'figures-9'
 _UNIT = {'': 1, 'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30, 'T': 1 << 40}
 
 
@@ -81,20 +82,23 @@ def parse_refusal(message: str) -> vocab.Refusal | None:
 
 def _compile(
   lowered: Any, limit: int | None
-) -> tuple[Any, vocab.Refusal | None, float, dict[str, Any]]:
+) -> tuple[Any, vocab.Refusal | None, float, dict[str, Any], Buffers | None]:
   """Compiles (for GPUs, for the memory a run hands XLA: ``limit``); the
-  compiled program, or the refusal, the seconds, and what the compiler said
-  of its own rematerialization and budget."""
+  compiled program, or the refusal, the seconds, what the compiler said of
+  its own rematerialization and budget, and its buffer assignment (XLA's
+  dump of this compile, read and removed)."""
   start = time.perf_counter()
   planned: dict[str, Any] = {'budget': limit, 'retargeted': False}
   try:
-    with _stderr_lines() as said:
+    with _stderr_lines() as said, buffers_lib.dump_folder() as folder:
+      options = buffers_lib.dump_options(folder)
       if limit is None:
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=options)
       else:
         compiled, planned['retargeted'], planned['cublas_matmuls'] = (
-          usable.compile_for_memory(lowered, limit)
+          usable.compile_for_memory(lowered, limit, options)
         )
+      buffers = buffers_lib.read_dump(folder)
   except Exception as e:  # jax's JaxRuntimeError (XlaRuntimeError before)
     refusal = parse_refusal(str(e))
     if refusal is None:
@@ -102,9 +106,9 @@ def _compile(
         f'the compiler failed on the step (not for lack of memory): '
         f'{str(e).strip().splitlines()[0]}'
       ) from e
-    return None, refusal, time.perf_counter() - start, planned
+    return None, refusal, time.perf_counter() - start, planned, None
   planned.update(remat_said(said))
-  return compiled, None, time.perf_counter() - start, planned
+  return compiled, None, time.perf_counter() - start, planned, buffers
 
 
 _REMAT_LINE = re.compile(
@@ -314,6 +318,8 @@ def figures(
       computations, mesh.devices, mesh.axis_names, why
     )
     out['summary'] = summary.to_dict()
+    out['attributor'] = why  # what holds the peak reads the program as why does
+    out['aliases'] = hlo_text.output_aliases(text)
   if 'memory' in out:
     out['input_bytes'], out['device_memory'], out['host_notes'] = split_host(
       out,
@@ -454,7 +460,7 @@ def _compiled_figures(
 ) -> tuple[dict[str, Any], str | None, dict[str, Any] | None]:
   """Compiles: the figures to cache, the HLO text and its parse (None when
   the compiler refused the program)."""
-  compiled, refusal, seconds, planned = _compile(lowered, limit)
+  compiled, refusal, seconds, planned, buffers = _compile(lowered, limit)
   if refusal is not None:
     found = {'refusal': dataclasses.asdict(refusal), 'seconds': seconds}
     return dict(found, planned=planned), None, None
@@ -472,5 +478,6 @@ def _compiled_figures(
     # the figures, so a cached report says so too.
     'reader': compiled_text.disagreements(computations, compiled),
     'planned': planned,
+    'buffers': None if buffers is None else buffers.to_dict(),
   }
   return found, text, computations
