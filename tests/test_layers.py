@@ -125,7 +125,6 @@ LAYERS = [
   ],
   [
     '_capacity.fit.compiled_figures',
-    '_capacity.fit.compiling',
     '_capacity.fit.compiled',
     '_capacity.fit.extrapolate',
     '_capacity.fit.gpu_verdict',

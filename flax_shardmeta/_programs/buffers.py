@@ -296,21 +296,6 @@ def read_dump(folder: str) -> Buffers | None:
   return from_texts(assignment, ranges, sequence)
 
 
-def dumped_program(folder: str) -> str | None:
-  """The optimised program XLA's dump in ``folder`` holds, the one its
-  buffer assignment is of (None where there is none). ``Compiled.as_text()``
-  is the same program on most backends; where it is not (jax 0.12's CUDA
-  plugin), the buffer assignment's values are named as here."""
-  found = sorted(glob.glob(os.path.join(folder, f'*{DUMP_SUFFIX}')))
-  if not found:
-    return None
-  path = found[-1].replace(DUMP_SUFFIX, 'after_optimizations.txt')
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return f.read()
-
-
 def dump_options(folder: str) -> dict[str, Any]:
   """Compile options that make XLA write its buffer assignment into ``folder``
   (``lowered.compile(compiler_options=...)``: this compile only, whatever
