@@ -28,7 +28,6 @@ LAYERS = [
     '_programs.name_stacks',
     '_programs.hlo_text',
     '_programs.compiled_text',
-    '_programs.buffers',
   ],
   # How the rules enter jax.jit's cache key (the rule context sets it).
   ['_jit_key'],
@@ -110,15 +109,12 @@ LAYERS = [
     '_capacity.hlo.roofline',
     '_capacity.why.readable',
     '_capacity.estimate.unplaced',
-    '_capacity.peak.rows',
     '_capacity.report',
   ],
   ['_capacity.suggest.presets'],
   # The step, the estimate without a compiler, the compiled figures, fit.
   [
     '_capacity.fit.traced_step',
-    '_capacity.peak.values',
-    '_capacity.peak.holders',
     '_capacity.estimate.coverage',
     '_capacity.estimate.liveness',
     '_capacity.estimate.estimator',
@@ -206,7 +202,7 @@ SUBPACKAGES = (
 )
 # The capacity layer's rooms, one concept each.
 ROOMS = tuple(
-  f'_capacity.{room}' for room in ('hlo', 'estimate', 'why', 'fit', 'suggest', 'peak')
+  f'_capacity.{room}' for room in ('hlo', 'estimate', 'why', 'fit', 'suggest')
 )
 PACKAGES = {'', 'examples', *SUBPACKAGES, *ROOMS}
 

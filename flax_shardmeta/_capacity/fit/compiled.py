@@ -45,8 +45,7 @@ from flax_shardmeta._capacity.why.layout_changes import LayoutChange, layout_cha
 from flax_shardmeta._capacity.why.traced_lines import TracedLines, lines_of_trace
 from flax_shardmeta._errors import FitError, IndivisibleDimensionWarning, message
 from flax_shardmeta._frames import source_line
-from flax_shardmeta._programs import buffers as buffers_lib, compiled_text, hlo_text
-from flax_shardmeta._programs.buffers import Buffers
+from flax_shardmeta._programs import compiled_text, hlo_text
 from flax_shardmeta._programs.memory import memory_fields
 
 _REFUSAL = re.compile(
@@ -55,7 +54,7 @@ _REFUSAL = re.compile(
   re.S,
 )
 # Bumped when the cached figures change form: older entries are not read.
-_FIGURES_FORMAT = 'figures-9'
+_FIGURES_FORMAT = 'figures-8'
 _UNIT = {'': 1, 'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30, 'T': 1 << 40}
 
 
@@ -82,23 +81,20 @@ def parse_refusal(message: str) -> vocab.Refusal | None:
 
 def _compile(
   lowered: Any, limit: int | None
-) -> tuple[Any, vocab.Refusal | None, float, dict[str, Any], Buffers | None]:
+) -> tuple[Any, vocab.Refusal | None, float, dict[str, Any]]:
   """Compiles (for GPUs, for the memory a run hands XLA: ``limit``); the
-  compiled program, or the refusal, the seconds, what the compiler said of
-  its own rematerialization and budget, and its buffer assignment (XLA's
-  dump of this compile, read and removed)."""
+  compiled program, or the refusal, the seconds, and what the compiler said
+  of its own rematerialization and budget."""
   start = time.perf_counter()
   planned: dict[str, Any] = {'budget': limit, 'retargeted': False}
   try:
-    with _stderr_lines() as said, buffers_lib.dump_folder() as folder:
-      options = buffers_lib.dump_options(folder)
+    with _stderr_lines() as said:
       if limit is None:
-        compiled = lowered.compile(compiler_options=options)
+        compiled = lowered.compile()
       else:
         compiled, planned['retargeted'], planned['cublas_matmuls'] = (
-          usable.compile_for_memory(lowered, limit, options)
+          usable.compile_for_memory(lowered, limit)
         )
-      buffers = buffers_lib.read_dump(folder)
   except Exception as e:  # jax's JaxRuntimeError (XlaRuntimeError before)
     refusal = parse_refusal(str(e))
     if refusal is None:
@@ -106,9 +102,9 @@ def _compile(
         f'the compiler failed on the step (not for lack of memory): '
         f'{str(e).strip().splitlines()[0]}'
       ) from e
-    return None, refusal, time.perf_counter() - start, planned, None
+    return None, refusal, time.perf_counter() - start, planned
   planned.update(remat_said(said))
-  return compiled, None, time.perf_counter() - start, planned, buffers
+  return compiled, None, time.perf_counter() - start, planned
 
 
 _REMAT_LINE = re.compile(
@@ -318,8 +314,6 @@ def figures(
       computations, mesh.devices, mesh.axis_names, why
     )
     out['summary'] = summary.to_dict()
-    out['attributor'] = why  # what holds the peak reads the program as why does
-    out['aliases'] = hlo_text.output_aliases(text)
   if 'memory' in out:
     out['input_bytes'], out['device_memory'], out['host_notes'] = split_host(
       out,
@@ -460,7 +454,7 @@ def _compiled_figures(
 ) -> tuple[dict[str, Any], str | None, dict[str, Any] | None]:
   """Compiles: the figures to cache, the HLO text and its parse (None when
   the compiler refused the program)."""
-  compiled, refusal, seconds, planned, buffers = _compile(lowered, limit)
+  compiled, refusal, seconds, planned = _compile(lowered, limit)
   if refusal is not None:
     found = {'refusal': dataclasses.asdict(refusal), 'seconds': seconds}
     return dict(found, planned=planned), None, None
@@ -478,6 +472,5 @@ def _compiled_figures(
     # the figures, so a cached report says so too.
     'reader': compiled_text.disagreements(computations, compiled),
     'planned': planned,
-    'buffers': None if buffers is None else buffers.to_dict(),
   }
   return found, text, computations

@@ -26,7 +26,6 @@ from jax.sharding import AbstractMesh
 
 from flax_shardmeta._capacity.fit.traced_step import Step, prepare
 from flax_shardmeta._capacity.hlo.roofline import CollectiveRow, roofline
-from flax_shardmeta._capacity.peak.rows import extrapolated
 from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._errors import FitError
 
@@ -224,10 +223,6 @@ def extrapolate(
     for r in large.rows
   )
   collectives = _collectives(small, large, line)
-  total = sum(r.bytes for r in rows)
-  peak = None
-  if small.peak_memory is not None and large.peak_memory is not None:
-    peak = extrapolated(small.peak_memory, large.peak_memory, a, b, layers, total)
   flops = line(small.flops, large.flops)
   traffic = line(small.bytes_accessed, large.bytes_accessed)
   return dataclasses.replace(
@@ -236,7 +231,7 @@ def extrapolate(
     '(each layer adds the same bytes, collectives and flops); exact=True '
     'compiles all of them',
     rows=rows,
-    total_bytes=total,
+    total_bytes=sum(r.bytes for r in rows),
     memory_analysis=memory,
     donated_bytes=round(line(small.donated_bytes, large.donated_bytes) or 0),
     collectives=tuple(sorted(collectives, key=lambda c: (c.kind, -c.bytes))),
@@ -249,7 +244,6 @@ def extrapolate(
     loops=(),
     compile_seconds=small.compile_seconds + large.compile_seconds,
     cached=small.cached and large.cached,
-    peak_memory=peak,
   )
 
 
