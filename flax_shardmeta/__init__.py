@@ -41,6 +41,11 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
   )
   from flax_shardmeta._caches import clear_caches as clear_caches
   from flax_shardmeta._capacity.fit.fit import fit as fit
+  from flax_shardmeta._capacity.peak.rows import (
+    PeakDiff as PeakDiff,
+    PeakMemory as PeakMemory,
+    PeakRow as PeakRow,
+  )
   from flax_shardmeta._capacity.report import FitReport as FitReport
   from flax_shardmeta._capacity.suggest.presets import (
     RULE_PRESETS as RULE_PRESETS,

@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as
 import flax_shardmeta as fsm
 from flax_shardmeta import examples
 from flax_shardmeta._capacity.fit import (
-  compiled as compiled_lib,
+  compiling as compiling_lib,
   figure_cache as cache_lib,
   traced_step as step_lib,
 )
@@ -220,6 +220,7 @@ def test_the_cache_returns_the_same_figures(monkeypatch, tmp_path):
   second = fsm.fit(*args)
   assert not first.cached and second.cached and second.compile_seconds == 0
   assert second.rows == first.rows and second.collectives == first.collectives
+  assert second.peak() == first.peak()  # what holds the peak, from the cache too
   assert len(list(tmp_path.glob('*.json'))) == len(list(tmp_path.glob('*.hlo.gz'))) == 1
   other = fsm.fit(*train.train_step('mlp', mesh, batch=32, dtype=jnp.float32))
   assert not other.cached  # another program, another key
@@ -395,7 +396,7 @@ def test_topology_meshes_and_their_errors(monkeypatch):
 
 
 def test_refusal_messages_are_read():
-  r = compiled_lib.parse_refusal(
+  r = compiling_lib.parse_refusal(
     'RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for '
     'HLO temporaries (252.84G) exceeds available HBM (95.74G).'
   )
@@ -404,12 +405,12 @@ def test_refusal_messages_are_read():
     int(252.84 * 2**30),
     int(95.74 * 2**30),
   )
-  r = compiled_lib.parse_refusal(
+  r = compiling_lib.parse_refusal(
     'RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory '
     'space hbm. Used 20.50G of 15.75G hbm. Exceeded hbm capacity by 4.75G.'
   )
   assert r is not None and r.required_bytes == int(20.5 * 2**30)
-  assert compiled_lib.parse_refusal('INVALID_ARGUMENT: something else') is None
+  assert compiling_lib.parse_refusal('INVALID_ARGUMENT: something else') is None
 
 
 def test_sizes_parse():

@@ -28,6 +28,7 @@ LAYERS = [
     '_programs.name_stacks',
     '_programs.hlo_text',
     '_programs.compiled_text',
+    '_programs.buffers',
   ],
   # How the rules enter jax.jit's cache key (the rule context sets it).
   ['_jit_key'],
@@ -109,18 +110,22 @@ LAYERS = [
     '_capacity.hlo.roofline',
     '_capacity.why.readable',
     '_capacity.estimate.unplaced',
+    '_capacity.peak.rows',
     '_capacity.report',
   ],
   ['_capacity.suggest.presets'],
   # The step, the estimate without a compiler, the compiled figures, fit.
   [
     '_capacity.fit.traced_step',
+    '_capacity.peak.values',
+    '_capacity.peak.holders',
     '_capacity.estimate.coverage',
     '_capacity.estimate.liveness',
     '_capacity.estimate.estimator',
   ],
   [
     '_capacity.fit.compiled_figures',
+    '_capacity.fit.compiling',
     '_capacity.fit.compiled',
     '_capacity.fit.extrapolate',
     '_capacity.fit.gpu_verdict',
@@ -202,7 +207,7 @@ SUBPACKAGES = (
 )
 # The capacity layer's rooms, one concept each.
 ROOMS = tuple(
-  f'_capacity.{room}' for room in ('hlo', 'estimate', 'why', 'fit', 'suggest')
+  f'_capacity.{room}' for room in ('hlo', 'estimate', 'why', 'fit', 'suggest', 'peak')
 )
 PACKAGES = {'', 'examples', *SUBPACKAGES, *ROOMS}
 

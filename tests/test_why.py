@@ -251,9 +251,9 @@ def program_texts(monkeypatch):
   real = compiled._compiled_figures
 
   def keep(lowered, limit):
-    found, text, parsed = real(lowered, limit)
+    found, text, parsed, peak_text = real(lowered, limit)
     texts.append(text)
-    return found, text, parsed
+    return found, text, parsed, peak_text
 
   monkeypatch.setattr(compiled, '_compiled_figures', keep)
   return texts

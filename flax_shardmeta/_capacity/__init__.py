@@ -19,6 +19,8 @@ In rooms by concept:
   ``report.why()``'s text;
 - ``suggest/``: rule presets, candidates, the search, how they rank,
   ``fsm.suggest``;
+- ``peak/``: what holds a step's peak, row by row (``FitReport.peak()``),
+  from the buffer assignment ``_programs`` reads and why's data flow;
 - ``report``: ``FitReport`` and its table.
 
 Modules here may import the core, ``_programs``, ``_init``, ``_planning`` and

@@ -14,6 +14,7 @@ from flax_shardmeta._capacity.fit.usable import (
   fraction_text,
 )
 from flax_shardmeta._capacity.hlo.roofline import CollectiveRow, Roofline, by_link
+from flax_shardmeta._capacity.peak.rows import PeakMemory
 from flax_shardmeta._capacity.vocabulary import (  # `X as X`: read from here too
   ACTIVATIONS as ACTIVATIONS,
   ARGUMENT_ROWS as ARGUMENT_ROWS,
@@ -100,6 +101,7 @@ class FitReport:
     unmeasured: estimates only: what in the step none of the models its
       error was measured on has (BENCHMARKS.md), e.g. ``'shard_map (per-device
       code)'``; where any, the verdict says the band does not cover it.
+    peak_memory: what holds the peak, row by row (:meth:`peak`).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -139,6 +141,23 @@ class FitReport:
   error_band: tuple[float, float] | None = None
   plan: CompilerPlan | None = None
   unmeasured: tuple[str, ...] = ()
+  peak_memory: PeakMemory | None = dataclasses.field(default=None, repr=False)
+
+  def peak(self) -> PeakMemory:
+    """What holds the peak: :attr:`total_bytes` split by parameter, optimizer
+    slot, input, output, activation line, gradient, collective buffer and
+    workspace (the rows add up to the total), where in the step it falls,
+    and the operation at it. ``.diff(other.peak())`` compares two steps.
+
+    Raises:
+      FitError: the report has no rows to split (a refused compile).
+    """
+    if self.peak_memory is None:
+      raise FitError(
+        'this report has no peak to split (the compiler refused the step): '
+        'fit a smaller step, or a larger mesh, to see what holds its memory'
+      )
+    return self.peak_memory
 
   @property
   def fits(self) -> bool | None:
@@ -290,6 +309,7 @@ class FitReport:
       'error_band': list(self.error_band) if self.error_band else None,
       'unmeasured': list(self.unmeasured),
       'compiler_plan': self.plan.to_dict() if self.plan else None,
+      'peak': self.peak_memory.to_dict() if self.peak_memory else None,
     }
 
   def __str__(self) -> str:
@@ -402,6 +422,8 @@ def format_report(report: FitReport) -> str:
     rows.append(('  HBM', signed_bytes(report.hbm_bytes), '', where))
   lines += table(rows, {1, 2})
   lines.append(f'verdict: {verdict(report)}')
+  if report.fits is False and report.peak_memory is not None:
+    lines += report.peak_memory.advice()
   lines += report_lines(report.unplaced, report.total_bytes)
   if report.collectives:
     lines.append('')

@@ -8,7 +8,9 @@ optimised HLO text parsed into computations and instructions, with
 objects, and the counts read off program text), ``source_map`` (a lowered
 program's source locations, so a cached program's lines are moved to the
 caller's), ``jaxprs`` (the version-aware jaxpr walker: calls inlined,
-sub-programs, scan parameters) and ``hosts`` (the hosts of a device set).
+sub-programs, scan parameters), ``hosts`` (the hosts of a device set) and
+``buffers`` (XLA's buffer assignment of a compiled program, from its dump:
+the values alive at the peak of its heap).
 
 Modules here may import only the lowest core modules (``_typing``,
 ``_specs``, ``_caches``, ``_frames``, ``_arrays``, ``_views``, ``_problem``,

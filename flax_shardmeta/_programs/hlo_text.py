@@ -52,7 +52,11 @@ _HEADER = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$')
 # SparseCore, an async wrapper's) closes with the thread's name.
 _FOOTER = re.compile(r'^\}(?:,\s*execution_thread="([^"]*)")?$')
 _INSTRUCTION = re.compile(r'^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$')
-_OPERAND = re.compile(r'%([\w.\-]+)')
+# XLA's dumps (jax 0.12) leave out get-tuple-element: an operand `%while.3#1`
+# is element 1 of `while.3`. The `#k` stays in the operand's name, and
+# `parse` adds the get-tuple-element it stands for.
+_OPERAND = re.compile(r'%([\w.\-]+(?:#\d+)*)')
+_COMMENT = re.compile(r'/\*.*?\*/')
 # Attributes print as `, key=value` after the operands; metadata's own fields
 # are space-separated inside braces, so anchoring on ', ' never reads them.
 _CALL_ROLES = (
@@ -93,6 +97,29 @@ def array_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
     for dtype, dims in _ARRAY.findall(shape)
     if dtype in _ITEMSIZE or dtype.startswith(('f8', 'f4'))
   ]
+
+
+def tuple_elements(shape: str) -> list[str]:
+  """The element shapes of a tuple shape string (``[]`` for an array).
+
+  Example:
+    >>> tuple_elements('(f32[2]{0}, /*index=1*/(s32[], u8[4]{0}))')
+    ['f32[2]{0}', '(s32[], u8[4]{0})']
+  """
+  if not shape.startswith('('):
+    return []
+  inside = _COMMENT.sub('', _balanced(shape, '(', ')')[1:-1])
+  out, depth, start = [], 0, 0
+  for i, ch in enumerate(inside + ','):
+    if ch in '([{':
+      depth += 1
+    elif ch in ')]}':
+      depth -= 1
+    elif ch == ',' and depth == 0:
+      if inside[start:i].strip():
+        out.append(inside[start:i].strip())
+      start = i + 1
+  return out
 
 
 def largest_array_bytes(shape: str) -> float:
@@ -305,9 +332,26 @@ def parse(text: str) -> dict[str, Computation]:
       continue
     inst = parse_instruction(line)
     if inst is not None:
+      for operand in inst.operands:
+        _add_element(current, operand)
       current.instructions.append(inst)
       current.shapes[inst.name] = inst.shape
   return computations
+
+
+def _add_element(comp: Computation, operand: str) -> None:
+  """The get-tuple-element a dump's ``%x#k`` operand stands for, added to
+  ``comp`` before its first use (nested ``%x#k#j`` one level at a time)."""
+  whole, sep, k = operand.rpartition('#')
+  if not sep or operand in comp.shapes:
+    return
+  _add_element(comp, whole)
+  elements = tuple_elements(comp.shapes.get(whole, ''))
+  shape = elements[int(k)] if int(k) < len(elements) else ''
+  gte = Instruction(operand, shape, 'get-tuple-element', [whole], f', index={k}')
+  gte.args = f'%{whole}'
+  comp.instructions.append(gte)
+  comp.shapes[operand] = shape
 
 
 def output_aliases(text: str) -> dict[int, int]:

@@ -68,11 +68,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     help='after the report, why each collective is there: the parameter, '
     'gradient or line of code behind it, and what looks unexpected',
   )
+  p.add_argument(
+    '--peak',
+    action='store_true',
+    help='after the report, what holds the peak: every byte per chip by '
+    'parameter, optimizer slot, input, output, activation line, gradient, '
+    'collective buffer and workspace, and where in the step the peak falls',
+  )
+  p.add_argument(
+    '--against',
+    metavar='REPORT.json',
+    help='with --peak: compare with a report saved by --format json (another '
+    'batch, remat, mesh or preset): what the change moved, row by row '
+    '(default: none)',
+  )
   options.add_output(p, table='a table of the per-chip report, or JSON', cache=True)
 
 
 def run(args: argparse.Namespace) -> int:
   """The ``fit`` subcommand; returns the exit code."""
+  before = _against(args)
   made = step.prepared(args)
   fit_options = {
     'hbm': args.hbm,
@@ -85,13 +100,24 @@ def run(args: argparse.Namespace) -> int:
   else:
     report = _user(args, made.factory, made, fit_options)
   rule_files.note_default_rules(args)
+  diff = before.diff(report.peak()) if before is not None else None
   if args.format == 'json':
-    print(json.dumps(report.to_dict(), indent=1))
+    out = report.to_dict()
+    if diff is not None:
+      out['peak_against'] = {'file': args.against, **diff.to_dict()}
+    print(json.dumps(out, indent=1))
   else:
     print(report)
     if args.why:
       print()
       print(report.why())
+    if args.peak:
+      print()
+      print(report.peak())
+    if diff is not None:
+      print()
+      print(f'{args.against} (before) against this step (after):')
+      print(diff)
   if report.too_close_to_call:
     return TOO_CLOSE
   return 1 if report.fits is False else 0
@@ -99,6 +125,35 @@ def run(args: argparse.Namespace) -> int:
 
 TOO_CLOSE = 3
 """The exit code of an estimate within its measured error of the limit."""
+
+
+def _against(args: argparse.Namespace) -> Any:
+  """``--against``'s peak, read before anything is built."""
+  if args.against is None:
+    return None
+  if not args.peak:
+    raise UsageError('--against: goes with --peak (what holds the peak, compared)')
+  try:
+    with open(args.against) as f:
+      data = json.load(f)
+  except OSError as e:
+    raise UsageError(f'--against: cannot read {args.against!r}: {e.strerror}') from None
+  except ValueError as e:
+    raise UsageError(f'--against: {args.against!r} holds no JSON: {e}') from None
+  import flax_shardmeta as fsm
+
+  peak = data.get('peak') if isinstance(data, dict) else None
+  if not isinstance(peak, dict):
+    raise UsageError(
+      f'--against: {args.against!r} is no report with a peak; save one with '
+      'flax-shardmeta fit ... --format json > REPORT.json'
+    )
+  try:
+    return fsm.PeakMemory.from_dict(peak)
+  except (KeyError, TypeError, ValueError) as e:
+    raise UsageError(
+      f'--against: {args.against!r}: its peak is unreadable ({e})'
+    ) from None
 
 
 def _builtin(args: argparse.Namespace, made: step.Prepared, fit_options: dict) -> Any:

@@ -41,6 +41,7 @@ from flax_shardmeta._capacity.fit.traced_step import (
   jit_shardings,
   prepare,
 )
+from flax_shardmeta._capacity.peak.holders import estimated_peak
 from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._devices.chips import Chip
 from flax_shardmeta._devices.gpu import GPUS
@@ -134,6 +135,7 @@ def estimate(
     notes=_notes(mesh, unmeasured_here),
     unplaced=w.found.listing(totals.unplaced),
     unmeasured=unmeasured_here,
+    peak_memory=estimated_peak(rows, arguments, target.names),
   )
 
 

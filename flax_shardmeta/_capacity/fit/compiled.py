@@ -10,23 +10,19 @@ program (``_capacity.fit.figure_cache``) unless ``fit(..., cache=False)``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 import re
-import sys
-import tempfile
-import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from flax_shardmeta._arrays import is_key, shard_bytes
 from flax_shardmeta._capacity import vocabulary as vocab
-from flax_shardmeta._capacity.fit import figure_cache as cache_lib, usable
+from flax_shardmeta._capacity.fit import figure_cache as cache_lib
 from flax_shardmeta._capacity.fit.compiled_figures import CompiledFigures
+from flax_shardmeta._capacity.fit.compiling import compile_step
 from flax_shardmeta._capacity.fit.host_memory import (
   given_hosts,
   on_host,
@@ -48,127 +44,8 @@ from flax_shardmeta._frames import source_line
 from flax_shardmeta._programs import compiled_text, hlo_text
 from flax_shardmeta._programs.memory import memory_fields
 
-_REFUSAL = re.compile(
-  r'(?:required for HLO temporaries|Used)\s*\(?([0-9.]+)\s*([KMGT]?)i?B?\)?'
-  r'.*?(?:available HBM|of)\s*\(?([0-9.]+)\s*([KMGT]?)i?B?\)?',
-  re.S,
-)
 # Bumped when the cached figures change form: older entries are not read.
-_FIGURES_FORMAT = 'figures-8'
-_UNIT = {'': 1, 'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30, 'T': 1 << 40}
-
-
-def parse_refusal(message: str) -> vocab.Refusal | None:
-  """The compiler's required and available bytes from an out-of-memory error.
-
-  Example:
-    >>> r = parse_refusal('RESOURCE_EXHAUSTED: Ran out of memory on HBM, the '
-    ...   'total memory required for HLO temporaries (115.85G) exceeds available '
-    ...   'HBM (95.74G).')
-    >>> round(r.required_bytes / 2**30, 2), round(r.available_bytes / 2**30, 2)
-    (115.85, 95.74)
-  """
-  if 'RESOURCE_EXHAUSTED' not in message and 'Ran out of memory' not in message:
-    return None
-  first = message.strip().split('\n')[0]
-  m = _REFUSAL.search(first)
-  if m is None:
-    return vocab.Refusal(0, 0, first)
-  need = float(m.group(1)) * _UNIT[m.group(2)]
-  have = float(m.group(3)) * _UNIT[m.group(4)]
-  return vocab.Refusal(int(need), int(have), first)
-
-
-def _compile(
-  lowered: Any, limit: int | None
-) -> tuple[Any, vocab.Refusal | None, float, dict[str, Any]]:
-  """Compiles (for GPUs, for the memory a run hands XLA: ``limit``); the
-  compiled program, or the refusal, the seconds, and what the compiler said
-  of its own rematerialization and budget."""
-  start = time.perf_counter()
-  planned: dict[str, Any] = {'budget': limit, 'retargeted': False}
-  try:
-    with _stderr_lines() as said:
-      if limit is None:
-        compiled = lowered.compile()
-      else:
-        compiled, planned['retargeted'], planned['cublas_matmuls'] = (
-          usable.compile_for_memory(lowered, limit)
-        )
-  except Exception as e:  # jax's JaxRuntimeError (XlaRuntimeError before)
-    refusal = parse_refusal(str(e))
-    if refusal is None:
-      raise FitError(
-        f'the compiler failed on the step (not for lack of memory): '
-        f'{str(e).strip().splitlines()[0]}'
-      ) from e
-    return None, refusal, time.perf_counter() - start, planned
-  planned.update(remat_said(said))
-  return compiled, None, time.perf_counter() - start, planned
-
-
-_REMAT_LINE = re.compile(
-  r"Can't reduce memory use below .*?\((\d+) bytes\).*?only reduced to .*?"
-  r'\((\d+) bytes\).*?down from .*?\((\d+) bytes\)'
-)
-
-
-# What the report tells itself, so not passed on: rematerialization, and the
-# GPU scheduler's complaint when the arguments alone exceed its budget.
-_TOLD = re.compile(
-  r"Can't reduce memory use below|input/output arguments .* exceeds the base limit"
-)
-
-
-def remat_said(lines: Sequence[str]) -> dict[str, Any]:
-  """What XLA's rematerialization logged: the target it missed, what it
-  reached and where it started (bytes), when it says so.
-
-  Example:
-    >>> remat_said(["W hlo_rematerialization.cc:3231] Can't reduce memory use "
-    ...   'below 18.25GiB (19597518118 bytes) by rematerialization; only reduced '
-    ...   'to 26.62GiB (28586803392 bytes), down from 45.09GiB (48411443392 '
-    ...   'bytes) originally'])['remat_saved_bytes']
-    19824640000
-  """
-  for line in lines:
-    m = _REMAT_LINE.search(line)
-    if m:
-      target, reached, before = (int(g) for g in m.groups())
-      return {
-        'remat_target_bytes': target,
-        'remat_reached_bytes': reached,
-        'remat_saved_bytes': before - reached,
-        'remat_message': line[line.index("Can't") :].strip(),
-      }
-  return {}
-
-
-@contextlib.contextmanager
-def _stderr_lines() -> Iterator[list[str]]:
-  """What the compiler's C++ logging writes to the process's stderr while
-  compiling, as lines; passed on afterwards, but for the lines the report
-  itself tells (rematerialization)."""
-  lines: list[str] = []
-  try:
-    sys.stderr.flush()
-    saved = os.dup(2)
-  except (OSError, ValueError):  # no real stderr (embedded): nothing to read
-    yield lines
-    return
-  with tempfile.TemporaryFile() as sink:
-    os.dup2(sink.fileno(), 2)
-    try:
-      yield lines
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
-      sink.seek(0)
-      text = sink.read().decode(errors='replace')
-      lines.extend(text.splitlines())
-      rest = [ln for ln in lines if not _TOLD.search(ln)]
-      if rest:
-        sys.stderr.write('\n'.join(rest) + '\n')
+_FIGURES_FORMAT = 'figures-9'
 
 
 def _memory(compiled: Any) -> dict[str, int]:
@@ -275,23 +152,16 @@ def figures(
     # are this lowering's, read from it op by op.
     program, lines = source_map.read(lowered.as_text(debug_info=True))
     key = cache_lib.key(program, mesh.devices, extra=f'{_FIGURES_FORMAT} limit={limit}')
-  found = cache_lib.load(key, on_disk=True) if key is not None else None
+  found, text, peak_text = _from_cache(key, lines)
   cached = found is not None
-  text = None
-  if found is not None and 'refusal' not in found:
-    text = cache_lib.load_text(key, on_disk=True) if key is not None else None
-    if text is None:  # a cache entry without its program: compile again
-      cache_lib.forget(key or '')
-      found, cached = None, False
-    elif lines is not None:
-      # The cached program names the lines of the script that compiled it.
-      text = source_map.relocate(text, found.get('lines'), lines)
   computations = None
   if found is None:
-    found, text, computations = _compiled_figures(lowered, limit)
+    found, text, computations, peak_text = _compiled_figures(lowered, limit)
     if key is not None:
       if text is not None:
         cache_lib.store_text(key, text, on_disk=True)
+        if peak_text is not None:
+          cache_lib.store_text(f'{key}-buffers', peak_text, on_disk=True)
         if lines is not None:
           found = dict(found, lines=lines.to_json())
       cache_lib.store(key, found, on_disk=True)
@@ -300,20 +170,26 @@ def figures(
   if text is not None:
     if computations is None:
       computations = hlo_text.parse(text)
-    why = attributor(
-      text,
-      computations,
-      arguments,
-      out.get('input_bytes', []),
-      target.names,
-      out.get('outputs'),
-      _layout_changes(target, arguments, traced),
-      lines_of_trace(traced),
-    )
+
+    def reader(program: str, parsed: dict[str, Any]) -> hlo_attribution.Attributor:
+      changes = _layout_changes(target, arguments, traced)
+      inputs, outputs = out.get('input_bytes', []), out.get('outputs')
+      return attributor(
+        program, parsed, arguments, inputs, target.names, outputs, changes,
+        lines_of_trace(traced),
+      )  # fmt: skip
+
+    why = reader(text, computations)
     summary = hlo.summarize_computations(
       computations, mesh.devices, mesh.axis_names, why
     )
     out['summary'] = summary.to_dict()
+    # What holds the peak reads the program as why does: the program the
+    # buffer assignment is of, where that is not as_text()'s.
+    out['attributor'] = (
+      why if peak_text is None else reader(peak_text, hlo_text.parse(peak_text))
+    )
+    out['aliases'] = hlo_text.output_aliases(text)
   if 'memory' in out:
     out['input_bytes'], out['device_memory'], out['host_notes'] = split_host(
       out,
@@ -329,6 +205,31 @@ def figures(
   ]
   out['compile_seconds'] = 0.0 if cached else out['seconds']
   return CompiledFigures.of(out)
+
+
+def _from_cache(
+  key: str | None, lines: Any
+) -> tuple[dict[str, Any] | None, str | None, str | None]:
+  """A cached compile: its figures, its program and the dumped program its
+  buffer assignment is of (where that is another), moved to this script's
+  lines; ``(None, None, None)`` when there is none to read."""
+  from flax_shardmeta._programs import source_map
+
+  found = cache_lib.load(key, on_disk=True) if key is not None else None
+  if found is None or key is None or 'refusal' in found:
+    return found, None, None
+  text = cache_lib.load_text(key, on_disk=True)
+  if text is None:  # a cache entry without its program: compile again
+    cache_lib.forget(key)
+    return None, None, None
+  peak_text = None
+  if found.get('buffers_program'):
+    peak_text = cache_lib.load_text(f'{key}-buffers', on_disk=True)
+  if lines is not None:  # the cached program names the lines of its script
+    text = source_map.relocate(text, found.get('lines'), lines)
+    if peak_text is not None:
+      peak_text = source_map.relocate(peak_text, found.get('lines'), lines)
+  return found, text, peak_text
 
 
 def attributor(
@@ -451,13 +352,21 @@ def output_paths(compiled: Any) -> list[list[Any]]:
 
 def _compiled_figures(
   lowered: Any, limit: int | None
-) -> tuple[dict[str, Any], str | None, dict[str, Any] | None]:
+) -> tuple[dict[str, Any], str | None, dict[str, Any] | None, str | None]:
   """Compiles: the figures to cache, the HLO text and its parse (None when
-  the compiler refused the program)."""
-  compiled, refusal, seconds, planned = _compile(lowered, limit)
+  the compiler refused the program), and the dumped program its buffer
+  assignment is of where that is another text (None where it is the same)."""
+  made = compile_step(lowered, limit)
+  compiled, refusal, seconds, planned, buffers = (
+    made.program,
+    made.refusal,
+    made.seconds,
+    made.planned,
+    made.buffers,
+  )
   if refusal is not None:
     found = {'refusal': dataclasses.asdict(refusal), 'seconds': seconds}
-    return dict(found, planned=planned), None, None
+    return dict(found, planned=planned), None, None, None
   text = compiled_text.program_text(compiled)
   computations = hlo_text.parse(text)
   planned['remat_instructions'] = compiled_text.rematerialized(text)
@@ -472,5 +381,10 @@ def _compiled_figures(
     # the figures, so a cached report says so too.
     'reader': compiled_text.disagreements(computations, compiled),
     'planned': planned,
+    'buffers': None if buffers is None else buffers.to_dict(),
   }
-  return found, text, computations
+  names = {i.name for c in computations.values() for i in c.instructions}
+  elsewhere = buffers is not None and any(v.name not in names for v in buffers.at_peak)
+  peak_text = made.dumped if elsewhere else None
+  found['buffers_program'] = peak_text is not None
+  return found, text, computations, peak_text

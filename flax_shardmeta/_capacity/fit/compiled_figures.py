@@ -12,6 +12,7 @@ from typing import Any
 
 from flax_shardmeta._capacity.hlo.summary import ProgramSummary
 from flax_shardmeta._capacity.vocabulary import Refusal
+from flax_shardmeta._programs.buffers import Buffers
 from flax_shardmeta._programs.memory import ProgramMemory
 
 
@@ -34,6 +35,10 @@ class CompiledFigures:
     replicated: the dimensions ``replicate_indivisible`` replicated, in words.
     cached: read from the cache, not compiled.
     compile_seconds: the compile's wall time (0 when cached).
+    buffers: XLA's buffer assignment at the heap's peak (None: not dumped).
+    aliases: output position -> the donated argument it reuses.
+    attributor: why's reader of this program (not cached: made anew from the
+      program text each time).
   """
 
   refusal: Refusal | None = None
@@ -50,6 +55,9 @@ class CompiledFigures:
   replicated: tuple[str, ...] = ()
   cached: bool = False
   compile_seconds: float = 0.0
+  buffers: Buffers | None = None
+  aliases: dict[int, int] = dataclasses.field(default_factory=dict)
+  attributor: Any = None
 
   @classmethod
   def of(cls, found: dict[str, Any]) -> CompiledFigures:
@@ -73,4 +81,7 @@ class CompiledFigures:
       replicated=tuple(found.get('replicated') or ()),
       cached=bool(found.get('cached')),
       compile_seconds=float(found.get('compile_seconds') or 0.0),
+      buffers=Buffers.from_dict(found['buffers']) if found.get('buffers') else None,
+      aliases=dict(found.get('aliases') or {}),
+      attributor=found.get('attributor'),
     )

@@ -26,6 +26,7 @@ from jax.sharding import AbstractMesh
 
 from flax_shardmeta._capacity.fit.traced_step import Step, prepare
 from flax_shardmeta._capacity.hlo.roofline import CollectiveRow, roofline
+from flax_shardmeta._capacity.peak.rows import extrapolated
 from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._errors import FitError
 
@@ -223,6 +224,10 @@ def extrapolate(
     for r in large.rows
   )
   collectives = _collectives(small, large, line)
+  total = sum(r.bytes for r in rows)
+  peak = None
+  if small.peak_memory is not None and large.peak_memory is not None:
+    peak = extrapolated(small.peak_memory, large.peak_memory, a, b, layers, total)
   flops = line(small.flops, large.flops)
   traffic = line(small.bytes_accessed, large.bytes_accessed)
   return dataclasses.replace(
@@ -231,7 +236,7 @@ def extrapolate(
     '(each layer adds the same bytes, collectives and flops); exact=True '
     'compiles all of them',
     rows=rows,
-    total_bytes=sum(r.bytes for r in rows),
+    total_bytes=total,
     memory_analysis=memory,
     donated_bytes=round(line(small.donated_bytes, large.donated_bytes) or 0),
     collectives=tuple(sorted(collectives, key=lambda c: (c.kind, -c.bytes))),
@@ -244,6 +249,7 @@ def extrapolate(
     loops=(),
     compile_seconds=small.compile_seconds + large.compile_seconds,
     cached=small.cached and large.cached,
+    peak_memory=peak,
   )
 
 

@@ -33,6 +33,7 @@ from flax_shardmeta._capacity.fit.traced_step import (
 )
 from flax_shardmeta._capacity.hlo import summary as hlo
 from flax_shardmeta._capacity.hlo.roofline import group, roofline
+from flax_shardmeta._capacity.peak.holders import peak_memory
 from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._devices import gpu
 from flax_shardmeta._devices.chips import CHIPS, Chip, chip_named, chip_of
@@ -224,6 +225,10 @@ def _compiled_report(
     )
     notes += gv.gpu_notes(memory_at_run, plan, tried, cost)
   notes += gv.remat_notes(plan)
+  peak = peak_memory(
+    rows, memory, found.input_bytes, arguments.categories, target.names,
+    found.outputs, found.output_bytes, found.aliases, found.buffers, found.attributor,
+  )  # fmt: skip
   return FitReport(
     source='compiled',
     method='compiled for the mesh; figures from XLA (memory_analysis, '
@@ -246,6 +251,7 @@ def _compiled_report(
     usable=memory_at_run,
     needed_fraction=needed,
     plan=plan,
+    peak_memory=peak,
     **common,
   )
 

@@ -322,7 +322,9 @@ def description_for(text: str, limit_bytes: int) -> str:
   return _MEMORY_FIELD.sub(lambda m: f'{m.group(1)}{described}', text, count=1)
 
 
-def compile_for_memory(lowered: Any, limit_bytes: int) -> tuple[Any, bool, bool]:
+def compile_for_memory(
+  lowered: Any, limit_bytes: int, options: dict[str, Any] | None = None
+) -> tuple[Any, bool, bool]:
   """Compiles ``lowered`` (for compile-only GPU devices) as if the client had
   handed XLA ``limit_bytes`` of device memory, with matmuls as a real run's
   autotuning may pick them; ``(compiled, retargeted, cublas_matmuls)``.
@@ -337,23 +339,25 @@ def compile_for_memory(lowered: Any, limit_bytes: int) -> tuple[Any, bool, bool]
   card's), so combined collectives may differ slightly from the run's.
   ``cublas_matmuls`` is False where this XLA no longer takes
   :data:`GPU_COMPILER_OPTIONS` (the program then keeps the Triton fusions).
+  ``options`` are further compile options (a dump folder).
   """
+  options = options or {}
   lowering: Any = getattr(lowered, '_lowering', None)
   args = getattr(lowering, 'compile_args', None)
   devices = getattr(lowering, '_device_list', None)
   if not isinstance(args, dict) or devices is None or 'backend' not in args:
-    compiled, cublas = _compile_gpu(lowered)
+    compiled, cublas = _compile_gpu(lowered, options)
     return compiled, False, cublas
   first = devices[0]
   text = gpu._TEXT_OF_KIND.get(first.device_kind)
   if text is None:
-    compiled, cublas = _compile_gpu(lowered)
+    compiled, cublas = _compile_gpu(lowered, options)
     return compiled, False, cublas
   nodes = host_count(devices)
   target = _devices(description_for(text, limit_bytes), nodes, len(devices) // nodes)
   by_id = {d.id: d for d in target}
   if any(d.id not in by_id for d in devices):
-    compiled, cublas = _compile_gpu(lowered)
+    compiled, cublas = _compile_gpu(lowered, options)
     return compiled, False, cublas
   from jax._src import lib as jax_lib
 
@@ -364,19 +368,20 @@ def compile_for_memory(lowered: Any, limit_bytes: int) -> tuple[Any, bool, bool]
   moved._executable = None
   again = copy.copy(lowered)
   again._lowering = moved
-  compiled, cublas = _compile_gpu(again)
+  compiled, cublas = _compile_gpu(again, options)
   return compiled, True, cublas
 
 
-def _compile_gpu(lowered: Any) -> tuple[Any, bool]:
-  """``lowered`` compiled with :data:`GPU_COMPILER_OPTIONS`, or without them
-  where this XLA does not know them; ``(compiled, with_options)``."""
+def _compile_gpu(lowered: Any, options: dict[str, Any]) -> tuple[Any, bool]:
+  """``lowered`` compiled with :data:`GPU_COMPILER_OPTIONS` (and ``options``),
+  or without them where this XLA does not know them; ``(compiled,
+  with_options)``."""
   try:
-    return lowered.compile(compiler_options=GPU_COMPILER_OPTIONS), True
+    return lowered.compile(compiler_options={**GPU_COMPILER_OPTIONS, **options}), True
   except Exception as e:  # jax's JaxRuntimeError: an option XLA dropped
     if not any(name in str(e) for name in GPU_COMPILER_OPTIONS):
       raise
-  return lowered.compile(), False
+  return lowered.compile(compiler_options=options or None), False
 
 
 _TARGETS: dict[tuple[str, int, int], tuple[Any, ...]] = {}

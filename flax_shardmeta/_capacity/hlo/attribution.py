@@ -175,7 +175,7 @@ class Attributor:
     common = {'source': self._line(inst, comp, named, op), 'scope': scope}
     value = inst.operands[operand] if operand < len(inst.operands) else None
     dims_in, dims_out = operand_dims(inst, comp, operand)
-    leaf = self._leaf(self.flow.origin(comp, value)) if value is not None else None
+    leaf = self.leaf(self.flow.origin(comp, value)) if value is not None else None
     if max(_bytes(comp, value, inst), 0) <= 8:
       return Attribution('other', (leaf[0],) if leaf else (), **common)
     if leaf is not None and leaf[1] == PARAMETERS:
@@ -183,9 +183,9 @@ class Attributor:
     if leaf is not None and leaf[1] == OPTIMIZER:
       return Attribution('other', (leaf[0],), **common)
     reach = self._reach(inst, comp, operand)
-    grads = self._updated(reach.outputs)
+    grads = self.updated(reach.outputs)
     if not grads and 'transpose(' in op:
-      grads = self._updated(reach.outputs, INPUTS)
+      grads = self.updated(reach.outputs, INPUTS)
     if grads:
       # The line using the parameter, not the loss or the update; a
       # collective the step's code calls in its forward pass keeps its own.
@@ -370,19 +370,25 @@ class Attributor:
       index = ()
     return self.flow.reach(comp, at.name, index)
 
-  def _leaf(self, number: int | None) -> tuple[str, str] | None:
+  def line(self, inst: Instruction, comp: Computation) -> str:
+    """The user's line of the value ``inst`` computes, as :meth:`attribute`
+    tells a collective's (``NO_USER_LINE`` where none is near)."""
+    return self._line(inst, comp, inst, inst.op_name())
+
+  def leaf(self, number: int | None) -> tuple[str, str] | None:
+    """``(plan path, category)`` of entry parameter ``number``, if known."""
     if number is None or number >= len(self.leaves):
       return None
     return self.leaves[number]
 
-  def _updated(self, outputs: set[int], inputs: str = '') -> tuple[str, ...]:
+  def updated(self, outputs: set[int], inputs: str = '') -> tuple[str, ...]:
     """The parameters whose new values (or optimizer state) are among
     ``outputs``; with ``inputs``, the arguments of that category whose new
     values are."""
     found: set[str] = set()
     params = [leaf[0] for leaf in self.leaves if leaf and leaf[1] == PARAMETERS]
     for out in outputs:
-      leaf = self._leaf(self.updates.get(out))
+      leaf = self.leaf(self.updates.get(out))
       if leaf is None:
         continue
       path, category = leaf

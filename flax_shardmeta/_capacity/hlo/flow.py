@@ -231,6 +231,9 @@ class Flow:
       if len(seen) > self.budget:
         out.complete = False
         break
+      if len(where) > _DEEPEST:  # a path no tuple nests this deep: a misread
+        out.complete = False
+        continue
       root = self.root(at_comp)
       if root is not None and root.name == at:
         todo += self._leaving(at_comp, where, out)
@@ -331,6 +334,11 @@ class Flow:
       else:
         found.append((outer, call.name, index))
     return found
+
+
+# Tuples in compiled programs nest a few levels (a loop's state, an async
+# wrapper's); an index longer than this went round a cycle it should not.
+_DEEPEST = 16
 
 
 def _callee(inst: Instruction) -> str | None:

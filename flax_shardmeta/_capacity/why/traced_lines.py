@@ -60,6 +60,8 @@ class TracedLines:
       equations so keyed, in program order.
     uses: per input of the step (in the jaxpr's order), the user's line that
       first computes with it (``''`` where none does).
+    checkpoints: the user's line of each ``checkpoint_name`` call -> the
+      names it gives (what a remat policy saves or offloads by name).
 
   Example:
     >>> t = TracedLines({('M/up', 'dot_general', True): ('m.py:4',)}, ('m.py:4',))
@@ -71,6 +73,7 @@ class TracedLines:
 
   lines: dict[Key, tuple[str, ...]]
   uses: tuple[str, ...] = ()
+  checkpoints: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
   def lines_of(self, op_name: str) -> tuple[str, ...]:
     """The user's lines of the equations an instruction's ``op_name`` names
@@ -83,8 +86,9 @@ class TracedLines:
     """These lines with ``uses`` only for the inputs kept (the compiled
     program's parameters: jax drops the inputs a step never reads)."""
     if len(keep) != len(self.uses):
-      return TracedLines(self.lines, ())
-    return TracedLines(self.lines, tuple(u for u, k in zip(self.uses, keep) if k))
+      return TracedLines(self.lines, (), self.checkpoints)
+    kept = tuple(u for u, k in zip(self.uses, keep) if k)
+    return TracedLines(self.lines, kept, self.checkpoints)
 
 
 def key_of(op_name: str) -> Key:
@@ -100,12 +104,14 @@ def key_of(op_name: str) -> Key:
 def traced_lines(jaxpr: Any) -> TracedLines:
   """The lines of a traced step's jaxpr (``traced.jaxpr.jaxpr``)."""
   found: dict[Key, list[str]] = {}
-  _walk(jaxpr, 'jit(step)', found)
+  named: dict[str, list[str]] = {}
+  _walk(jaxpr, 'jit(step)', found, named)
   lines = {k: tuple(dict.fromkeys(v)) for k, v in found.items()}
   used: dict[int, str] = {}
   _first_uses(jaxpr, {v: {i} for i, v in enumerate(jaxpr.invars)}, used)
   uses = tuple(used.get(i, '') for i in range(len(jaxpr.invars)))
-  return TracedLines(lines, uses)
+  checkpoints = {line: tuple(dict.fromkeys(n)) for line, n in named.items()}
+  return TracedLines(lines, uses, checkpoints)
 
 
 def lines_of_trace(traced: Any) -> TracedLines | None:
@@ -118,7 +124,11 @@ def lines_of_trace(traced: Any) -> TracedLines | None:
     return None
 
 
-def _walk(jaxpr: Any, prefix: str, found: dict[Key, list[str]]) -> None:
+def _walk(
+  jaxpr: Any, prefix: str, found: dict[Key, list[str]], named: dict[str, list[str]]
+) -> None:
+  """Every equation's user line into ``found`` by key, and the names each
+  ``checkpoint_name`` call gives into ``named`` by its line."""
   for eqn in jaxpr.eqns:
     stack = str(getattr(eqn.source_info, 'name_stack', '') or '')
     at = '/'.join(p for p in (prefix, stack) if p)
@@ -126,6 +136,8 @@ def _walk(jaxpr: Any, prefix: str, found: dict[Key, list[str]]) -> None:
     line = user_line(getattr(eqn.source_info, 'traceback', None))
     if line:
       found.setdefault(key_of(f'{at}/{name}'), []).append(line)
+      if name == 'name':  # checkpoint_name: what a remat policy names
+        named.setdefault(line, []).append(str(eqn.params.get('name', '')))
     inner_prefix = (
       f'{at}/jit({eqn.params.get("name", "")})' if name in NAMED_CALLS else at
     )
@@ -134,6 +146,7 @@ def _walk(jaxpr: Any, prefix: str, found: dict[Key, list[str]]) -> None:
         inner,
         f'{inner_prefix}/{name}' if name not in NAMED_CALLS else inner_prefix,
         found,
+        named,
       )
 
 

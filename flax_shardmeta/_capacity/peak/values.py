@@ -1,0 +1,322 @@
+"""What each value alive at a step's peak is: its kind told by where the
+value comes from and where it goes (why's data flow), what and where by the
+operation that made its contents, through XLA's copies and casts and, for a
+scan's stacked buffers, into the loop body that writes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+from flax_shardmeta._capacity import vocabulary as vocab
+from flax_shardmeta._capacity.hlo.attribution import Attributor
+from flax_shardmeta._capacity.hlo.trip_counts import trip_count
+from flax_shardmeta._capacity.peak.rows import PeakRow
+from flax_shardmeta._frames import NO_USER_LINE
+from flax_shardmeta._programs.buffers import Value
+from flax_shardmeta._programs.hlo_text import (
+  Computation,
+  Instruction,
+  largest_array_bytes,
+)
+from flax_shardmeta._programs.name_stacks import primitive_of, scope_of
+
+COLLECTIVES = frozenset(
+  (
+    'all-reduce',
+    'all-gather',
+    'reduce-scatter',
+    'all-to-all',
+    'ragged-all-to-all',
+    'collective-permute',
+    'collective-broadcast',
+  )
+)
+_WORKSPACE = ('s8[', 'u8[')
+# Operations that only move or cast a value: its contents are their operand's.
+_MOVES = frozenset(
+  ('copy', 'bitcast', 'reshape', 'convert', 'copy-start', 'copy-done', 'transpose')
+)
+_BACKWARD = 'transpose('
+
+
+class ValueReader:
+  """Tells what each value at the peak is, from the program's data flow."""
+
+  def __init__(self, attributor: Attributor):
+    self.why = attributor
+    self.flow = attributor.flow
+    self.where: dict[str, tuple[Computation, Instruction]] = {}
+    for comp in attributor.computations.values():
+      for inst in comp.instructions:
+        self.where.setdefault(inst.name, (comp, inst))
+
+  def row(self, value: Value, size: int) -> PeakRow:
+    """The row of ``size`` bytes of ``value``: its kind told by where the
+    value comes from and goes (the data flow), what and where by the
+    operation that made its contents (through copies, and for a scan's
+    stacked buffers, the loop body's update)."""
+    found = self.where.get(value.name)
+    if found is None:
+      return PeakRow('temporary', '', '', size, shape=value.shape)
+    comp, inst = found
+    index = tuple(int(i) for i in value.index.strip('{}').split(',') if i)
+    base = inst.opcode.removesuffix('-start').removesuffix('-done')
+    if base in COLLECTIVES:
+      return self._collective(comp, inst, base, index, size, value.shape)
+    made_in, made, layers = self._maker(comp, inst, index, value.shape)
+    layers = layers or self._stacked_in(comp, value.shape)
+    line_of = made
+    if made.opcode == 'parameter':  # a layer's input: at the scan's line
+      caller = self.flow.caller(made_in)
+      made_in, line_of = caller if caller is not None else (made_in, made)
+    op = made.op_name() or line_of.op_name()
+    row = PeakRow(
+      'activation',
+      _operation(made.op_name(), made),
+      self._line(made_in, line_of),
+      size,
+      scope_of(op),
+      layers,
+      value.shape,
+    )
+    if inst.opcode == 'custom-call' and index and value.shape.startswith(_WORKSPACE):
+      target = (inst.attribute('custom_call_target') or 'a library call').strip('"')
+      return dataclasses.replace(row, kind='workspace', what=f'scratch of {target}')
+    leaf = self.why.leaf(self.flow.origin(comp, inst.name)) if not index else None
+    if leaf is not None:
+      kind = 'parameter copy' if leaf[1] == vocab.PARAMETERS else 'input copy'
+      return dataclasses.replace(row, kind=kind, what=leaf[0])
+    updated = list(self.why.updated(self.flow.reach(comp, inst.name, index).outputs))
+    backward = _BACKWARD in op
+    if updated:
+      more = f' (+{len(updated) - 1} more)' if len(updated) > 1 else ''
+      kind = 'gradient' if backward else 'optimizer update'
+      return dataclasses.replace(row, kind=kind, what=updated[0] + more)
+    if backward:
+      return dataclasses.replace(row, kind='backward')
+    return dataclasses.replace(row, checkpoint=self._checkpoint(row.where))
+
+  def _checkpoint(self, line: str) -> str:
+    """The ``checkpoint_name`` given at ``line``, if one is."""
+    traced = self.why.lines
+    names = traced.checkpoints.get(line, ()) if traced is not None and line else ()
+    return ', '.join(names)
+
+  def _maker(
+    self, comp: Computation, inst: Instruction, index: tuple[int, ...], shape: str
+  ) -> tuple[Computation, Instruction, int]:
+    """The operation that made a value's contents, and over how many layers
+    a scan stacked them (0: none): through copies, casts and tuples, into a
+    loop's body for its carried buffers, from a loop's initial buffer (zeros
+    XLA broadcast) to what the body writes there."""
+    layers = 0
+    seen: set[tuple[str, str, tuple[int, ...]]] = set()
+    named: tuple[Computation, Instruction] | None = None  # the first jax named
+    stacking = False  # passed a scan's update of a stacked buffer
+    for _ in range(32):
+      if (comp.name, inst.name, index) in seen:
+        break
+      seen.add((comp.name, inst.name, index))
+      by_name = self.flow.by_name[comp.name]
+      op = inst.op_name()
+      if named is None and _jax_name(op):
+        named = comp, inst
+      if inst.opcode == 'parameter' and index and stacking:
+        break  # a scan stacks its carry: each layer's input
+      if inst.opcode == 'parameter' and index:
+        caller = self.flow.caller(comp)  # a loop body's carry: its initial value
+        if caller is None or caller[1].opcode != 'while' or not caller[1].operands:
+          break
+        comp, loop = caller
+        init = self.flow.by_name[comp.name].get(loop.operands[0])
+        if init is None:
+          break
+        inst = init
+        continue
+      if inst.opcode == 'while' and index:
+        n = trip_count(inst, comp, self.why.computations)
+        layers = n if n and _leading(shape) == n else layers
+        inner = self._carried(comp, inst, index[0])
+        if inner is None:  # the body passes it through: its initial value
+          init = by_name.get(inst.operands[0]) if inst.operands else None
+          if init is None:
+            break
+          inst = init
+          continue
+        (comp, inst), index = inner, ()
+        continue
+      step = None
+      loop = self._loop_fed(comp, inst, index)
+      if loop is not None:  # zeros a scan fills: what its body writes there
+        inst, index = loop
+        continue
+      if inst.opcode == 'get-tuple-element' and inst.operands:
+        step, k = by_name.get(inst.operands[0]), inst.int_attribute('index')
+        index = (k,) if k is not None else ()
+      elif inst.opcode == 'tuple' and index and index[0] < len(inst.operands):
+        step, index = by_name.get(inst.operands[index[0]]), index[1:]
+      elif _updates_in_place(inst, op) and len(inst.operands) > 1:
+        stacking = True
+        step = _largest(comp, inst.operands[1:], by_name)  # the update written
+      elif _jax_name(op) and inst.opcode not in _MOVES:
+        break
+      elif inst.opcode in _MOVES and inst.operands:
+        step = by_name.get(inst.operands[0])
+      elif inst.operands and not _jax_name(op):
+        step = by_name.get(inst.operands[0])
+      if step is None:
+        break
+      inst = step
+    if (
+      not _jax_name(inst.op_name()) and named is not None and inst.opcode != 'parameter'
+    ):
+      comp, inst = named  # the walk lost the contents: the nearest jax name
+    return comp, inst, layers
+
+  def _stacked_in(self, comp: Computation, shape: str) -> int:
+    """A value a loop body holds with one slot per trip (a scan's stacked
+    buffer, updated in place): the trip count; else 0."""
+    caller = self.flow.caller(comp)
+    if caller is None or caller[1].opcode != 'while':
+      return 0
+    n = trip_count(caller[1], caller[0], self.why.computations)
+    return n if n and _leading(shape) == n else 0
+
+  def _loop_fed(
+    self, comp: Computation, inst: Instruction, index: tuple[int, ...] = ()
+  ) -> tuple[Instruction, tuple[int, ...]] | None:
+    """The loop whose initial carry ``inst`` is and whose body writes that
+    element (the zeros a scan then fills with a value per layer), and the
+    element: ``(while, (k,))``; None for a value the loop only reads."""
+    users = self.flow.users[comp.name]
+    at = [inst]
+    if index:  # an element of a tuple-shaped result: where it is taken out
+      at = [
+        u
+        for u in users.get(inst.name, [])
+        if u.opcode == 'get-tuple-element' and u.int_attribute('index') == index[0]
+      ]
+    for _ in range(4):  # through the copies XLA puts before the loop
+      moved = [u for i in at for u in users.get(i.name, []) if u.opcode in _MOVES]
+      for i in at:
+        for user in users.get(i.name, []):
+          if user.opcode != 'tuple':
+            continue
+          for loop in users.get(user.name, []):
+            k = user.operands.index(i.name)
+            if loop.opcode == 'while' and self._carried(comp, loop, k) is not None:
+              return loop, (k,)
+      at = moved
+    return None
+
+  def _collective(
+    self,
+    comp: Computation,
+    inst: Instruction,
+    base: str,
+    index: tuple[int, ...],
+    size: int,
+    shape: str,
+  ) -> PeakRow:
+    start = inst
+    if inst.opcode.endswith('-done') and inst.operands:
+      start = self.flow.by_name[comp.name].get(inst.operands[0], inst)
+    operand = index[0] if index and len(start.operands) > 1 else 0
+    a = self.why.attribute(start, comp, base, operand)
+    told = a.reason + (f' of {", ".join(a.parameters[:2])}' if a.parameters else '')
+    where = a.source if a.source != NO_USER_LINE else ''
+    scope = a.scope or scope_of(inst.op_name())
+    what = f'{base}: {told}'
+    return PeakRow('collective', what, where, size, scope, shape=shape)
+
+  def _line(self, comp: Computation, inst: Instruction) -> str:
+    line = self.why.line(inst, comp)
+    return '' if line == NO_USER_LINE else line
+
+  def _carried(
+    self, comp: Computation, loop: Instruction, k: int
+  ) -> tuple[Computation, Instruction] | None:
+    """What a loop's body makes element ``k`` of its carry; None where the
+    body passes the element through unchanged (a scan's stacked residuals,
+    read by the backward loop)."""
+    body_name = loop.attribute('body')
+    body = self.why.computations.get((body_name or '').lstrip('%'))
+    if body is None or not body.instructions:
+      return None
+    root = body.instructions[-1]
+    if root.opcode != 'tuple' or k >= len(root.operands):
+      return None
+    by_name = self.flow.by_name[body.name]
+    inst = by_name.get(root.operands[k])
+    for _ in range(8):  # through the copies around it
+      if inst is None or inst.opcode not in ('copy', 'bitcast'):
+        break
+      inst = by_name.get(inst.operands[0]) if inst.operands else None
+    if inst is None:
+      return None
+    if inst.opcode == 'get-tuple-element' and inst.int_attribute('index') == k:
+      source = by_name.get(inst.operands[0]) if inst.operands else None
+      if source is not None and source.opcode == 'parameter':
+        return None
+    return body, inst
+
+  def peak(self, name: str) -> tuple[str, str]:
+    """The phase of the step the operation ``name`` runs in, and it with
+    its line and scope."""
+    found = self.where.get(name)
+    if found is None:
+      return '', name
+    comp, inst = found
+    op = inst.op_name()
+    if _BACKWARD in op:
+      phase = 'backward'
+    elif 'jvp(' in op or not op:
+      phase = 'forward'
+    else:
+      reach = self.flow.reach(comp, inst.name)
+      phase = 'optimizer update' if self.why.updated(reach.outputs) else 'forward'
+    line, scope = self._line(comp, inst), scope_of(op)
+    told = ', '.join(x for x in (line, scope) if x)
+    return phase, f'{name} ({told})' if told else name
+
+
+def _operation(op: str, inst: Instruction) -> str:
+  """What a value is, in jax's words: the primitive that made it (a scan's
+  carried buffer where only the loop is named)."""
+  if inst.opcode == 'while':
+    return 'scan carry'
+  if inst.opcode == 'parameter':
+    return "a layer's input (the scan's carry)"
+  return primitive_of(op) or re.sub(r'\.\d+$', '', inst.opcode)
+
+
+def _largest(
+  comp: Computation, names: Sequence[str], by_name: dict[str, Instruction]
+) -> Instruction | None:
+  """Of the instructions ``names``, the one with the largest result."""
+  found = [by_name[n] for n in names if n in by_name]
+  return max(found, key=lambda i: largest_array_bytes(i.shape), default=None)
+
+
+def _updates_in_place(inst: Instruction, op: str) -> bool:
+  """Whether ``inst`` writes a slice into its first operand (a scan stacking
+  a layer's value): its contents are the update's."""
+  if primitive_of(op) == 'dynamic_update_slice':
+    return True
+  return 'dynamic-update-slice' in inst.opcode or (
+    inst.opcode == 'fusion' and 'dynamic-update-slice' in inst.name
+  )
+
+
+def _jax_name(op: str) -> bool:
+  """Whether an ``op_name`` is jax's name stack (``jit(step)/...``), not a
+  name XLA gave an instruction it made (``broadcast.78``)."""
+  return '/' in op
+
+
+def _leading(shape: str) -> int | None:
+  m = re.match(r'^\w+\[(\d+)[,\]]', shape)
+  return int(m.group(1)) if m else None
