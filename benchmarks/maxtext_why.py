@@ -130,8 +130,11 @@ class Built:
   compiler_options: dict[str, Any]
 
 
-def maxtext_argv(per_device_batch: int, seq: int) -> list[str]:
-  """``train_compile``'s command line for the step checked here."""
+def maxtext_argv(
+  per_device_batch: int, seq: int, extra: Sequence[str] = ()
+) -> list[str]:
+  """``train_compile``'s command line for the step checked here (``extra``:
+  more ``key=value`` settings, e.g. ``remat_policy=minimal``)."""
   from maxtext.configs import pyconfig
 
   out = os.path.join(tempfile.gettempdir(), 'maxtext_why')
@@ -149,10 +152,11 @@ def maxtext_argv(per_device_batch: int, seq: int) -> list[str]:
     # jax's persistent cache cannot read back an executable compiled for a
     # topology without a client: it only writes files and warns.
     'jax_cache_dir=',
+    *extra,
   ]
 
 
-def build_step(per_device_batch: int, seq: int) -> Built:
+def build_step(per_device_batch: int, seq: int, extra: Sequence[str] = ()) -> Built:
   """The step as ``train_compile.main`` builds it, jitted but not compiled."""
   import jax
   from maxtext.configs import pyconfig
@@ -165,7 +169,7 @@ def build_step(per_device_batch: int, seq: int) -> Built:
     os.environ.get('LIBTPU_INIT_ARGS', '')
     + ' --xla_tpu_spmd_rng_bit_generator_unsafe=true'
   )
-  config = pyconfig.initialize(maxtext_argv(per_device_batch, seq))
+  config = pyconfig.initialize(maxtext_argv(per_device_batch, seq, extra))
   train_compile.validate_config(config)
   mesh = train_compile.get_topology_mesh(config)
   args, kwargs, state_shardings, _, model = train_compile.get_shaped_inputs(

@@ -205,6 +205,34 @@ def test_the_command_line_prints_the_peak_and_diffs_against_a_saved_report(
 # ------------------------------------------------------------------------------
 
 
+def test_a_checkpoint_name_given_after_a_helper_names_the_helpers_row(mesh):
+  from jax.ad_checkpoint import checkpoint_name
+
+  def dense(x, w):
+    return jnp.tanh(x @ w)  # the value the backward pass keeps is made here
+
+  def helper_loss(params, x):
+    hidden = dense(x, params['w1'])
+    hidden = checkpoint_name(hidden, 'hidden')  # named a line later
+    out = checkpoint_name(dense(hidden, params['w2']), 'out')  # another shape
+    return jnp.mean(out**2)
+
+  def helper_step(params, x):
+    grads = jax.grad(helper_loss)(params, x)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+  params, x = arguments(mesh)
+  with jax.set_mesh(mesh):
+    report = fsm.fit(jax.jit(helper_step, donate_argnums=0), params, x, cache=False)
+  made_at = f'test_peak.py:{dense.__code__.co_firstlineno + 1}'
+  rows = [r for r in report.peak().rows if r.where.endswith(made_at)]
+  rows = [r for r in rows if r.kind == 'activation']
+  named = {r.shape.split('{')[0]: r.checkpoint for r in rows}
+  # Each chip holds a (8192 / 2, 4096 / 4) shard of `hidden`: both names are
+  # given at the helper's line, and only the one of hidden's shape is its.
+  assert named.get('f32[4096,1024]') == 'hidden', rows
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
   'topology',
@@ -245,12 +273,22 @@ def test_a_named_checkpoint_is_on_its_activations_row(mesh):
     grads = jax.grad(named_loss)(params, x)
     return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
+  def remat_named_step(params, x):
+    grads = jax.grad(jax.checkpoint(named_loss))(params, x)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
   params, x = arguments(mesh)
   with jax.set_mesh(mesh):
     report = fsm.fit(jax.jit(named_step, donate_argnums=0), params, x, cache=False)
+    remat = fsm.fit(jax.jit(remat_named_step, donate_argnums=0), params, x, cache=False)
   rows = [r for r in report.peak().rows if r.checkpoint == 'hidden']
   assert rows and all(r.kind == 'activation' for r in rows)
   assert "'hidden'" in report.peak().format(top=20)
+  # What remat took away keeps its name in the diff.
+  diff = report.peak().diff(remat.peak())
+  went = [r for r in diff.rows if r.checkpoint == 'hidden']
+  assert went and sum(r.change for r in went) < 0
+  assert "'hidden'" in diff.format(top=20)
 
 
 @pytest.mark.slow

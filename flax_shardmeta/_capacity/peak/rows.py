@@ -310,6 +310,7 @@ class DiffRow:
   before: int
   after: int
   scope: str = ''
+  checkpoint: str = ''  # the activation's checkpoint_name, on either side
 
   @property
   def change(self) -> int:
@@ -350,11 +351,14 @@ class PeakDiff(ShownWithTreescope):
   @classmethod
   def of(cls, before: PeakMemory, after: PeakMemory) -> PeakDiff:
     merged: dict[tuple[str, str, str, str], list[int]] = {}
+    names: dict[tuple[str, str, str, str], str] = {}
     for side, peak in enumerate((before, after)):
       for r in peak.rows:
         merged.setdefault(r.key(), [0, 0])[side] += r.bytes
+        if r.checkpoint:
+          names.setdefault(r.key(), r.checkpoint)
     rows = [
-      DiffRow(kind, what, where, b, a, scope)
+      DiffRow(kind, what, where, b, a, scope, names.get((kind, what, where, scope), ''))
       for (kind, what, where, scope), (b, a) in merged.items()
       if a != b
     ]
@@ -374,7 +378,8 @@ class PeakDiff(ShownWithTreescope):
       f'({_signed(self.change)})'
     )
     cells = [
-      (r.kind, r.what or '(unnamed)', r.where, format_bytes(r.before),
+      (r.kind, (r.what or '(unnamed)') + (f" '{r.checkpoint}'" if r.checkpoint else ''),
+       r.where, format_bytes(r.before),
        format_bytes(r.after), _signed(r.change))
       for r in self.rows[:top]
     ]  # fmt: skip
@@ -445,11 +450,12 @@ def _signed(n: int) -> str:
 
 
 def merge_rows(rows: Sequence[PeakRow]) -> tuple[PeakRow, ...]:
-  """Rows of the same kind, what, where, scope and layer count as one (a
-  value split in pieces, one parameter's several buffers), largest first."""
+  """Rows of the same kind, what, where, scope, layer count and checkpoint
+  name as one (a value split in pieces, one parameter's several buffers),
+  largest first."""
   merged: dict[tuple[Any, ...], PeakRow] = {}
   for r in rows:
-    key = (*r.key(), r.layers)
+    key = (*r.key(), r.layers, r.checkpoint)
     found = merged.get(key)
     if found is not None:
       r = dataclasses.replace(found, bytes=found.bytes + r.bytes)

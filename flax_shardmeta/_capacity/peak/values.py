@@ -19,6 +19,7 @@ from flax_shardmeta._programs.buffers import Value
 from flax_shardmeta._programs.hlo_text import (
   Computation,
   Instruction,
+  array_shapes,
   largest_array_bytes,
 )
 from flax_shardmeta._programs.name_stacks import primitive_of, scope_of
@@ -36,6 +37,8 @@ COLLECTIVES = frozenset(
 )
 _WORKSPACE = ('s8[', 'u8[')
 # Operations that only move or cast a value: its contents are their operand's.
+# What passes a value on unchanged but for its type or shape, inside a kernel.
+_PASSES = frozenset({'bitcast', 'reshape', 'copy', 'convert', 'reduce-precision'})
 _MOVES = frozenset(
   ('copy', 'bitcast', 'reshape', 'convert', 'copy-start', 'copy-done', 'transpose')
 )
@@ -97,13 +100,26 @@ class ValueReader:
       return dataclasses.replace(row, kind=kind, what=updated[0] + more)
     if backward:
       return dataclasses.replace(row, kind='backward')
-    return dataclasses.replace(row, checkpoint=self._checkpoint(row.where))
+    named = self._checkpoint(row.where, value.shape, layers)
+    return dataclasses.replace(row, checkpoint=named)
 
-  def _checkpoint(self, line: str) -> str:
-    """The ``checkpoint_name`` given at ``line``, if one is."""
+  def _checkpoint(self, line: str, shape: str, layers: int) -> str:
+    """The ``checkpoint_name`` given to a value made at ``line`` whose
+    shape a chip's ``shape`` (a scan's ``layers`` stacked) is a shard of;
+    names given to values of other shapes there are not this one's."""
     traced = self.why.lines
     names = traced.checkpoints.get(line, ()) if traced is not None and line else ()
-    return ', '.join(names)
+    arrays = array_shapes(shape)
+    if not names or traced is None or len(arrays) != 1:
+      return ''
+    dims = (
+      arrays[0][1][1:] if layers and arrays[0][1][:1] == (layers,) else arrays[0][1]
+    )
+    return ', '.join(
+      n
+      for n in names
+      if any(_shard_of(dims, s) for s in traced.checkpoint_shapes.get(n, ()))
+    )
 
   def _maker(
     self, comp: Computation, inst: Instruction, index: tuple[int, ...], shape: str
@@ -160,7 +176,11 @@ class ValueReader:
         step, index = by_name.get(inst.operands[index[0]]), index[1:]
       elif _updates_in_place(inst, op) and len(inst.operands) > 1:
         stacking = True
-        step = _largest(comp, inst.operands[1:], by_name)  # the update written
+        inside = self._written_inside(inst)
+        if inside is not None:  # a kernel that makes what it writes
+          comp, inst = inside
+          break
+        step = self._written(comp, inst)
       elif _jax_name(op) and inst.opcode not in _MOVES:
         break
       elif inst.opcode in _MOVES and inst.operands:
@@ -175,6 +195,46 @@ class ValueReader:
     ):
       comp, inst = named  # the walk lost the contents: the nearest jax name
     return comp, inst, layers
+
+  def _written_inside(
+    self, inst: Instruction
+  ) -> tuple[Computation, Instruction] | None:
+    """A kernel (fusion) that writes a slice in place and makes that slice
+    itself (a matmul stacked per layer by its scan): the instruction inside
+    that makes it, through casts and reshapes; None where the slice is one of
+    the kernel's operands, or ``inst`` is no kernel."""
+    inner, written = self._update_of(inst)
+    if inner is None or written is None or written.opcode == 'parameter':
+      return None
+    return inner, written
+
+  def _written(self, comp: Computation, inst: Instruction) -> Instruction | None:
+    """The operand whose contents ``inst`` writes in place: the one its
+    kernel writes, else the largest update operand."""
+    by_name = self.flow.by_name[comp.name]
+    _, written = self._update_of(inst)
+    k = written.parameter_number() if written is not None else None
+    if k is not None and k < len(inst.operands):
+      return by_name.get(inst.operands[k])
+    return _largest(comp, inst.operands[1:], by_name)
+
+  def _update_of(
+    self, inst: Instruction
+  ) -> tuple[Computation | None, Instruction | None]:
+    """Inside a fusion that updates a slice in place: its computation and
+    what makes the update (through casts and reshapes)."""
+    callee = next((c for r, c in inst.called() if r == 'calls'), None)
+    inner = self.why.computations.get(callee or '') if inst.opcode == 'fusion' else None
+    if inner is None:
+      return None, None
+    by_name = self.flow.by_name[inner.name]
+    dus = next(
+      (i for i in inner.instructions if i.opcode == 'dynamic-update-slice'), None
+    )
+    written = by_name.get(dus.operands[1]) if dus and len(dus.operands) > 1 else None
+    while written is not None and written.opcode in _PASSES and written.operands:
+      written = by_name.get(written.operands[0])
+    return inner, written
 
   def _stacked_in(self, comp: Computation, shape: str) -> int:
     """A value a loop body holds with one slot per trip (a scan's stacked
@@ -309,6 +369,11 @@ def _updates_in_place(inst: Instruction, op: str) -> bool:
   return 'dynamic-update-slice' in inst.opcode or (
     inst.opcode == 'fusion' and 'dynamic-update-slice' in inst.name
   )
+
+
+def _shard_of(dims: tuple[int, ...], whole: tuple[int, ...]) -> bool:
+  """Whether an array of ``dims`` can be a shard of one of ``whole``."""
+  return len(dims) == len(whole) and all(w % d == 0 for d, w in zip(dims, whole) if d)
 
 
 def _jax_name(op: str) -> bool:

@@ -60,8 +60,11 @@ class TracedLines:
       equations so keyed, in program order.
     uses: per input of the step (in the jaxpr's order), the user's line that
       first computes with it (``''`` where none does).
-    checkpoints: the user's line of each ``checkpoint_name`` call -> the
-      names it gives (what a remat policy saves or offloads by name).
+    checkpoints: the user's line of each ``checkpoint_name`` call, and the
+      lines that made the value it names -> the names (what a remat policy
+      saves or offloads by name).
+    checkpoint_shapes: each name -> the shapes of the values given it (a
+      line that makes several values tells them apart by shape).
 
   Example:
     >>> t = TracedLines({('M/up', 'dot_general', True): ('m.py:4',)}, ('m.py:4',))
@@ -74,6 +77,9 @@ class TracedLines:
   lines: dict[Key, tuple[str, ...]]
   uses: tuple[str, ...] = ()
   checkpoints: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  checkpoint_shapes: dict[str, tuple[tuple[int, ...], ...]] = dataclasses.field(
+    default_factory=dict
+  )
 
   def lines_of(self, op_name: str) -> tuple[str, ...]:
     """The user's lines of the equations an instruction's ``op_name`` names
@@ -86,9 +92,9 @@ class TracedLines:
     """These lines with ``uses`` only for the inputs kept (the compiled
     program's parameters: jax drops the inputs a step never reads)."""
     if len(keep) != len(self.uses):
-      return TracedLines(self.lines, (), self.checkpoints)
+      return dataclasses.replace(self, uses=())
     kept = tuple(u for u, k in zip(self.uses, keep) if k)
-    return TracedLines(self.lines, kept, self.checkpoints)
+    return dataclasses.replace(self, uses=kept)
 
 
 def key_of(op_name: str) -> Key:
@@ -104,14 +110,21 @@ def key_of(op_name: str) -> Key:
 def traced_lines(jaxpr: Any) -> TracedLines:
   """The lines of a traced step's jaxpr (``traced.jaxpr.jaxpr``)."""
   found: dict[Key, list[str]] = {}
-  named: dict[str, list[str]] = {}
+  named: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
   _walk(jaxpr, 'jit(step)', found, named)
   lines = {k: tuple(dict.fromkeys(v)) for k, v in found.items()}
   used: dict[int, str] = {}
   _first_uses(jaxpr, {v: {i} for i, v in enumerate(jaxpr.invars)}, used)
   uses = tuple(used.get(i, '') for i in range(len(jaxpr.invars)))
-  checkpoints = {line: tuple(dict.fromkeys(n)) for line, n in named.items()}
-  return TracedLines(lines, uses, checkpoints)
+  checkpoints = {
+    line: tuple(dict.fromkeys(n for n, _ in v)) for line, v in named.items()
+  }
+  shapes: dict[str, list[tuple[int, ...]]] = {}
+  for given in named.values():
+    for n, shape in given:
+      shapes.setdefault(n, []).append(shape)
+  by_name = {n: tuple(dict.fromkeys(v)) for n, v in shapes.items()}
+  return TracedLines(lines, uses, checkpoints, by_name)
 
 
 def lines_of_trace(traced: Any) -> TracedLines | None:
@@ -125,10 +138,16 @@ def lines_of_trace(traced: Any) -> TracedLines | None:
 
 
 def _walk(
-  jaxpr: Any, prefix: str, found: dict[Key, list[str]], named: dict[str, list[str]]
-) -> None:
+  jaxpr: Any,
+  prefix: str,
+  found: dict[Key, list[str]],
+  named: dict[str, list[tuple[str, tuple[int, ...]]]],
+) -> list[list[str]]:
   """Every equation's user line into ``found`` by key, and the names each
-  ``checkpoint_name`` call gives into ``named`` by its line."""
+  ``checkpoint_name`` call gives into ``named`` by its line (and by the
+  lines that made the value it names). Returns the lines that made each of
+  the jaxpr's outputs."""
+  made: dict[Any, list[str]] = {}  # var -> the lines that made it, moves included
   for eqn in jaxpr.eqns:
     stack = str(getattr(eqn.source_info, 'name_stack', '') or '')
     at = '/'.join(p for p in (prefix, stack) if p)
@@ -136,18 +155,45 @@ def _walk(
     line = user_line(getattr(eqn.source_info, 'traceback', None))
     if line:
       found.setdefault(key_of(f'{at}/{name}'), []).append(line)
-      if name == 'name':  # checkpoint_name: what a remat policy names
-        named.setdefault(line, []).append(str(eqn.params.get('name', '')))
+    if name == 'name':  # checkpoint_name: what a remat policy names
+      # The value XLA keeps is made on the lines before the call (often in
+      # a helper), so the name goes to those lines too.
+      given = str(eqn.params.get('name', ''))
+      shape = tuple(getattr(getattr(eqn.invars[0], 'aval', None), 'shape', ()))
+      for at_line in dict.fromkeys([line, *_made_of(eqn.invars[:1], made)]):
+        if at_line:
+          named.setdefault(at_line, []).append((given, shape))
     inner_prefix = (
       f'{at}/jit({eqn.params.get("name", "")})' if name in NAMED_CALLS else at
     )
+    outs: list[list[str]] = []
     for inner, _ in _sub_jaxprs(eqn):
-      _walk(
+      outs = _walk(
         inner,
         f'{inner_prefix}/{name}' if name not in NAMED_CALLS else inner_prefix,
         found,
         named,
       )
+    _note_made(eqn, line, made, outs)
+  return [_made_of([v], made) for v in jaxpr.outvars]
+
+
+def _made_of(variables: Sequence[Any], made: dict[Any, list[str]]) -> list[str]:
+  """The lines that made the first of ``variables`` (``[]`` for a literal)."""
+  v = variables[0] if variables else None
+  return made.get(v, []) if isinstance(v, jex_core.Var) else []
+
+
+def _note_made(
+  eqn: Any, line: str, made: dict[Any, list[str]], inner: list[list[str]]
+) -> None:
+  """Records the lines that made each output of ``eqn``: its own, a moved
+  value's, and those of a call's sub-program's outputs (``inner``)."""
+  before = _made_of(eqn.invars, made) if eqn.primitive.name in _MOVES else []
+  for k, out in enumerate(eqn.outvars):
+    inside = inner[k] if len(inner) == len(eqn.outvars) else []
+    lines: list[str] = [*inside, *([line] if line else []), *before]
+    made[out] = list(dict.fromkeys(lines))[:6]
 
 
 def _sub_jaxprs(eqn: Any) -> list[tuple[Any, int]]:
