@@ -41,6 +41,11 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
   )
   from flax_shardmeta._caches import clear_caches as clear_caches
   from flax_shardmeta._capacity.fit.fit import fit as fit
+  from flax_shardmeta._capacity.fit.host_side import (
+    HOST_RAM as HOST_RAM,
+    HostMemory as HostMemory,
+    HostRow as HostRow,
+  )
   from flax_shardmeta._capacity.peak.rows import (
     PeakDiff as PeakDiff,
     PeakMemory as PeakMemory,

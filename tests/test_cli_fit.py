@@ -66,6 +66,10 @@ def test_without_a_topology_it_is_an_estimate(capsys):
   'argv, message',
   [
     (['--mesh', 'data=2,model=4', '--hbm', 'lots'], "--hbm: 'lots' is not a size"),
+    (
+      ['--mesh', 'data=2,model=4', '--host-memory', 'lots'],
+      "--host-memory: 'lots' is not a size",
+    ),
     (['--mesh', 'data=2,model=4', '--batch', '0'], '--batch 0: must be at least 1'),
     (['--mesh', 'data=2,model=4', '--remat', 'sometimes'], "--remat 'sometimes'"),
     (['--mesh', 'data=2,model=4', '--chip', 'v99'], "chip='v99' is not one fit knows"),

@@ -90,6 +90,7 @@ LAYERS = [
     '_capacity.fit.figure_cache',
     '_capacity.fit.donation',
     '_capacity.fit.host_memory',
+    '_capacity.fit.host_side',
   ],
   # The memory a GPU run gives XLA, and compiling for it.
   ['_capacity.fit.usable'],
@@ -99,6 +100,7 @@ LAYERS = [
   # there, then its loops, collectives and work.
   [
     '_capacity.why.traced_lines',
+    '_capacity.fit.offload',
     '_capacity.hlo.flow',
     '_capacity.hlo.attribution',
     '_capacity.hlo.trip_counts',
@@ -111,12 +113,14 @@ LAYERS = [
     '_capacity.why.readable',
     '_capacity.estimate.unplaced',
     '_capacity.peak.rows',
+    '_capacity.report_text',
     '_capacity.report',
   ],
   ['_capacity.suggest.presets'],
   # The step, the estimate without a compiler, the compiled figures, fit.
   [
     '_capacity.fit.traced_step',
+    '_capacity.fit.host_report',
     '_capacity.peak.values',
     '_capacity.peak.holders',
     '_capacity.estimate.coverage',

@@ -4,17 +4,17 @@ the report reads (its table and its treescope view)."""
 from __future__ import annotations
 
 import dataclasses
-import textwrap
 from typing import Any
 
-from flax_shardmeta._capacity.estimate.unplaced import UnplacedValue, report_lines
+from flax_shardmeta._capacity.estimate.unplaced import UnplacedValue
+from flax_shardmeta._capacity.fit.host_side import HostMemory
 from flax_shardmeta._capacity.fit.usable import (
   FRACTION_VARIABLES,
   UsableMemory,
-  fraction_text,
 )
-from flax_shardmeta._capacity.hlo.roofline import CollectiveRow, Roofline, by_link
+from flax_shardmeta._capacity.hlo.roofline import CollectiveRow, Roofline
 from flax_shardmeta._capacity.peak.rows import PeakMemory
+from flax_shardmeta._capacity.report_text import format_report, treescope_view
 from flax_shardmeta._capacity.vocabulary import (  # `X as X`: read from here too
   ACTIVATIONS as ACTIVATIONS,
   ARGUMENT_ROWS as ARGUMENT_ROWS,
@@ -35,7 +35,6 @@ from flax_shardmeta._capacity.vocabulary import (  # `X as X`: read from here to
 from flax_shardmeta._capacity.why.readable import format_unknown_why, format_why
 from flax_shardmeta._devices.chips import Chip
 from flax_shardmeta._errors import FitError
-from flax_shardmeta._units import format_seconds, signed_bytes, table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +101,9 @@ class FitReport:
       error was measured on has (BENCHMARKS.md), e.g. ``'shard_map (per-device
       code)'``; where any, the verdict says the band does not cover it.
     peak_memory: what holds the peak, row by row (:meth:`peak`).
+    host: what the step keeps in host memory (arguments on ``pinned_host``,
+      values a remat policy offloads), per chip and per host, against the
+      host's RAM; None when it keeps nothing there.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -142,6 +144,7 @@ class FitReport:
   plan: CompilerPlan | None = None
   unmeasured: tuple[str, ...] = ()
   peak_memory: PeakMemory | None = dataclasses.field(default=None, repr=False)
+  host: HostMemory | None = None
 
   def peak(self) -> PeakMemory:
     """What holds the peak: :attr:`total_bytes` split by parameter, optimizer
@@ -164,6 +167,22 @@ class FitReport:
     """Whether the step fits in ``hbm_bytes`` (on GPUs: the usable memory at
     the run's fraction). None when that is unknown, or when an estimate is
     within its error of it (too close to call without compiling)."""
+    if self.refusal is not None:
+      return False
+    if self.host is not None and self.host.fits is False:
+      return False  # the hosts lack room, whatever the chips have
+    if self.hbm_bytes is None or self.too_close_to_call:
+      return None
+    return self.total_bytes <= self.hbm_bytes
+
+  @property
+  def host_bytes(self) -> int:
+    """Bytes each chip keeps in host memory (0 when none; see ``host``)."""
+    return self.host.per_chip_bytes if self.host is not None else 0
+
+  @property
+  def fits_device(self) -> bool | None:
+    """The chips' side of the verdict alone (``fits`` also needs the hosts')."""
     if self.refusal is not None:
       return False
     if self.hbm_bytes is None or self.too_close_to_call:
@@ -310,6 +329,8 @@ class FitReport:
       'unmeasured': list(self.unmeasured),
       'compiler_plan': self.plan.to_dict() if self.plan else None,
       'peak': self.peak_memory.to_dict() if self.peak_memory else None,
+      'host': self.host.to_dict() if self.host else None,
+      'host_bytes': self.host_bytes,
     }
 
   def __str__(self) -> str:
@@ -332,167 +353,3 @@ class FitReport:
     import treescope
 
     return treescope.render_to_html(self._treescope_view())
-
-
-# Reading a report: its verdict, table and treescope view
-# ------------------------------------------------------------------------------
-
-
-def verdict(report: FitReport) -> str:
-  """One line: FITS / FITS ONLY WITH / DOES NOT FIT / TOO CLOSE TO CALL, with
-  the headroom or the shortfall; for an estimate of a step outside the
-  models its error was measured on, saying so."""
-  line = _verdict(report)
-  if report.unmeasured and report.hbm_bytes is not None:
-    line += (
-      "; the estimate's measured error does not cover this step "
-      f'({", ".join(report.unmeasured)}): compile it for a verdict that holds'
-    )
-  return line
-
-
-def _verdict(report: FitReport) -> str:
-  if report.refusal is not None:
-    r = report.refusal
-    return (
-      f'DOES NOT FIT: the compiler needs {signed_bytes(r.required_bytes)} per chip, '
-      f'{signed_bytes(r.available_bytes)} available '
-      f'({signed_bytes(r.required_bytes - r.available_bytes)} short)'
-    )
-  if report.too_close_to_call:
-    below, above = report.error_band or (0.0, 0.0)
-    return (
-      f'TOO CLOSE TO CALL without compiling: the estimate '
-      f'{signed_bytes(report.total_bytes)} is within its measured error (-{below:.0%}'
-      f'..+{above:.0%}) of the {signed_bytes(report.hbm_bytes)} limit; compile it '
-      'on a topology mesh (fsm.make_mesh(..., topology=...)) for a verdict'
-    )
-  if report.fits is None:
-    return 'no verdict: the device memory is unknown (pass hbm=..., e.g. "95GiB")'
-  room, share = report.headroom_bytes, report.headroom
-  of = 'of usable memory' if report.usable else 'of HBM'
-  at = _at_fraction(report.usable)
-  if report.fits:
-    return f'FITS{at}, headroom {signed_bytes(room)} ({share:.1%} {of})'
-  over = f'{signed_bytes(-(room or 0))} over ({-(share or 0):.1%} {of})'
-  if report.usable is not None and not report.hbm_bytes:  # no share of nothing
-    over = f'{signed_bytes(-(room or 0))} over (the reserve leaves no usable memory)'
-  if report.needed_fraction is not None:
-    current, old = FRACTION_VARIABLES
-    usable = report.usable
-    now = (
-      f' at {fraction_text(usable.fraction)} ({usable.fraction_from})' if usable else ''
-    )
-    return (
-      f'FITS ONLY WITH {current}={report.needed_fraction:.2f} ({old} in older '
-      f'jax): {signed_bytes(-(room or 0))} over the usable memory{now}'
-    )
-  return f'DOES NOT FIT: {over}{at}'
-
-
-def _at_fraction(usable: UsableMemory | None) -> str:
-  if usable is None:
-    return ''
-  at = fraction_text(usable.fraction)
-  return f' at {FRACTION_VARIABLES[0]}={at} ({usable.fraction_from})'
-
-
-def format_report(report: FitReport) -> str:
-  """The report as a table: one line per category, then the collectives."""
-  mesh = ', '.join(f'{k}={v}' for k, v in report.mesh.items())
-  head = f'Will it fit: {report.source} for {report.devices}; mesh {mesh}'
-  lines = [head, f'method: {report.method}', '']
-  total = max(report.total_bytes, 1)
-  rows = [('per chip', 'bytes', 'share', 'from')]
-  for r in report.rows:
-    rows.append(
-      (f'  {r.name}', signed_bytes(r.bytes), f'{r.bytes / total:.1%}', r.note)
-    )
-  total_note = (
-    'the compiler, refusing'
-    if report.refusal
-    else 'argument + output - alias + temporaries + code'
-  )
-  rows.append(('  total', signed_bytes(report.total_bytes), '', total_note))
-  if report.usable is not None:
-    for name, size, where in report.usable.rows():
-      rows.append((f'  {name}', signed_bytes(size), '', where))
-  elif report.hbm_bytes is not None:
-    where = f'{report.chip.name} HBM' if report.chip else 'hbm='
-    rows.append(('  HBM', signed_bytes(report.hbm_bytes), '', where))
-  lines += table(rows, {1, 2})
-  lines.append(f'verdict: {verdict(report)}')
-  if report.fits is False and report.peak_memory is not None:
-    lines += report.peak_memory.advice()
-  lines += report_lines(report.unplaced, report.total_bytes)
-  if report.collectives:
-    lines.append('')
-    crows = [('collectives per step', 'count', 'bytes/chip', 'over', 'link', 'time')]
-    for c in by_link(report.collectives):
-      crows.append(
-        (
-          f'  {c.kind}',
-          f'{c.count:,}',
-          signed_bytes(c.bytes),
-          c.over,
-          c.link or '-',
-          format_seconds(c.seconds),
-        )
-      )
-    lines += table(crows, {1, 2, 5})
-    if any(c.reason for c in report.collectives):
-      lines.append('  (report.why() / --why: which parameter or line each comes from)')
-  elif report.source == 'compiled' and report.refusal is None:
-    lines += ['', 'collectives per step: none']
-  if report.flops is not None:
-    lines.append('')
-    xla = report.cost_analysis or {}
-    text_flops = xla.get('flops')
-    library = report.plan is not None and report.plan.cublas_matmuls
-    left_out = 'each loop body once' + (', no cuBLAS call' if library else '')
-    once = (
-      f' (XLA counts {text_flops:.3g}: {left_out})'
-      if text_flops is not None and abs(text_flops - report.flops) > 0.01 * report.flops
-      else ''
-    )
-    lines.append(f'flops per step and chip: {report.flops:.3g}{once}')
-    if report.bytes_accessed is not None:
-      lines.append(
-        f'HBM traffic per step and chip: {signed_bytes(report.bytes_accessed)}'
-      )
-  if report.roofline is not None:
-    r = report.roofline
-    lines.append(
-      f'roofline estimate ({r.chip.name}): step {format_seconds(r.step_s)} '
-      f'({r.bound}-bound; {format_seconds(r.serial_s)} with no overlap): '
-      f'compute {format_seconds(r.compute_s)}, HBM {format_seconds(r.memory_s)}, '
-      f'collectives {format_seconds(r.collective_s)}'
-    )
-  for note in report.notes:
-    lines += textwrap.wrap(
-      f'note: {note}', 100, subsequent_indent='      ', break_on_hyphens=False
-    )
-  return '\n'.join(lines)
-
-
-def treescope_view(report: FitReport) -> dict[str, Any]:
-  """What treescope shows: the verdict, the breakdown and the collectives."""
-  return {
-    'verdict': verdict(report),
-    'source': report.source,
-    'method': report.method,
-    'mesh': dict(report.mesh),
-    'devices': report.devices,
-    'per_chip': {str(r.name): signed_bytes(r.bytes) for r in report.rows},
-    'total': signed_bytes(report.total_bytes),
-    'hbm': signed_bytes(report.hbm_bytes),
-    'collectives': {
-      f'{c.kind} over {c.over}': f'{c.count:,} x, {signed_bytes(c.bytes)}'
-      for c in report.collectives
-    },
-    'roofline': report.roofline.to_dict() if report.roofline else None,
-    'memory_analysis': report.memory_analysis,
-    'usable_memory': report.usable.to_dict() if report.usable else None,
-    'compiler_plan': report.plan.to_dict() if report.plan else None,
-    'notes': list(report.notes),
-  }

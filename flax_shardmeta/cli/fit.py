@@ -33,7 +33,7 @@ import argparse
 import json
 from typing import Any
 
-from flax_shardmeta.cli import options, rule_files, step
+from flax_shardmeta.cli import checks, options, rule_files, step
 from flax_shardmeta.cli.factory import CONTRACT, Factory, under
 from flax_shardmeta.cli.options import UsageError
 
@@ -54,6 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     '--chip',
     help='hardware figures when the mesh does not say, e.g. v5p, h100 '
     "(default: the devices' own)",
+  )
+  p.add_argument(
+    '--host-memory',
+    metavar='SIZE',
+    help='RAM of one host to judge what the step keeps in host memory against '
+    '(pinned_host arguments, offloaded activations), e.g. 448GiB (default: the '
+    "chip's machine type; unchecked for other devices)",
   )
   p.add_argument(
     '--extrapolate',
@@ -88,12 +95,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
   """The ``fit`` subcommand; returns the exit code."""
   before = _against(args)
+  checks.check_hbm(args.host_memory, '--host-memory')
   made = step.prepared(args)
   fit_options = {
     'hbm': args.hbm,
     'chip': args.chip,
     'cache': not args.no_cache,
     **made.run_options,
+    **({'host_memory': args.host_memory} if args.host_memory else {}),
   }
   if made.factory is None:
     report = _builtin(args, made, fit_options)

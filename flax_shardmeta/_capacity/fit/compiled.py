@@ -29,6 +29,7 @@ from flax_shardmeta._capacity.fit.host_memory import (
   output_leaves,
   split_host,
 )
+from flax_shardmeta._capacity.fit.offload import OffloadAsks, offload_asks
 from flax_shardmeta._capacity.fit.traced_step import (
   Arguments,
   Step,
@@ -197,6 +198,7 @@ def figures(
       given_hosts(jit_shardings(target.step, 'out'), traced),
       hlo_text.output_aliases(text) if text else {},
     )
+  out['offload'] = _offload_asks(traced)
   out['cached'] = cached
   out['replicated'] = [
     message(w.message)  # without its errors page line: report.why() lists it
@@ -205,6 +207,14 @@ def figures(
   ]
   out['compile_seconds'] = 0.0 if cached else out['seconds']
   return CompiledFigures.of(out)
+
+
+def _offload_asks(traced: Any) -> OffloadAsks | None:
+  """What the traced step's remat policies offload (None: unreadable)."""
+  try:
+    return offload_asks(traced.jaxpr.jaxpr)
+  except Exception:  # noqa: BLE001 - only the offload check is lost
+    return None
 
 
 def _from_cache(

@@ -58,6 +58,7 @@ class CompiledFigures:
   buffers: Buffers | None = None
   aliases: dict[int, int] = dataclasses.field(default_factory=dict)
   attributor: Any = None
+  offload: Any = None  # the step's OffloadAsks (from its trace: never cached)
 
   @classmethod
   def of(cls, found: dict[str, Any]) -> CompiledFigures:
@@ -84,4 +85,5 @@ class CompiledFigures:
       buffers=Buffers.from_dict(found['buffers']) if found.get('buffers') else None,
       aliases=dict(found.get('aliases') or {}),
       attributor=found.get('attributor'),
+      offload=found.get('offload'),
     )

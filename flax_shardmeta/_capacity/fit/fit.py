@@ -25,6 +25,7 @@ from flax_shardmeta._capacity.fit import gpu_verdict as gv, usable as usable_lib
 from flax_shardmeta._capacity.fit.compiled import figures
 from flax_shardmeta._capacity.fit.donation import donation_notes
 from flax_shardmeta._capacity.fit.extrapolate import fit_layers
+from flax_shardmeta._capacity.fit.host_report import host_side
 from flax_shardmeta._capacity.fit.traced_step import (
   Arguments,
   Step,
@@ -33,7 +34,7 @@ from flax_shardmeta._capacity.fit.traced_step import (
 )
 from flax_shardmeta._capacity.hlo import summary as hlo
 from flax_shardmeta._capacity.hlo.roofline import group, roofline
-from flax_shardmeta._capacity.peak.holders import peak_memory
+from flax_shardmeta._capacity.peak.holders import compiled_peak
 from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._devices import gpu
 from flax_shardmeta._devices.chips import CHIPS, Chip, chip_named, chip_of
@@ -53,6 +54,7 @@ def fit(
   cache: bool = True,
   mem_fraction: float | None = None,
   reserve: int | str | None = None,
+  host_memory: int | str | None = None,
 ) -> FitReport:
   """Compiles ``step`` for its mesh and reports what each chip must hold.
 
@@ -111,6 +113,10 @@ def fit(
     reserve: GPUs: bytes (or text like ``'3GiB'``) the run holds outside
       XLA's pool per GPU; default: the project's table by the program's
       NCCL communicators.
+    host_memory: the RAM of one host (bytes, or text like ``'448GiB'``), that
+      what the step keeps in host memory (``report.host``: arguments laid out
+      on ``pinned_host``, values a remat policy offloads) is judged against;
+      default: the machine type's for known chips (``HOST_RAM``).
 
   Returns:
     The :class:`FitReport`.
@@ -137,26 +143,28 @@ def fit(
     (131072, 65536, True)
   """
   capacity = _capacity(hbm)
+  host_ram = _capacity(host_memory, 'host_memory')
   chip_spec = _chip(chip)
   run = gv.RunMemory(mem_fraction, reserve)
   usable_lib.check_run(mem_fraction, reserve)  # bad ones are refused at once
   if layers is not None:
-    return _fit_layers(step, layers, capacity, chip_spec, exact, cache, run)
+    return _fit_layers(step, layers, capacity, chip_spec, exact, cache, run, host_ram)
   target = Step.of(step, len(args))
   if isinstance(target.mesh, AbstractMesh):
     return gv.judged_estimate(estimate(target, args, capacity, chip_spec), run)
-  return _compiled_report(target, args, capacity, chip_spec, cache, run)
+  return _compiled_report(target, args, capacity, chip_spec, cache, run, host_ram)
 
 
-def _capacity(hbm: int | str | None) -> int | None:
+def _capacity(hbm: int | str | None, name: str = 'hbm') -> int | None:
   if hbm is None:
     return None
   try:
     value = parse_bytes(hbm)
   except SizeError as e:
-    raise FitError(f'hbm={hbm!r}: {message(e)}') from None
+    raise FitError(f'{name}={hbm!r}: {message(e)}') from None
   if value <= 0:
-    raise FitError(f'hbm={hbm!r}: the memory per chip must be positive.')
+    what = 'per host' if name == 'host_memory' else 'per chip'
+    raise FitError(f'{name}={hbm!r}: the memory {what} must be positive.')
   return value
 
 
@@ -181,6 +189,7 @@ def _compiled_report(
   chip_spec: Chip | None,
   use_cache: bool,
   run: gv.RunMemory,
+  host_ram: int | None = None,
 ) -> FitReport:
   arguments = prepare(target, args)
   mesh = target.mesh
@@ -225,10 +234,9 @@ def _compiled_report(
     )
     notes += gv.gpu_notes(memory_at_run, plan, tried, cost)
   notes += gv.remat_notes(plan)
-  peak = peak_memory(
-    rows, memory, found.input_bytes, arguments.categories, target.names,
-    found.outputs, found.output_bytes, found.aliases, found.buffers, found.attributor,
-  )  # fmt: skip
+  host, offloads = host_side(found, arguments, target.names, mesh, chip, host_ram)
+  notes += offloads
+  peak = compiled_peak(rows, memory, found, arguments.categories, target.names)
   return FitReport(
     source='compiled',
     method='compiled for the mesh; figures from XLA (memory_analysis, '
@@ -242,9 +250,7 @@ def _compiled_report(
     flops=flops,
     bytes_accessed=traffic,
     cost_analysis=cost or None,
-    roofline=roofline(chip, flops or 0.0, traffic or 0.0, collectives)
-    if flops is not None
-    else None,
+    roofline=_roofline(chip, flops, traffic, collectives, host),
     loops=summary.loops,
     notes=notes,
     replicated=found.replicated,
@@ -252,8 +258,23 @@ def _compiled_report(
     needed_fraction=needed,
     plan=plan,
     peak_memory=peak,
+    host=host,
     **common,
   )
+
+
+def _roofline(
+  chip: Chip | None,
+  flops: float | None,
+  traffic: float | None,
+  collectives: Any,
+  host: Any,
+) -> Any:
+  """The step-time estimate, host transfers included where timed."""
+  found = None if flops is None else roofline(chip, flops, traffic or 0.0, collectives)
+  if found is None or host is None or not host.transfer_s:
+    return found
+  return dataclasses.replace(found, transfer_s=host.transfer_s)
 
 
 def _work(
@@ -438,6 +459,7 @@ def _fit_layers(
   exact: bool,
   use_cache: bool,
   run: gv.RunMemory,
+  host_ram: int | None = None,
 ) -> FitReport:
   hbm: Any = capacity
   chip_name = chip_spec.name if chip_spec else None
@@ -452,9 +474,14 @@ def _fit_layers(
       cache=use_cache,
       mem_fraction=run.mem_fraction,
       reserve=run.reserve,
+      host_memory=host_ram,
     )
 
   report, extrapolated = fit_layers(build, layers, at_depth, exact=exact)
+  if extrapolated and report.host is not None:
+    # The host figures are a shallower model's: not extrapolated, not judged.
+    unchecked = 'extrapolated: host memory unchecked (fit with exact=True)'
+    report = dataclasses.replace(report, host=None, notes=(*report.notes, unchecked))
   if not extrapolated or report.usable is None:
     return report
   # The fraction the deeper model needs was never compiled for: say what it

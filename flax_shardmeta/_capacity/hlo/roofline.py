@@ -208,6 +208,8 @@ class Roofline:
     compute_s: flops / peak bf16 flops.
     memory_s: HBM bytes accessed / HBM bandwidth.
     collective_s: collective time at the interconnect's bandwidth.
+    transfer_s: host <-> device transfers at the host link's bandwidth (0
+      when the step moves nothing, or the link's bandwidth is unknown).
 
   Example:
     >>> from flax_shardmeta._devices.chips import chip_named
@@ -220,24 +222,27 @@ class Roofline:
   compute_s: float
   memory_s: float
   collective_s: float
+  transfer_s: float = 0.0
 
   @property
   def step_s(self) -> float:
-    """With perfect overlap: the largest of the three."""
-    return max(self.compute_s, self.memory_s, self.collective_s)
+    """With perfect overlap: the largest of them."""
+    return max(self.compute_s, self.memory_s, self.collective_s, self.transfer_s)
 
   @property
   def serial_s(self) -> float:
     """With no overlap: their sum."""
-    return self.compute_s + self.memory_s + self.collective_s
+    return self.compute_s + self.memory_s + self.collective_s + self.transfer_s
 
   @property
   def bound(self) -> str:
-    """What limits the step: ``'compute'``, ``'memory'`` or ``'collectives'``."""
+    """What limits the step: ``'compute'``, ``'memory'``, ``'collectives'``
+    or ``'host transfers'``."""
     parts = {
       'compute': self.compute_s,
       'memory': self.memory_s,
       'collectives': self.collective_s,
+      'host transfers': self.transfer_s,
     }
     return max(parts, key=lambda k: parts[k])
 
@@ -248,6 +253,7 @@ class Roofline:
       'compute_s': self.compute_s,
       'memory_s': self.memory_s,
       'collective_s': self.collective_s,
+      'transfer_s': self.transfer_s,
       'step_s': self.step_s,
       'serial_s': self.serial_s,
       'bound': self.bound,

@@ -70,6 +70,20 @@ def peak_memory(
   return PeakMemory(merge_rows(out), total, phase, at, method, tuple(notes))
 
 
+def compiled_peak(
+  rows: Sequence[vocab.Row],
+  memory: ProgramMemory,
+  found: Any,
+  categories: Sequence[str],
+  names: Sequence[str],
+) -> PeakMemory:
+  """:func:`peak_memory` of a compiled fit's figures (``found``)."""
+  return peak_memory(
+    rows, memory, found.input_bytes, categories, names, found.outputs,
+    found.output_bytes, found.aliases, found.buffers, found.attributor,
+  )  # fmt: skip
+
+
 def estimated_peak(
   rows: Sequence[vocab.Row], arguments: Any, names: Sequence[str]
 ) -> PeakMemory:
