@@ -109,15 +109,19 @@ def tuple_elements(shape: str) -> list[str]:
   if not shape.startswith('('):
     return []
   inside = _COMMENT.sub('', _balanced(shape, '(', ')')[1:-1])
+  return [item for item in _top_level_items(inside) if item]
+
+
+def _top_level_items(text: str) -> list[str]:
+  """``text`` split at its commas outside brackets, each item stripped."""
   out, depth, start = [], 0, 0
-  for i, ch in enumerate(inside + ','):
+  for i, ch in enumerate(text + ','):
     if ch in '([{':
       depth += 1
     elif ch in ')]}':
       depth -= 1
     elif ch == ',' and depth == 0:
-      if inside[start:i].strip():
-        out.append(inside[start:i].strip())
+      out.append(text[start:i].strip())
       start = i + 1
   return out
 
@@ -284,19 +288,11 @@ def parse_instruction(line: str) -> Instruction | None:
 def _parameters(header: str) -> dict[str, str]:
   """Parameter name -> shape, from a computation header."""
   inside, _ = _split_top(header[header.index('(') :], '(', ')')
-  inside = inside[1:-1]
   out: dict[str, str] = {}
-  depth, start = 0, 0
-  for i, ch in enumerate(inside + ','):
-    if ch in '([{':
-      depth += 1
-    elif ch in ')]}':
-      depth -= 1
-    elif ch == ',' and depth == 0:
-      name, _, shape = inside[start:i].partition(':')
-      if shape:
-        out[name.strip().lstrip('%')] = shape.strip()
-      start = i + 1
+  for item in _top_level_items(inside[1:-1]):
+    name, _, shape = item.partition(':')
+    if shape:
+      out[name.strip().lstrip('%')] = shape.strip()
   return out
 
 

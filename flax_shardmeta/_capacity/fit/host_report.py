@@ -56,13 +56,16 @@ def host_side(
   capacity, source = host_capacity(getattr(chip, 'name', None), chips, host_ram)
   offloaded = asks.offloaded if asks is not None else ()
   rows = host_rows(memory, inputs, found.output_bytes, found.aliases, offloaded)
-  split = found.memory is not None and not (
-    found.memory.host_arguments or found.memory.host_outputs
+  # fsm split the host arguments off XLA's device figures where XLA counted
+  # none apart (the CPU compiler): the host figures are then fsm's.
+  xla = found.memory
+  split = bool(memory.host_arguments or memory.host_outputs) and not (
+    xla is not None and (xla.host_arguments or xla.host_outputs)
   )
   method = (
-    "XLA's host figures (memory_analysis)"
-    if not split or not (memory.host_arguments or memory.host_outputs)
-    else "the arguments' memory kinds, split off XLA's device figures by fsm"
+    "the arguments' memory kinds, split off XLA's device figures by fsm"
+    if split
+    else "XLA's host figures (memory_analysis)"
   )
   to_device, to_host = transfers(memory)
   bandwidth, link = HOST_LINK.get(getattr(chip, 'name', None) or '', (None, ''))

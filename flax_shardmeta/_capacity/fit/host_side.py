@@ -236,11 +236,10 @@ def host_rows(
   rows = [
     HostRow('argument', path, '', int(size)) for path, size, hosted in inputs if hosted
   ]
-  donated = {o for o in aliases}
   rows += [
     HostRow('output', f'output[{i}]', '', int(b))
     for i, (b, h) in enumerate(output_bytes)
-    if h and i not in donated and int(b)
+    if h and i not in aliases and int(b)
   ]
   held = sum(r.bytes for r in rows)
   left = memory.host_arguments + memory.host_outputs - memory.host_aliased - held
