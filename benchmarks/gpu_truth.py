@@ -33,6 +33,7 @@ Usage (needs jax, flax, optax, numpy and this repository on ``PYTHONPATH``)::
   PYTHONPATH=. python benchmarks/gpu_truth.py --out DIR   # one NVIDIA GPU
   PYTHONPATH=. python benchmarks/gpu_truth.py --dry-run --out DIR   # no GPU
   PYTHONPATH=. python benchmarks/gpu_truth.py --sweep   # choose the sizes
+  PYTHONPATH=. python benchmarks/gpu_truth.py --offload --out DIR  # host offload
 """
 
 from __future__ import annotations
@@ -995,10 +996,22 @@ def main(argv: list[str] | None = None) -> int:
     help='with --dry-run: the descriptions to check (default: all)',
   )
   parser.add_argument('--time-budget', type=float, default=420.0, metavar='SECONDS')
+  parser.add_argument(
+    '--offload',
+    action='store_true',
+    help='the host-offload check instead (gpu_offload_truth.py: optimizer state '
+    'in pinned_host; with --dry-run, compile-only)',
+  )
   parser.add_argument('--_measure', help=argparse.SUPPRESS)
   parser.add_argument('--_compile-only', dest='compile_only', help=argparse.SUPPRESS)
   parser.add_argument('--_result', type=Path, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.offload:
+    import gpu_offload_truth
+
+    return gpu_offload_truth.main(
+      ['--out', str(args.out), *(['--dry-run'] if args.dry_run else [])]
+    )
   if args._measure:
     return measure(json.loads(args._measure), args._result)
   if args.dry_run or args.sweep or args.compile_only:

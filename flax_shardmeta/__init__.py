@@ -52,6 +52,10 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     PeakRow as PeakRow,
   )
   from flax_shardmeta._capacity.report import FitReport as FitReport
+  from flax_shardmeta._capacity.suggest.offload_presets import (
+    OFFLOAD_PRESETS as OFFLOAD_PRESETS,
+    OffloadPreset as OffloadPreset,
+  )
   from flax_shardmeta._capacity.suggest.presets import (
     RULE_PRESETS as RULE_PRESETS,
     RulePreset as RulePreset,
@@ -117,6 +121,10 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
   )
   from flax_shardmeta._init.sharded_init import sharded_init as sharded_init
   from flax_shardmeta._jit.jit import JitWithContext as JitWithContext, jit as jit
+  from flax_shardmeta._memory_kinds import (
+    in_device_memory as in_device_memory,
+    in_host_memory as in_host_memory,
+  )
   from flax_shardmeta._planning.entry import PlanEntry as PlanEntry
   from flax_shardmeta._planning.sharding_plan import (
     ShardingPlan as ShardingPlan,

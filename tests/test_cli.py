@@ -722,3 +722,18 @@ def test_the_model_names_the_command_line_lists_are_the_models():
   from flax_shardmeta.examples import _common, _model_names as _names
 
   assert _names.MODEL_NAMES == ('mlp', *_common.LLAMA_CONFIGS)
+
+
+@pytest.mark.parametrize(
+  'argv, message',
+  [
+    (['--offload', 'optimiser'], "--offload 'optimiser': choose from none, optimizer"),
+    (['--offload', ''], "--offload '': choose from"),
+    (['--host-memory', 'lots'], '--host-memory'),
+  ],
+)
+def test_suggest_offload_arguments(capsys, argv, message):
+  common = ['--model', 'mlp', '--topology', 'v5p:2x2x1', '--batch', '8']
+  code, out, err = run(capsys, 'suggest', *common, *argv)
+  assert code == 2 and out == ''
+  assert err.startswith('flax-shardmeta: error: ') and message in err

@@ -6,6 +6,8 @@ Compiled for a TPU topology (libtpu: its compiler counts host memory apart,
 axes throughout.
 """
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -16,14 +18,17 @@ import flax_shardmeta as fsm
 
 AUTO = (AxisType.Auto,)
 LAYERS, WIDTH, BATCH = 8, 512, 256
-NAMED_LINE = 67  # the line of `a = checkpoint_name(h @ w, 'x')` below
 
 
-def _optimizer_on_host(topology):
-  """A step whose optimizer state lives on ``pinned_host`` (donated)."""
+def _optimizer_on_host(topology, host_kind=None):
+  """A step whose optimizer state lives on ``pinned_host`` (donated); the
+  host layout made by ``host_kind`` (default: jax's ``memory_kind``)."""
   mesh = fsm.make_mesh((4,), ('data',), topology=topology, axis_types=AUTO)
   dev = NamedSharding(mesh, P('data'))
-  host = NamedSharding(mesh, P('data'), memory_kind='pinned_host')
+  if host_kind is None:
+    host = NamedSharding(mesh, P('data'), memory_kind='pinned_host')
+  else:
+    host = host_kind(dev)
   params = {'w': jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=dev)}
   opt = {
     k: jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=host)
@@ -33,8 +38,9 @@ def _optimizer_on_host(topology):
 
   def step(params, opt, x):
     g = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p['w']) ** 2))(params)['w']
-    mu = 0.9 * jax.device_put(opt['mu'], dev) + 0.1 * g
-    nu = 0.99 * jax.device_put(opt['nu'], dev) + 0.01 * g**2
+    on_chip = fsm.in_device_memory(dev)
+    mu = 0.9 * jax.device_put(opt['mu'], on_chip) + 0.1 * g
+    nu = 0.99 * jax.device_put(opt['nu'], on_chip) + 0.01 * g**2
     w = params['w'] - 0.01 * mu / (jnp.sqrt(nu) + 1e-8)
     return {'w': w}, {'mu': jax.device_put(mu, host), 'nu': jax.device_put(nu, host)}
 
@@ -76,6 +82,14 @@ def _scanned(topology, offloaded, *, on_carry=False):
     return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
   return mesh, jax.jit(step, donate_argnums=0), (params, x)
+
+
+# The line of `a = checkpoint_name(h @ w, 'x')` in _scanned.
+NAMED_LINE = next(
+  i
+  for i, line in enumerate(pathlib.Path(__file__).read_text().splitlines(), 1)
+  if line.strip().startswith("a = checkpoint_name(h @ w, 'x')")
+)
 
 
 def _fit(mesh, jitted, args, **options):
@@ -209,3 +223,177 @@ def test_activations_offloaded_on_a_gpu_target_are_host_temporaries():
   assert host.transfer_s == pytest.approx(offloaded / 64e9)
   assert report.roofline.transfer_s == host.transfer_s
   assert host.overlapped is True  # XLA's schedule copies them asynchronously
+
+
+@pytest.mark.cuda
+def test_pinned_host_arguments_on_a_gpu_target_are_counted_apart():
+  # A compile-only GPU topology's devices list no memories: jax drops the
+  # kind of a sharding over them, silently. fsm.in_host_memory keeps it.
+  mesh = fsm.make_mesh((4,), ('data',), topology='h100:1x4', axis_types=AUTO)
+  plain = NamedSharding(mesh, P('data'), memory_kind='pinned_host')
+  assert plain.memory_kind is None
+  kept = fsm.in_host_memory(NamedSharding(mesh, P('data')))
+  assert kept.memory_kind == 'pinned_host'
+  assert fsm.in_device_memory(kept).memory_kind == 'device'
+  mesh, jitted, args = _optimizer_on_host('h100:1x4', host_kind=fsm.in_host_memory)
+  report = _fit(mesh, jitted, args)
+  m = report.memory_analysis
+  device = (
+    m['argument_size_in_bytes']
+    + m['output_size_in_bytes']
+    - m['alias_size_in_bytes']
+    + m['temp_size_in_bytes']
+    + m['generated_code_size_in_bytes']
+  )
+  shard = 4096 * 1024 * 4 // 4
+  # XLA's GPU compiler counts them apart: the device total leaves them out.
+  assert report.total_bytes == device
+  assert report.row('optimizer state') == 0
+  assert report.host_bytes == _xla_host(report) == 2 * shard
+  assert {r.what for r in report.host.rows} == {'opt/mu', 'opt/nu'}
+  assert report.host.method == "XLA's host figures (memory_analysis)"
+  # mu and nu in and out each step at PCIe Gen5's 64 GB/s.
+  assert report.host.transfer_s == pytest.approx(2 * shard / 64e9)
+
+
+def _small_build(mesh, rules, remat, offload=None):
+  """Eight scanned layers with adam-like state; ``offload.optimizer`` puts
+  that state in host memory, moved to the chips once the gradients are made
+  (not before: the backward pass's activations are the peak) and back."""
+  del remat
+  with fsm.logical_axis_rules(rules):
+    spec = fsm.logical_to_mesh_axes(('layers', 'embed', 'mlp'))
+    batch_spec = fsm.logical_to_mesh_axes(('batch', 'embed'))
+  dev = NamedSharding(mesh, spec)
+  on_host = offload is not None and offload.optimizer
+  state = fsm.in_host_memory(dev) if on_host else dev
+  w = jax.ShapeDtypeStruct((LAYERS, 1024, 1024), jnp.float32)
+  opt = {k: jax.ShapeDtypeStruct((LAYERS, 1024, 1024), jnp.float32) for k in 'mn'}
+  x = jax.ShapeDtypeStruct((4096, 1024), jnp.float32)
+
+  def loss(w, x):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)
+    return jnp.mean(h**2)
+
+  def step(w, opt, x):
+    g = jax.grad(loss)(w, x)
+    if on_host:  # to the chips once the gradients are made, not before
+      g, opt = jax.lax.optimization_barrier((g, opt))
+      opt = jax.device_put(opt, fsm.in_device_memory({'m': dev, 'n': dev}))
+    m, n = 0.9 * opt['m'] + 0.1 * g, 0.99 * opt['n'] + 0.01 * g * g
+    new = {'m': m, 'n': n}
+    if on_host:
+      new = jax.device_put(new, {'m': state, 'n': state})
+    return w - 0.01 * m / (jnp.sqrt(n) + 1e-8), new
+
+  held = {'m': state, 'n': state}
+  jitted = fsm.jit(
+    step, mesh=mesh, rules=rules, donate_argnums=(0, 1), out_shardings=(dev, held),
+    in_shardings=(dev, held, NamedSharding(mesh, batch_spec)),
+  )  # fmt: skip
+  return jitted, w, opt, x
+
+
+FSDP4 = fsm.RulePreset('fsdp4', ('fsdp',), [('batch', 'fsdp'), ('embed', 'fsdp')])
+
+
+@pytest.mark.libtpu
+def test_suggest_ranks_offload_candidates():
+  def ranked(hbm, host_memory=None):
+    return fsm.suggest(
+      _small_build, batch=256, topology='v5p:2x2x1', presets=[FSDP4],
+      remat=['none'], offload=['none', 'optimizer'], hbm=hbm,
+      host_memory=host_memory, progress=False, cache=False,
+    )  # fmt: skip
+
+  roomy = ranked('1GiB')
+  assert [c.offload.name for c in roomy] == ['none', 'optimizer']
+  plain, hosted = roomy
+  assert plain.fits and hosted.fits
+  # The state's 2 x 4 MiB per chip went to the host: counted there, not here.
+  assert hosted.report.host_bytes == 2 * LAYERS * 1024 * 1024 * 4 // 4
+  assert plain.report.host is None
+  # No better step time (v5p publishes no host link bandwidth, so the
+  # transfers are not timed): the offload ranks below the layout that fits
+  # without it, and says what it moves.
+  assert plain.rank_s <= hosted.rank_s
+  assert (
+    'offload optimizer state: 16.00 MiB in and 16.00 MiB out per step' in hosted.reason
+  )
+  assert 'no published host link bandwidth' in hosted.reason
+  text = str(roomy)
+  assert 'offload' in text.splitlines()[1] and 'host (per host)' in text
+  assert roomy.to_dict()['ranked'][1]['offload'] == 'optimizer'
+  # A host without room for the state: the offload does not fit, and ranks
+  # below the layout that does.
+  full = ranked('1GiB', host_memory='1MiB')
+  assert [(c.offload.name, c.fits) for c in full] == [
+    ('none', True),
+    ('optimizer', False),
+  ]
+  assert full[1].report.fits_device is True
+  assert 'DOES NOT FIT' in full[1].report.host.verdict()
+
+
+def test_offload_needs_a_build_that_takes_it():
+  def build(mesh, rules, remat):
+    raise AssertionError('never built')
+
+  with pytest.raises(fsm.FitError, match='fourth argument, the fsm.OffloadPreset'):
+    fsm.suggest(
+      build, batch=8, chip='v5p', offload=['none', 'optimizer'], progress=False
+    )
+  with pytest.raises(fsm.FitError, match="unknown offload preset 'optimiser'"):
+    fsm.suggest(build, batch=8, chip='v5p', offload=['optimiser'], progress=False)
+
+
+@pytest.mark.parametrize('api', ['linen', 'nnx'])
+def test_the_built_in_step_offloads_as_its_preset_says(api):
+  from flax_shardmeta._capacity.fit.offload import offload_asks
+  from flax_shardmeta.examples import train
+
+  mesh = jax.sharding.AbstractMesh((4,), ('fsdp',), axis_types=AUTO)
+  rules = [('batch', 'fsdp'), ('embed', 'fsdp')]
+  step, state, batch = train.train_step(
+    'llama3-8b', mesh, rules=rules, batch=4, seq=16, num_layers=1, api=api,
+    remat='full', offload='optimizer+activations',
+  )  # fmt: skip
+  flat = jax.tree_util.tree_flatten_with_path(
+    step.in_shardings[0], is_leaf=lambda x: isinstance(x, NamedSharding)
+  )[0]
+  kinds = {jax.tree_util.keystr(p): s.memory_kind for p, s in flat}
+  # The optimizer state in host memory, the parameters on the chip.
+  hosted = {p for p, k in kinds.items() if k == 'pinned_host'}
+  assert hosted and all('opt_state' in p for p in hosted)
+  assert {p for p in kinds if 'opt_state' in p and 'mu' in p} <= hosted
+  assert not [p for p in kinds if 'opt_state' not in p and kinds[p] == 'pinned_host']
+  # Each layer's input offloaded by the remat policy, at the model's line.
+  asks = offload_asks(step.trace(state, batch).jaxpr.jaxpr)
+  ((name, line),) = asks.offloaded
+  assert name == 'decoder_layer_input' and not asks.missing
+  assert line.startswith(f'flax_shardmeta/examples/{api}.py:')
+  with pytest.raises(ValueError, match="unknown offload 'optimiser'"):
+    train.train_step('mlp', mesh, rules=rules, offload='optimiser')
+
+
+@pytest.mark.libtpu
+def test_offload_copies_are_their_own_kind_in_peak_and_why():
+  mesh = fsm.make_mesh((4,), ('fsdp',), topology='v5p:2x2x1', axis_types=AUTO)
+  step, *args = _small_build(
+    mesh, FSDP4.rules, 'none', fsm.OFFLOAD_PRESETS['optimizer']
+  )
+  report = fsm.fit(step, *args, cache=False)
+  # XLA's schedule starts copying the state in before the forward loop: the
+  # offload holds it on the chip through both passes, and fit says so.
+  (early,) = [n for n in report.notes if n.startswith('OFFLOAD ARRIVES EARLY')]
+  assert 'copying opt/m, opt/n from host memory' in early
+  assert 'before 2 loop(s)' in early
+  peak = report.peak()
+  shard = LAYERS * 1024 * 1024 * 4 // 4
+  copies = {r.what: r.bytes for r in peak.rows if r.kind == 'offload'}
+  # Each the state's shard on the chip, and the copy's few bytes of context.
+  assert set(copies) == {'opt/m', 'opt/n'}
+  assert all(shard <= b <= shard + 64 for b in copies.values())
+  why = report.why()
+  assert 'offload: 16.00 MiB to the chip and 16.00 MiB to the host' in why
+  assert 'argument  opt/m' in why and 'in and out each step' in why

@@ -18,7 +18,7 @@ LAYERS = [
   # The core: vocabulary -> rules -> placement -> boxes -> shardings -> constraints.
   ['_typing', '_specs', '_caches', '_frames', '_arrays', '_views'],
   ['_problem', '_error_pages', '_errors'],
-  ['_units'],
+  ['_units', '_memory_kinds'],
   # _programs: what jax traces and XLA compiles, read in one place.
   [
     '_programs.memory',
@@ -116,7 +116,7 @@ LAYERS = [
     '_capacity.report_text',
     '_capacity.report',
   ],
-  ['_capacity.suggest.presets'],
+  ['_capacity.suggest.presets', '_capacity.suggest.offload_presets'],
   # The step, the estimate without a compiler, the compiled figures, fit.
   [
     '_capacity.fit.traced_step',

@@ -279,7 +279,7 @@ class FitReport:
     its collectives are unknown, and how to get them."""
     if self.source == 'estimate':
       return format_unknown_why(self.replicated)
-    return format_why(self.collectives, self.replicated, top)
+    return format_why(self.collectives, self.replicated, top, self.host)
 
   @property
   def argument_bytes(self) -> int:

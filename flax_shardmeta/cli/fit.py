@@ -56,6 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     "(default: the devices' own)",
   )
   p.add_argument(
+    '--offload',
+    choices=('none', 'optimizer', 'activations', 'optimizer+activations'),
+    help='what the step keeps in host memory (an fsm.OFFLOAD_PRESETS name): the '
+    "optimizer state, each layer's input offloaded by the remat policy, or both; "
+    'a --module factory gets it as offload= (default: none)',
+  )
+  p.add_argument(
     '--host-memory',
     metavar='SIZE',
     help='RAM of one host to judge what the step keeps in host memory against '

@@ -111,10 +111,17 @@ def builtin_options(args: argparse.Namespace, rules: Any) -> dict[str, Any]:
     'remat': args.remat or 'none',
     'optimizer_name': args.optimizer,
     'dtype': rule_files.param_dtype(args),
+    'offload': getattr(args, 'offload', None) or 'none',
   }
 
 
 def factory_options(factory: Factory, args: argparse.Namespace) -> dict[str, Any]:
   """Your factory's options from the command line (those it takes)."""
   given = {'batch': args.batch, 'seq': args.seq, 'remat': args.remat}
-  return factory.options({k: (f'--{k} {v}', v) for k, v in given.items()})
+  flags = {k: (f'--{k} {v}', v) for k, v in given.items()}
+  offload = getattr(args, 'offload', None)
+  if offload not in (None, 'none'):
+    import flax_shardmeta as fsm
+
+    flags['offload'] = (f'--offload {offload}', fsm.OFFLOAD_PRESETS[offload])
+  return factory.options(flags)

@@ -1,23 +1,31 @@
-"""``flax-shardmeta suggest``: the best mesh, rules and remat for a model on a pod.
+"""``flax-shardmeta suggest``: the best mesh, rules, remat and offload for a
+model on a pod.
 
 Splits the topology's chips over each rule preset's mesh axes, tries each remat
-policy, rejects what cannot work from the plan alone (shapes that do not
-divide, a state that cannot fit), compiles the most promising candidates with
-libtpu (TPU pods) or jax's CUDA plugin (GPU clusters, ``--topology h100:8x8``:
-tensor-parallel axes stay inside a node) and ranks them: those that fit first,
-then by estimated step time, then by headroom.
+policy (and with ``--offload``, each offload preset), rejects what cannot work
+from the plan alone (shapes that do not divide, a state that cannot fit),
+compiles the most promising candidates with libtpu (TPU pods) or jax's CUDA
+plugin (GPU clusters, ``--topology h100:8x8``: tensor-parallel axes stay
+inside a node) and ranks them: those that fit first, then by estimated step
+time, then by headroom.
 
 * ``--model NAME`` uses a built-in model (Auto mesh axes).
 * ``--module PKG.MOD:FACTORY`` uses your own step: the factory returns ``(step,
   *abstract_args)`` as for ``fit`` and is called for each candidate, under its
   mesh and preset rules (first on an abstract mesh, for the plan). It gets the
   candidate's ``remat`` when it has that parameter (without one, only the
-  factory's own layout is tried, shown as remat none). A step not from
+  factory's own layout is tried, shown as remat none), and its ``offload`` (an
+  ``fsm.OffloadPreset``) when it has that parameter and ``--offload`` asks for
+  one. A step not from
   ``fsm.jit`` is bound to the candidate's mesh and rules with ``fsm.jit``.
   Throughput counts ``--seq`` tokens per example (1 without ``--seq``).
 
 Presets: fsdp, fsdp+tp, tp, t5x-1d, t5x-2d, ep, or a TOML / JSON file of your
-own (``[presets.NAME] axes = [...]; rules = [[name, target], ...]``).
+own (``[presets.NAME] axes = [...]; rules = [[name, target], ...]``). Offload
+presets: none, optimizer (optimizer state in host memory), activations (each
+layer's input, ``decoder_layer_input``, offloaded by the remat policy),
+optimizer+activations; an offload is judged by the chip's memory, the host's
+RAM (``--host-memory``) and its step time with the transfers.
 
 Exit codes: 0 something fits, 1 nothing fits (the closest candidate and its
 shortfall are printed), 2 bad arguments or a failing factory (one line on
@@ -58,6 +66,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     help='comma-separated preset names or a presets file',
   )
   p.add_argument(
+    '--offload',
+    default='none',
+    help='comma-separated offload presets: none, optimizer, activations, '
+    'optimizer+activations (default: none)',
+  )
+  p.add_argument(
+    '--host-memory',
+    metavar='SIZE',
+    help='RAM of one host to judge offloads against, e.g. 448GiB (default: the '
+    "chip's machine type)",
+  )
+  p.add_argument(
     '--max-candidates', type=int, default=8, help='compile at most this many'
   )
   p.add_argument('--top', type=int, default=5, help='rows to show')
@@ -74,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
   remat = [r.strip() for r in (args.remat or 'none,full').split(',') if r.strip()]
   checks.check_remat(args.remat, remat, builtin=args.model is not None)
   checks.check_gpu_run(args)
+  checks.check_hbm(args.host_memory, '--host-memory')
+  offload = _offloads(args.offload)
   if args.module is not None:
     factory = Factory.load(args.module)
     build = _user_build(factory, args)
@@ -101,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
       hbm=args.hbm,
       presets=presets,
       remat=remat,
+      offload=offload,
+      host_memory=args.host_memory,
       max_candidates=args.max_candidates,
       cache=not args.no_cache,
       **checks.gpu_run_options(args),
@@ -157,12 +181,16 @@ def _user_build(factory: Factory, args: argparse.Namespace) -> Any:
   )
   if args.remat is not None:
     factory.require('remat', f'--remat {args.remat}')
+  if args.offload != 'none':
+    factory.require('offload', f'--offload {args.offload}')
   takes_remat = factory.accepts('remat')
 
-  def build(mesh: Any, rules: Any, remat: str) -> tuple[Any, ...]:
+  def build(mesh: Any, rules: Any, remat: str, offload: Any = None) -> tuple[Any, ...]:
     import flax_shardmeta as fsm
 
-    extra = {'remat': remat} if takes_remat else {}
+    extra: dict[str, Any] = {'remat': remat} if takes_remat else {}
+    if offload is not None:
+      extra['offload'] = offload
     step, *rest = factory.step_and_args(factory(mesh, rules, **kwargs, **extra))
     if getattr(step, 'mesh', None) is None:
       # suggest fits each candidate outside its mesh and rules: bind them, as
@@ -171,6 +199,19 @@ def _user_build(factory: Factory, args: argparse.Namespace) -> Any:
     return (step, *rest)
 
   return build
+
+
+def _offloads(text: str) -> list[str]:
+  """``--offload``: offload preset names."""
+  import flax_shardmeta as fsm
+
+  names = [x.strip() for x in text.split(',') if x.strip()]
+  unknown = [n for n in names if n not in fsm.OFFLOAD_PRESETS]
+  if unknown or not names:
+    raise options.UsageError(
+      f'--offload {text!r}: choose from {", ".join(fsm.OFFLOAD_PRESETS)}'
+    )
+  return names
 
 
 def _presets(text: str) -> list[Any]:

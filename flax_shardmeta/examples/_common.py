@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -56,27 +57,67 @@ rest (``jax.checkpoint_policies.nothing_saveable``); ``'dots'`` keeps the
 matmul results (``checkpoint_dots``). Any other name of
 ``jax.checkpoint_policies`` is accepted too."""
 
+LAYER_INPUT = 'decoder_layer_input'
+"""The checkpoint name of each decoder layer's input (MaxText's name)."""
 
-def remat_policy(name: str) -> tuple[bool, Any]:
-  """``(rematerialise?, jax.checkpoint policy)`` for a policy name.
+
+def remat_policy(name: str, offloaded: Sequence[str] = ()) -> tuple[bool, Any]:
+  """``(rematerialise?, jax.checkpoint policy)`` for a policy name; with
+  ``offloaded`` checkpoint names, the policy moves those values to host
+  memory for the backward pass and decides the rest as ``name`` says.
 
   Example:
     >>> remat_policy('none'), remat_policy('full')[0]
     ((False, None), True)
+    >>> remat_policy('none', offloaded=[LAYER_INPUT])[0]
+    True
   """
   if name == 'none':
-    return False, None
-  if name == 'full':
-    return True, jax.checkpoint_policies.nothing_saveable
-  if name == 'dots':
-    return True, jax.checkpoint_policies.checkpoint_dots
-  policy = getattr(jax.checkpoint_policies, name, None)
-  if policy is None or name.startswith('_'):
-    raise ValueError(
-      f'Unknown remat policy {name!r}; choose from {", ".join(REMAT_POLICIES)} '
-      'or a name of jax.checkpoint_policies.'
-    )
-  return True, policy
+    remat, policy = False, None
+  elif name == 'full':
+    remat, policy = True, jax.checkpoint_policies.nothing_saveable
+  elif name == 'dots':
+    remat, policy = True, jax.checkpoint_policies.checkpoint_dots
+  else:
+    policy = getattr(jax.checkpoint_policies, name, None)
+    if policy is None or name.startswith('_'):
+      raise ValueError(
+        f'Unknown remat policy {name!r}; choose from {", ".join(REMAT_POLICIES)} '
+        'or a name of jax.checkpoint_policies.'
+      )
+    remat = True
+  if not offloaded:
+    return remat, policy
+  return True, offloading(
+    policy or jax.checkpoint_policies.everything_saveable, offloaded
+  )
+
+
+def offloading(base: Any, names: Sequence[str]) -> Any:
+  """A remat policy that offloads the values named ``names`` to pinned host
+  memory and decides every other value as ``base`` does.
+
+  Example:
+    >>> import jax
+    >>> policy = offloading(jax.checkpoint_policies.nothing_saveable, ['h'])
+    >>> callable(policy)
+    True
+  """
+  offload = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=list(names),
+    offload_src='device',
+    offload_dst='pinned_host',
+  )
+  wanted = frozenset(names)
+
+  def policy(prim: Any, *args: Any, **params: Any) -> Any:
+    # `name` is checkpoint_name's primitive; its `name` parameter the name.
+    if getattr(prim, 'name', None) == 'name' and params.get('name') in wanted:
+      return offload(prim, *args, **params)
+    return base(prim, *args, **params)
+
+  return policy
 
 
 def llama_config(name: str, num_layers: int | None = None) -> LlamaConfig:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import flax_shardmeta as fsm
 from flax_shardmeta.examples._common import (
+  LAYER_INPUT,
   LLAMA_CONFIGS,
   LLAMA_RULES,
   MLP_RULES,
@@ -148,6 +151,7 @@ class LlamaBlock(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
     c = self.config
+    x = checkpoint_name(x, LAYER_INPUT)  # what an offloading policy moves
     x = gqa_attention(self, x)
     w1 = self._param('w1', (c.dim, c.ffn_dim), ('embed', 'mlp'))
     w3 = self._param('w3', (c.dim, c.ffn_dim), ('embed', 'mlp'))
@@ -186,8 +190,10 @@ def gqa_attention(block: LlamaBlock, x: jax.Array) -> jax.Array:
 class Llama(nn.Module):
   """Llama-3 decoder with its layers stacked by ``nn.scan`` on a 'layers' axis.
 
-  ``remat`` rematerialises each layer (see ``REMAT_POLICIES``); ``block`` is
-  the layer (``examples.moe`` swaps in a mixture-of-experts one).
+  ``remat`` rematerialises each layer (see ``REMAT_POLICIES``); ``offloaded``
+  checkpoint names (``LAYER_INPUT``, each layer's input) go to host memory
+  for the backward pass instead; ``block`` is the layer (``examples.moe``
+  swaps in a mixture-of-experts one).
   """
 
   block: ClassVar[type[LlamaBlock]] = LlamaBlock
@@ -195,6 +201,7 @@ class Llama(nn.Module):
   config: LlamaConfig
   param_dtype: Any = jnp.float32
   remat: str = 'none'
+  offloaded: tuple[str, ...] = ()
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -207,7 +214,7 @@ class Llama(nn.Module):
     )
     x = jnp.take(embedding, tokens, axis=0)
     x, _ = nn.scan(
-      _rematted(self.block, self.remat),
+      _rematted(self.block, self.remat, self.offloaded),
       length=c.num_layers,
       variable_axes={'params': 0},
       split_rngs={'params': True},
@@ -223,8 +230,10 @@ class Llama(nn.Module):
     return x @ lm_head
 
 
-def _rematted(layer: type[nn.Module], policy_name: str) -> Any:
-  remat, policy = remat_policy(policy_name)
+def _rematted(
+  layer: type[nn.Module], policy_name: str, offloaded: Sequence[str] = ()
+) -> Any:
+  remat, policy = remat_policy(policy_name, offloaded)
   # prevent_cse=False: inside a scan the loop already keeps XLA from merging
   # the recomputation away, and the barrier would cost speed.
   return nn.remat(layer, policy=policy, prevent_cse=False) if remat else layer
@@ -236,6 +245,7 @@ def model(
   *,
   remat: str = 'none',
   num_layers: int | None = None,
+  offloaded: Sequence[str] = (),
 ) -> tuple[nn.Module, Any]:
   """A built-in Linen model and an abstract example input for its ``init``.
 
@@ -244,6 +254,8 @@ def model(
     dtype: the parameters' dtype.
     remat: the rematerialisation policy of each layer (``REMAT_POLICIES``).
     num_layers: another depth than the model's own.
+    offloaded: checkpoint names each layer offloads to host memory
+      (``LAYER_INPUT``); Llama only.
 
   Example:
     >>> module, x = model('llama3-8b', remat='full', num_layers=2)
@@ -251,6 +263,11 @@ def model(
     (2, 'full', (1, 1))
   """
   remat_policy(remat)  # unknown policies fail here, not deep inside init
+  if name == 'mlp' and offloaded:
+    raise ValueError(
+      f'offloaded={tuple(offloaded)!r}: the MLP names no activation to offload; '
+      'the Llama models name each layer input LAYER_INPUT.'
+    )
   if name == 'mlp':
     # The notebook's sizes: 4 layers of depth 1024 on a batch of 8.
     return MLP(
@@ -261,10 +278,13 @@ def model(
       remat=remat,
     ), jax.ShapeDtypeStruct((8, 1024), jnp.float32)
   config = llama_config(name, num_layers)
-  return Llama(config, dtype, remat), jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  return Llama(config, dtype, remat, tuple(offloaded)), jax.ShapeDtypeStruct(
+    (1, 1), jnp.int32
+  )
 
 
 __all__ = [
+  'LAYER_INPUT',
   'LLAMA_CONFIGS',
   'LLAMA_RULES',
   'MLP',

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 import flax_shardmeta as fsm
-from flax_shardmeta.examples._common import LlamaConfig, remat_policy
+from flax_shardmeta.examples._common import LAYER_INPUT, LlamaConfig, remat_policy
 from flax_shardmeta.examples.linen import Llama, LlamaBlock, RMSNorm, gqa_attention
 
 
@@ -123,6 +125,7 @@ class MoeBlock(LlamaBlock):
   @nn.compact
   def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
     c = self.config
+    x = checkpoint_name(x, LAYER_INPUT)  # what an offloading policy moves
     x = gqa_attention(self, x)
     # The router's expert dimension is small: replicated, as in T5X.
     init = fsm.with_logical_partitioning(nn.initializers.normal(0.02), ('embed', None))
@@ -164,6 +167,7 @@ def model(
   *,
   remat: str = 'none',
   num_layers: int | None = None,
+  offloaded: Sequence[str] = (),
 ) -> tuple[MoeTransformer, Any]:
   """An example mixture-of-experts model and an abstract input for its ``init``.
 
@@ -172,6 +176,7 @@ def model(
     dtype: the parameters' dtype.
     remat: the rematerialisation policy of each layer (``REMAT_POLICIES``).
     num_layers: another depth than the model's own.
+    offloaded: checkpoint names each layer offloads to host memory.
 
   Raises:
     ValueError: an unknown name or remat policy.
@@ -187,7 +192,8 @@ def model(
   config = MOE_CONFIGS[name]
   if num_layers is not None:
     config = dataclasses.replace(config, num_layers=num_layers)
-  return MoeTransformer(config, dtype, remat), jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  module = MoeTransformer(config, dtype, remat, tuple(offloaded))
+  return module, jax.ShapeDtypeStruct((1, 1), jnp.int32)
 
 
 __all__ = [

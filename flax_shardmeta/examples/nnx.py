@@ -7,14 +7,17 @@ so both front ends give the same plan.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 import flax_shardmeta as fsm
 from flax_shardmeta.examples._common import (
+  LAYER_INPUT,
   LlamaConfig,
   attend,
   llama_config,
@@ -128,6 +131,7 @@ class LlamaBlock(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     theta = self.config.rope_theta
+    x = checkpoint_name(x, LAYER_INPUT)  # what an offloading policy moves
     h = self.attention_norm(x)
     q = rope(jnp.einsum('bse,ehd->bshd', h, self.wq[...]), theta)
     k = rope(jnp.einsum('bse,ehd->bshd', h, self.wk[...]), theta)
@@ -141,7 +145,8 @@ class LlamaBlock(nnx.Module):
 class Llama(nnx.Module):
   """Llama-3 decoder; layers stacked with ``nnx.vmap`` on a 'layers' axis.
 
-  ``remat`` rematerialises each layer (see ``REMAT_POLICIES``).
+  ``remat`` rematerialises each layer (see ``REMAT_POLICIES``);
+  ``offloaded`` checkpoint names go to host memory for the backward pass.
   """
 
   def __init__(
@@ -151,8 +156,10 @@ class Llama(nnx.Module):
     *,
     rngs: nnx.Rngs,
     remat: str = 'none',
+    offloaded: Sequence[str] = (),
   ):
     self.remat = remat
+    self.offloaded = tuple(offloaded)
     self.embedding = _param(rngs, (c.vocab_size, c.dim), ('vocab', 'embed'), dtype)
 
     @nnx.split_rngs(splits=c.num_layers)
@@ -170,13 +177,14 @@ class Llama(nnx.Module):
     def body(x: jax.Array, layer: LlamaBlock) -> jax.Array:
       return layer(x)
 
-    x = _scan(body, self.remat)(x, self.layers)
+    x = _scan(body, self.remat, self.offloaded)(x, self.layers)
     return self.norm(x) @ self.lm_head[...]
 
 
-def _scan(body: Any, policy_name: str) -> Any:
-  """``body`` over the stacked layers, each rematerialised as ``policy_name`` says."""
-  remat, policy = remat_policy(policy_name)
+def _scan(body: Any, policy_name: str, offloaded: Sequence[str] = ()) -> Any:
+  """``body`` over the stacked layers, each rematerialised as ``policy_name``
+  says, ``offloaded`` names moved to host memory."""
+  remat, policy = remat_policy(policy_name, offloaded)
   if remat:
     body = nnx.remat(body, policy=policy, prevent_cse=False)
   return nnx.scan(
@@ -191,6 +199,7 @@ def model(
   rngs: nnx.Rngs,
   remat: str = 'none',
   num_layers: int | None = None,
+  offloaded: Sequence[str] = (),
 ) -> nnx.Module:
   """A built-in NNX model (call inside ``nnx.eval_shape`` to stay abstract).
 
@@ -200,6 +209,8 @@ def model(
     rngs: the random streams.
     remat: the rematerialisation policy of each layer (``REMAT_POLICIES``).
     num_layers: another depth than the model's own.
+    offloaded: checkpoint names each layer offloads to host memory
+      (``LAYER_INPUT``); Llama only.
 
   Example:
     >>> m = nnx.eval_shape(lambda: model('mlp', rngs=nnx.Rngs(0)))
@@ -207,6 +218,12 @@ def model(
     (4, 1024, 1024)
   """
   remat_policy(remat)  # unknown policies fail here, not deep inside the model
+  if name == 'mlp' and offloaded:
+    raise ValueError(
+      f'offloaded={tuple(offloaded)!r}: the MLP names no activation to offload; '
+      'the Llama models name each layer input LAYER_INPUT.'
+    )
   if name == 'mlp':
     return MLP(num_layers or 4, 1024, 1024, dtype, rngs=rngs, remat=remat)
-  return Llama(llama_config(name, num_layers), dtype, rngs=rngs, remat=remat)
+  config = llama_config(name, num_layers)
+  return Llama(config, dtype, rngs=rngs, remat=remat, offloaded=offloaded)

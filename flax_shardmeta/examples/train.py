@@ -119,6 +119,7 @@ def train_step(
   optimizer_name: str = 'adamw',
   dtype: Any = jnp.bfloat16,
   num_layers: int | None = None,
+  offload: str | fsm.OffloadPreset | None = None,
 ) -> tuple[fsm.JitWithContext, Any, jax.ShapeDtypeStruct]:
   """A built-in model's training step on ``mesh``, with abstract arguments.
 
@@ -135,6 +136,11 @@ def train_step(
     optimizer_name: one of :data:`OPTIMIZERS`.
     dtype: the parameters' dtype.
     num_layers: another depth than the model's own.
+    offload: what the step keeps in host memory (an ``fsm.OFFLOAD_PRESETS``
+      name or an ``fsm.OffloadPreset``): the optimizer state between steps
+      (laid out in ``pinned_host``, moved to the chips for the update and
+      back), and the named activations the layers' remat policy offloads
+      (the built-in models name each layer's input ``LAYER_INPUT``).
 
   Returns:
     ``(step, state, batch)``: ``step(state, batch) -> (state, loss)`` from
@@ -152,41 +158,96 @@ def train_step(
   rules = _rules(name) if rules is None else tuple(rules)
   tx = optimizer(optimizer_name)
   tokens = abstract_batch(name, batch, seq)
+  hosted = _offload_preset(offload)
+  model = (name, remat, dtype, num_layers, hosted.names)
   if api == 'linen':
-    fn, state = _linen(name, tx, remat, dtype, num_layers, rules)
+    fn, state = _linen(*model, tx, rules)
   elif api == 'nnx':
-    fn, state = _nnx(name, tx, remat, dtype, num_layers, rules)
+    fn, state = _nnx(*model, tx, rules)
   else:
     raise UnknownNameError(f"unknown api {api!r}; choose 'linen' or 'nnx'")
+  layout: Any = state
+  if hosted.optimizer:
+    fn, layout = _optimizer_on_host(fn, state, mesh, rules)
   step = fsm.jit(
     fn,
     mesh=mesh,  # pyright: ignore[reportArgumentType]
     rules=rules,
-    in_shardings=(state, ('batch', None)),
-    out_shardings=(state, None),
+    in_shardings=(layout, ('batch', None)),
+    out_shardings=(layout, None),
     donate_argnums=0,
   )
   return step, state, tokens
 
 
+def _offload_preset(offload: str | fsm.OffloadPreset | None) -> fsm.OffloadPreset:
+  if isinstance(offload, fsm.OffloadPreset):
+    return offload
+  if (offload or 'none') not in fsm.OFFLOAD_PRESETS:
+    raise UnknownNameError(
+      f'unknown offload {offload!r}; choose from {", ".join(fsm.OFFLOAD_PRESETS)} '
+      'or pass an fsm.OffloadPreset'
+    )
+  return fsm.OFFLOAD_PRESETS[offload or 'none']
+
+
+def _kept(state: Any) -> Any:
+  return state
+
+
+def _optimizer_on_host(fn: Any, state: Any, mesh: Any, rules: Any) -> tuple[Any, Any]:
+  """``fn`` with the optimizer state in host memory between steps: moved to
+  the chips for the update, once the gradients are computed (``fn``'s
+  ``arrive``), and back after it, as MaxText's
+  ``optimizer_memory_host_offload`` does; and the state's shardings, its
+  optimizer state's in ``pinned_host``."""
+  shardings = fsm.get_sharding(state, mesh, rules)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(
+    shardings, is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding)
+  )
+  hosted = ['opt_state' in jax.tree_util.keystr(path) for path, _ in flat]
+  host = [fsm.in_host_memory(s) if h else s for (_, s), h in zip(flat, hosted)]
+  device = [fsm.in_device_memory(s) for (_, s) in flat]
+
+  def moved(tree: Any, to: list[Any]) -> Any:
+    leaves = jax.tree_util.tree_leaves(tree)
+    out = [jax.device_put(x, s) if h else x for x, s, h in zip(leaves, to, hosted)]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), out)
+
+  def step(state: Any, batch: jax.Array) -> tuple[Any, jax.Array]:
+    new, loss = fn(state, batch, arrive=lambda s: moved(s, device))
+    return moved(new, host), loss
+
+  return step, jax.tree_util.tree_unflatten(treedef, host)
+
+
 def _linen(
-  name: str, tx: Any, remat: str, dtype: Any, num_layers: int | None, rules: Any
+  name: str,
+  remat: str,
+  dtype: Any,
+  num_layers: int | None,
+  offloaded: Sequence[str],
+  tx: Any,
+  rules: Any,
 ) -> tuple[Any, Any]:
   from flax_shardmeta.examples import linen, moe
 
   make = moe.model if name in moe.MOE_CONFIGS else linen.model
-  module, example = make(name, dtype, remat=remat, num_layers=num_layers)
+  module, example = make(
+    name, dtype, remat=remat, num_layers=num_layers, offloaded=offloaded
+  )
 
   def init(key: jax.Array) -> train_state.TrainState:
     x = jnp.zeros(example.shape, example.dtype)
     params = module.init(key, x)['params']
     return train_state.TrainState.create(apply_fn=module.apply, params=params, tx=tx)
 
-  def step(state: Any, batch: jax.Array) -> tuple[Any, jax.Array]:
+  def step(state: Any, batch: jax.Array, arrive: Any = _kept) -> tuple[Any, jax.Array]:
     def loss_fn(params: Any) -> jax.Array:
       return _loss(name, lambda x: state.apply_fn({'params': params}, x), batch)
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    state = arrive(state)  # the optimizer state, for the update only
     return state.apply_gradients(grads=grads), loss
 
   with fsm.logical_axis_rules(rules):
@@ -194,7 +255,13 @@ def _linen(
 
 
 def _nnx(
-  name: str, tx: Any, remat: str, dtype: Any, num_layers: int | None, rules: Any
+  name: str,
+  remat: str,
+  dtype: Any,
+  num_layers: int | None,
+  offloaded: Sequence[str],
+  tx: Any,
+  rules: Any,
 ) -> tuple[Any, Any]:
   from flax import nnx
 
@@ -207,20 +274,26 @@ def _nnx(
 
   def create() -> tuple[Any, Any]:
     m = nnx_models.model(
-      name, dtype, rngs=nnx.Rngs(0), remat=remat, num_layers=num_layers
+      name,
+      dtype,
+      rngs=nnx.Rngs(0),
+      remat=remat,
+      num_layers=num_layers,
+      offloaded=offloaded,
     )
     return m, nnx.Optimizer(m, tx, wrt=nnx.Param)
 
   with fsm.logical_axis_rules(rules):
     graphdef, state = nnx.split(nnx.eval_shape(create))
 
-  def step(state: Any, batch: jax.Array) -> tuple[Any, jax.Array]:
+  def step(state: Any, batch: jax.Array, arrive: Any = _kept) -> tuple[Any, jax.Array]:
     model, opt = nnx.merge(graphdef, state)
 
     def loss_fn(m: Any) -> jax.Array:
       return _loss(name, m, batch)
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
+    nnx.update((model, opt), arrive(nnx.state((model, opt))))  # for the update only
     opt.update(model, grads)
     return nnx.state((model, opt)), loss
 
@@ -237,7 +310,8 @@ def builder(
   dtype: Any = jnp.bfloat16,
   num_layers: int | None = None,
 ) -> Any:
-  """``build(mesh, rules, remat) -> (step, state, batch)`` for ``fsm.suggest``.
+  """``build(mesh, rules, remat, offload=None) -> (step, state, batch)`` for
+  ``fsm.suggest`` (``offload``: an ``fsm.OffloadPreset``, see :func:`train_step`).
 
   Example:
     >>> import jax
@@ -252,6 +326,7 @@ def builder(
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
     rules: Sequence[tuple[str, Any]],
     remat: str,
+    offload: fsm.OffloadPreset | None = None,
   ) -> Any:
     return train_step(
       name,
@@ -264,6 +339,7 @@ def builder(
       optimizer_name=optimizer_name,
       dtype=dtype,
       num_layers=num_layers,
+      offload=offload,
     )
 
   return build

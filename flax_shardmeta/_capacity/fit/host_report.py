@@ -46,7 +46,7 @@ def host_side(
     if asked
   ]
   temps = memory.host_temporaries if memory is not None else 0
-  notes = offload_notes(asks, temps, asked_on_host)
+  notes = offload_notes(asks, temps, asked_on_host) + early_arrivals(found.attributor)
   if memory is None:
     return None, notes
   per_chip = memory.host_arguments + memory.host_outputs - memory.host_aliased + temps
@@ -74,6 +74,45 @@ def host_side(
     to_device, to_host, bandwidth, link, _overlapped(found.attributor),
   )  # fmt: skip
   return host, notes
+
+
+def early_arrivals(attributor: Any) -> tuple[str, ...]:
+  """A note naming the arguments laid out in host memory whose copy to
+  the chip XLA's schedule starts before a loop of the step (a scan: the
+  forward or backward pass) and finishes after it: their device buffer is
+  held across it, on the chip while the passes run. Empty when none is."""
+  entry = getattr(attributor, 'entry', None)
+  if entry is None:
+    return ()
+  order = {inst.name: i for i, inst in enumerate(entry.instructions)}
+  by_name = attributor.flow.by_name[entry.name]
+  loops = [i for i, inst in enumerate(entry.instructions) if inst.opcode == 'while']
+  held: dict[str, int] = {}
+  for inst in entry.instructions:
+    if inst.opcode != 'copy-done' or not inst.operands:
+      continue
+    start = by_name.get(inst.operands[0])
+    source = by_name.get(start.operands[0]) if start and start.operands else None
+    if source is None or source.opcode != 'parameter' or 'S(5)' not in source.shape:
+      continue
+    begin, end = order[start.name], order[inst.name]
+    across = sum(1 for i in loops if begin < i < end)
+    leaf = attributor.leaf(attributor.flow.origin(entry, source.name))
+    if across and leaf is not None:
+      held[leaf[0]] = max(held.get(leaf[0], 0), across)
+  if not held:
+    return ()
+  names = ', '.join(list(held)[:4]) + (
+    f' (+{len(held) - 4} more)' if len(held) > 4 else ''
+  )
+  most = max(held.values())
+  return (
+    f"OFFLOAD ARRIVES EARLY: XLA's schedule starts copying {names} from host "
+    f'memory to the chip before {most} loop(s) of the step (the forward or '
+    'backward pass) and holds the copy across them, so that memory is on the chip '
+    'while they run and the offload spares the chip less than it holds on the '
+    "host (peak() shows the 'offload' rows at the peak)",
+  )
 
 
 def _overlapped(attributor: Any) -> bool | None:

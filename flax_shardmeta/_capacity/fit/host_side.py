@@ -172,15 +172,19 @@ class HostMemory:
       f'{signed_bytes(self.to_host_bytes)} to the host'
     )
     if self.transfer_s is None:
-      return f'{moved}; no published host link bandwidth for these chips: time unknown'
+      return f'{moved}; {self.time_words()}'
+    return f'{moved}: {self.time_words()}'
+
+  def time_words(self) -> str:
+    """The transfers' time at the host link and their overlap, in words."""
+    if self.transfer_s is None:
+      return 'no published host link bandwidth for these chips: time unknown'
     overlap = {
       True: "asynchronous in XLA's schedule (they can overlap compute)",
       False: "synchronous in XLA's schedule (they add to the step)",
       None: 'overlap unknown',
     }[self.overlapped]
-    return (
-      f'{moved}: {format_seconds(self.transfer_s)} at {self.link_source}; {overlap}'
-    )
+    return f'{format_seconds(self.transfer_s)} at {self.link_source}; {overlap}'
 
   def to_dict(self) -> dict[str, Any]:
     return {

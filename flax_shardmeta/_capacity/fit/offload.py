@@ -100,15 +100,20 @@ def _offloads(policy: Any, eqn: Any) -> bool:
   return type(decision).__name__ == 'Offloadable'
 
 
-def _named_offloads(policy: Any) -> tuple[str, ...]:
+def _named_offloads(policy: Any, depth: int = 3) -> tuple[str, ...]:
   """The names a policy built by jax's offloading helpers offloads (from the
-  helper's own arguments, kept in the policy's closure)."""
+  helper's own arguments, kept in the policy's closure), also where that
+  policy is wrapped in another (a policy combining it with a base one)."""
   try:
     found = inspect.getclosurevars(policy).nonlocals
   except (TypeError, ValueError):
     return ()
-  names = found.get('names_which_can_be_offloaded') or ()
-  return tuple(sorted(str(n) for n in names))
+  names = set(str(n) for n in found.get('names_which_can_be_offloaded') or ())
+  if depth:
+    for value in found.values():
+      if callable(value) and value is not policy:
+        names.update(_named_offloads(value, depth - 1))
+  return tuple(sorted(names))
 
 
 def offload_notes(

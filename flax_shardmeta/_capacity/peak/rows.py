@@ -26,6 +26,7 @@ TEMPORARY_KINDS = (
   'optimizer update',
   'parameter copy',
   'input copy',
+  'offload',
   'collective',
   'workspace',
   'temporary',
@@ -39,7 +40,10 @@ pass computes that is no parameter's gradient (an activation's gradient);
 ``'gradient'``: a parameter's gradient; ``'optimizer update'``: a value of the
 update that reaches a parameter's or its optimizer state's new value;
 ``'parameter copy'``: a parameter gathered, cast or copied; ``'input copy'``:
-another argument (the batch, optimizer state) cast or moved; ``'collective'``:
+another argument (the batch, optimizer state) cast or moved; ``'offload'``:
+a chip's buffer of a copy between host and chip memory (an argument laid out
+in host memory coming in, by its path; an offloaded activation going out or
+coming back, by its checkpoint name); ``'collective'``:
 a collective's buffer; ``'workspace'``: a library kernel's scratch (cuBLAS,
 cuDNN); ``'temporary'``: a temporary nothing names; ``'heap fragmentation'``:
 XLA's heap not covered by the values alive at the peak (alignment, holes);
@@ -285,6 +289,10 @@ _SHRINKS = {
   'collective': 'a layout that moves less at once (fsm.why says why it is there)',
   'batch and other inputs': 'a smaller batch per chip, or more data parallelism',
   'input copy': 'a smaller batch per chip',
+  'offload': (
+    'a copy XLA schedules early is on the chip for longer: remat instead, or '
+    'a layout that needs less'
+  ),
   'output': 'donate the arguments the step returns (donate_argnums=)',
 }
 """What would shrink a row of each kind, as a does-not-fit verdict says it."""

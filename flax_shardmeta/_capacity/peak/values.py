@@ -43,6 +43,7 @@ _MOVES = frozenset(
   ('copy', 'bitcast', 'reshape', 'convert', 'copy-start', 'copy-done', 'transpose')
 )
 _BACKWARD = 'transpose('
+_ON_HOST = 'S(5)'  # XLA's memory space of host memory, in a layout
 
 
 class ValueReader:
@@ -69,6 +70,9 @@ class ValueReader:
     base = inst.opcode.removesuffix('-start').removesuffix('-done')
     if base in COLLECTIVES:
       return self._collective(comp, inst, base, index, size, value.shape)
+    hosted = self._offload(comp, inst, index, value, size)
+    if hosted is not None:
+      return hosted
     made_in, made, layers = self._maker(comp, inst, index, value.shape)
     layers = layers or self._stacked_in(comp, value.shape)
     line_of = made
@@ -102,6 +106,53 @@ class ValueReader:
       return dataclasses.replace(row, kind='backward')
     named = self._checkpoint(row.where, value.shape, layers)
     return dataclasses.replace(row, checkpoint=named)
+
+  def _offload(
+    self,
+    comp: Computation,
+    inst: Instruction,
+    index: tuple[int, ...],
+    value: Value,
+    size: int,
+  ) -> PeakRow | None:
+    """A chip's buffer of a copy between host and chip memory: a value
+    coming in from host memory (an argument laid out there, by its path; an
+    offloaded activation, by its checkpoint name) or one waiting to go out
+    to it. None for any other value."""
+    by_name = self.flow.by_name[comp.name]
+    source = None
+    if inst.opcode in ('copy-start', 'copy-done') and index in ((), (0,)):
+      start = inst
+      if inst.opcode == 'copy-done' and inst.operands:
+        start = by_name.get(inst.operands[0], inst)
+      source = by_name.get(start.operands[0]) if start.operands else None
+    if source is not None and _ON_HOST in source.shape:
+      leaf = self.why.leaf(self.flow.origin(comp, source.name))
+      if leaf is not None:
+        return PeakRow('offload', leaf[0], '', size, shape=value.shape)
+      row = self.row(Value(source.name, '', size, 0, value.shape, 0), size)
+      named = row.checkpoint or self._checkpoint(row.where, value.shape, row.layers)
+      what = f'{row.what} (in from host memory)'
+      return dataclasses.replace(row, kind='offload', what=what, checkpoint=named)
+    going = [
+      u
+      for u in self.flow.users[comp.name].get(inst.name, [])
+      if u.opcode == 'copy-start' and _ON_HOST in u.shape.split(',')[0]
+    ]
+    if going and not index:
+      made_in, made, layers = self._maker(comp, inst, index, value.shape)
+      where = self._line(made_in, made)
+      return PeakRow(
+        'offload',
+        f'{_operation(made.op_name(), made)} (out to host memory)',
+        where,
+        size,
+        scope_of(made.op_name()),
+        layers,
+        value.shape,
+        checkpoint=self._checkpoint(where, value.shape, layers),
+      )
+    return None
 
   def _checkpoint(self, line: str, shape: str, layers: int) -> str:
     """The ``checkpoint_name`` given to a value made at ``line`` whose

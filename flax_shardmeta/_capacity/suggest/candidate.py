@@ -1,8 +1,8 @@
 """A layout ``fsm.suggest`` tried: ``Candidate``, and its verdict in words.
 
-A candidate is a rule preset, a split of the chips over its mesh axes and a
-remat policy, with the compiled report of the step under it (or why it was
-rejected without compiling).
+A candidate is a rule preset, a split of the chips over its mesh axes, a
+remat policy and an offload preset, with the compiled report of the step
+under it (or why it was rejected without compiling).
 """
 
 from __future__ import annotations
@@ -14,13 +14,18 @@ from typing import Any
 
 from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._capacity.suggest import presets as presets_lib
+from flax_shardmeta._capacity.suggest.offload_presets import (
+  OFFLOAD_PRESETS,
+  OffloadPreset,
+)
 from flax_shardmeta._capacity.suggest.presets import RulePreset
 from flax_shardmeta._units import format_bytes, format_seconds
 
 
 @dataclasses.dataclass
 class Candidate:
-  """One layout tried: a preset, a split of the chips over its axes, a remat.
+  """One layout tried: a preset, a split of the chips over its axes, a
+  remat policy, an offload preset.
 
   Attributes:
     preset: the rule preset.
@@ -33,6 +38,8 @@ class Candidate:
     reason: one line on how it compares (set when ranked).
     estimate_verdict: the estimate's ``verdict_kind`` (``'fits'``,
       ``'too_close'``, ...), if made.
+    offload: what the step keeps in host memory (``OFFLOAD_PRESETS['none']``:
+      nothing).
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -50,6 +57,7 @@ class Candidate:
   estimate: int | None = None
   reason: str = ''
   estimate_verdict: str | None = None
+  offload: OffloadPreset = OFFLOAD_PRESETS['none']
   _topology: str | None = dataclasses.field(default=None, repr=False)
   _num_slices: int = dataclasses.field(default=1, repr=False)
   _tokens: int = dataclasses.field(default=0, repr=False)
@@ -59,7 +67,8 @@ class Candidate:
   def label(self) -> str:
     """``'fsdp+tp data=2 fsdp=16 model=4, remat none'``."""
     mesh = ' '.join(f'{k}={v}' for k, v in self.shape.items())
-    return f'{self.preset.name} {mesh}, remat {self.remat}'
+    offload = f', offload {self.offload.name}' if self.offload.offloads else ''
+    return f'{self.preset.name} {mesh}, remat {self.remat}{offload}'
 
   @property
   def fits(self) -> bool | None:
@@ -88,14 +97,16 @@ class Candidate:
   @property
   def rank_s(self) -> float | None:
     """The step time the ranking uses: the roofline's :attr:`step_s`; on GPUs
-    the larger of its compute and collective time, without its HBM term (a
-    GPU program compiled without a GPU is not autotuned, its matmuls cuBLAS
-    calls with their neighbours unfused, so its HBM bytes are inflated, and
-    remat lowers them)."""
+    the largest of its compute, collective and host transfer time, without
+    its HBM term (a GPU program compiled without a GPU is not autotuned, its
+    matmuls cuBLAS calls with their neighbours unfused, so its HBM bytes are
+    inflated, and remat lowers them)."""
     if self.report is None or self.report.roofline is None:
       return None
     r = self.report.roofline
-    return max(r.compute_s, r.collective_s) if self._gpu else r.step_s
+    if self._gpu:
+      return max(r.compute_s, r.collective_s, r.transfer_s)
+    return r.step_s
 
   @property
   def tokens_per_second_per_chip(self) -> float | None:
@@ -165,6 +176,11 @@ class Candidate:
     ]
     if self.remat != 'none':
       lines.append(f'  remat policy: {self.remat!r} on each layer')
+    if self.offload.offloads:
+      lines.append(f'  offload: {self.offload.text} in host memory')
+      host = self.report.host if self.report is not None else None
+      if host is not None:
+        lines += [f'  {line}' for line in host.lines()[:2]]
     return '\n'.join(lines)
 
   def explain(self, other: Candidate | None = None) -> str:
@@ -191,6 +207,8 @@ class Candidate:
       'preset': self.preset.name,
       'mesh': dict(self.shape),
       'remat': self.remat,
+      'offload': self.offload.name,
+      'host_bytes': None if self.report is None else self.report.host_bytes,
       'fits': self.fits,
       'verdict': self.verdict,
       'needed_fraction': None if self.report is None else self.report.needed_fraction,
@@ -228,3 +246,33 @@ def summary(c: Candidate) -> str:
   if c.rank_s:
     parts.append(f'step ~{format_seconds(c.rank_s)}')
   return ', '.join(parts)
+
+
+def offload_cost(c: Candidate) -> str:
+  """What the candidate's offload costs: the bytes moved each step and
+  their time at the host link (or why the time is unknown), and what each
+  host holds against its RAM; empty when it offloads nothing."""
+  if not c.offload.offloads or c.report is None:
+    return ''
+  host = c.report.host
+  if host is None:
+    return f'offload {c.offload.text}: nothing in host memory in the compiled program'
+  moved = (
+    f'{format_bytes(host.to_device_bytes)} in and '
+    f'{format_bytes(host.to_host_bytes)} out per step'
+  )
+  if host.transfer_s is None:
+    time = 'time not counted: no published host link bandwidth for these chips'
+  else:
+    overlap = (
+      'overlap unknown'
+      if host.overlapped is None
+      else 'can overlap compute'
+      if host.overlapped
+      else 'adds to the step'
+    )
+    time = f'{format_seconds(host.transfer_s)} ({overlap})'
+  held = f'{format_bytes(host.per_host_bytes)} per host'
+  if host.capacity_bytes is not None:
+    held += f' of {format_bytes(host.capacity_bytes)}'
+  return f'offload {c.offload.text}: {moved}, {time}; {held}'

@@ -3,9 +3,11 @@
 Those that fit (on GPUs: at the run's allocator fraction) first, then those
 that fit only with a raised ``XLA_CLIENT_MEM_FRACTION`` (the smallest first),
 then the rest; within each by estimated step time (equal to three significant
-digits is a tie), then by headroom. Last, a layout never ranks above the same
-mesh and preset with less remat when both fit: more remat only adds
-recompute.
+digits is a tie), then without offload before with it, then by headroom. So an
+offload never ranks above a layout that fits without one at an equal or better
+step time: its transfers are in its step time where the host link's bandwidth
+is known. Last, a layout never ranks above the same mesh, preset and offload
+with less remat when both fit: more remat only adds recompute.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flax_shardmeta._capacity.suggest.candidate import Candidate, summary
+from flax_shardmeta._capacity.suggest.candidate import Candidate, offload_cost, summary
 from flax_shardmeta._capacity.vocabulary import TEMPORARIES
 from flax_shardmeta._units import format_bytes
 
@@ -37,7 +39,7 @@ def _rank_key(c: Candidate) -> tuple[Any, ...]:
   # printed) are a tie, and the headroom decides.
   if math.isfinite(step):
     step = float(f'{step:.3g}')
-  return (tier, fraction, step, -(r.headroom_bytes or 0))
+  return (tier, fraction, step, c.offload.offloads, -(r.headroom_bytes or 0))
 
 
 def _remat_order(policies: Sequence[str]) -> Callable[[Candidate], int]:
@@ -64,7 +66,7 @@ def _less_remat_first(
 
 
 def _layout(c: Candidate) -> tuple[Any, ...]:
-  return (c.preset.name, tuple(c.shape.items()))
+  return (c.preset.name, tuple(c.shape.items()), c.offload.name)
 
 
 def reasons(ranked: list[Candidate], policies: Sequence[str] = ()) -> None:
@@ -75,6 +77,9 @@ def reasons(ranked: list[Candidate], policies: Sequence[str] = ()) -> None:
     ref = ranked[1] if i == 0 and len(ranked) > 1 else (ranked[i - 1] if i else None)
     c._next = ranked[i + 1] if i + 1 < len(ranked) else None
     c.reason = _reason(c, ref, first=i == 0)
+    cost = offload_cost(c)
+    if cost:
+      c.reason += f'; {cost}'
     held = [
       o
       for o in ranked[i + 1 :]
@@ -111,6 +116,10 @@ def _reason(c: Candidate, ref: Candidate | None, first: bool) -> str:
     return f'{r.verdict_words}: needs {short} more than {limit}{at}; {comm}'
   if kind == 'unknown':
     return f'no verdict: the memory per chip is unknown (pass hbm=); {comm}'
+  host = r.host
+  if not r.fits and host is not None and host.fits is False and r.fits_device:
+    over = format_bytes(host.per_host_bytes - (host.capacity_bytes or 0))
+    return f"the hosts lack memory: {over} over each host's RAM; {comm}"
   if not r.fits:
     return f'needs {short} more than {limit}; {comm}'
   if ref is None or ref.report is None:

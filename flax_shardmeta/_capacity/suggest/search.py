@@ -10,6 +10,7 @@ memory the layout could be given) before ``fit``'s estimate orders the rest.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -22,6 +23,10 @@ from flax_shardmeta._capacity.fit.fit import fit
 from flax_shardmeta._capacity.fit.traced_step import Step, prepare
 from flax_shardmeta._capacity.report import OPTIMIZER, PARAMETERS
 from flax_shardmeta._capacity.suggest.candidate import Candidate
+from flax_shardmeta._capacity.suggest.offload_presets import (
+  OFFLOAD_PRESETS,
+  OffloadPreset,
+)
 from flax_shardmeta._capacity.suggest.presets import RulePreset
 from flax_shardmeta._devices.chips import Chip
 from flax_shardmeta._devices.topology import device_mesh, topology_devices
@@ -36,8 +41,37 @@ from flax_shardmeta._programs.hosts import devices_per_host
 from flax_shardmeta._specs import format_spec
 from flax_shardmeta._units import format_bytes, parse_bytes
 
-Build = Callable[[Any, Sequence[tuple[str, Any]], str], Sequence[Any]]
-"""``build(mesh, rules, remat) -> (step, *abstract_args)``: what ``fit`` takes."""
+Build = Callable[..., Sequence[Any]]
+"""``build(mesh, rules, remat) -> (step, *abstract_args)``: what ``fit`` takes;
+``build(mesh, rules, remat, offload)`` for a candidate that offloads."""
+
+
+def built(build: Build, mesh: Any, c: Candidate) -> tuple[Any, ...]:
+  """What ``build`` makes for candidate ``c`` on ``mesh``: its offload preset
+  is passed only when it offloads, so builds without offload keep their three
+  arguments."""
+  if c.offload.offloads:
+    return tuple(build(mesh, c.preset.rules, c.remat, c.offload))
+  return tuple(build(mesh, c.preset.rules, c.remat))
+
+
+def check_offload_build(build: Build, offloads: Sequence[OffloadPreset]) -> None:
+  """Offload candidates need a build that takes the preset."""
+  if not any(o.offloads for o in offloads):
+    return
+  try:
+    inspect.signature(build).bind(None, (), 'none', offloads[-1])
+  except TypeError:
+    raise FitError(
+      f'offload={[o.name for o in offloads]}: the build takes (mesh, rules, remat); '
+      'to try offloads it must take a fourth argument, the fsm.OffloadPreset, and '
+      'lay the step out as it says (optimizer state in host memory: '
+      'fsm.in_host_memory; named activations: a remat policy that offloads them). '
+      'flax_shardmeta.examples.train.builder does so for the built-in models.'
+    ) from None
+  except ValueError:  # no signature to read (a builtin): try it as it is
+    return
+
 
 # Axes that should stay inside one host: their collectives run every layer.
 _INSIDE_A_HOST = ('model', 'expert')
@@ -176,14 +210,17 @@ def candidates_of(
   policies: Sequence[str],
   where: Where,
   tokens: int,
+  offloads: Sequence[OffloadPreset] = (),
 ) -> list[Candidate]:
-  """Every preset, split of the chips over its axes, and remat policy."""
+  """Every preset, split of the chips over its axes, remat policy and
+  offload preset."""
   n = len(where.pool)
   return [
     Candidate(
       p,
       dict(zip(p.axes, sizes)),
       r,
+      offload=o,
       _topology=where.topology,
       _num_slices=where.num_slices,
       _tokens=tokens,
@@ -192,6 +229,7 @@ def candidates_of(
     for p in presets
     for sizes in factorizations(p.axes, n, where.per_host, where.num_slices)
     for r in policies
+    for o in (offloads or (OFFLOAD_PRESETS['none'],))
   ]
 
 
@@ -207,7 +245,7 @@ def first_built(
   their own check)."""
   for c in candidates:
     try:
-      return c, tuple(build(abstract_mesh(c), c.preset.rules, c.remat))
+      return c, built(build, abstract_mesh(c), c)
     except ShardingError:
       continue
   return None
@@ -239,7 +277,7 @@ def check(
   memory: Memory,
   chip: str | None,
   runs: dict[str, Any],
-  built: Sequence[Any] | None = None,
+  made: Sequence[Any] | None = None,
 ) -> None:
   """The exact cheap checks (batch and shapes divide, the state fits the most
   memory the layout could be given), then the estimate."""
@@ -260,9 +298,8 @@ def check(
   del mesh  # it exists: the candidate can be compiled
   try:
     # The build itself may lay the arguments out (fsm.jit's in_shardings).
-    if built is None:
-      built = tuple(build(abstract_mesh(c), c.preset.rules, c.remat))
-    step, *args = built
+    made = built(build, abstract_mesh(c), c) if made is None else made
+    step, *args = made
     arguments = prepare(Step.of(step, len(args)), args)
   except ShardingError as e:
     first = e.problems[0]
@@ -272,8 +309,11 @@ def check(
     )
     return
   by_category = dict.fromkeys((PARAMETERS, OPTIMIZER), 0)
-  for category, size in zip(arguments.categories, arguments.layout_bytes):
-    if category in by_category:
+  hosted = arguments.on_host or [False] * len(arguments.layout_bytes)
+  for category, size, on_host in zip(
+    arguments.categories, arguments.layout_bytes, hosted
+  ):
+    if category in by_category and not on_host:  # host memory is not the chip's
       by_category[category] += size
   # Gradients are laid out like the parameters.
   c.lower_bound = 2 * by_category[PARAMETERS] + by_category[OPTIMIZER]
@@ -291,15 +331,17 @@ def check(
 
 def pick(viable: list[Candidate], n: int, memory: Memory) -> list[Candidate]:
   """The ``n`` most promising: estimated to fit (or too close to call) first,
-  then those a raised fraction may hold, no remat before remat, then least
-  memory; taken in turn from each (preset, remat) group."""
+  then those a raised fraction may hold, no remat before remat, no offload
+  before offload, then least memory; taken in turn from each (preset, remat,
+  offload) group."""
 
   def key(c: Candidate) -> tuple[Any, ...]:
-    return (_estimated_tier(c, memory), c.remat != 'none', c.estimate or 0)
+    tier = _estimated_tier(c, memory)
+    return (tier, c.remat != 'none', c.offload.offloads, c.estimate or 0)
 
-  groups: dict[tuple[str, str], list[Candidate]] = {}
+  groups: dict[tuple[str, str, str], list[Candidate]] = {}
   for c in sorted(viable, key=key):
-    groups.setdefault((c.preset.name, c.remat), []).append(c)
+    groups.setdefault((c.preset.name, c.remat, c.offload.name), []).append(c)
   order = sorted(groups.values(), key=lambda g: key(g[0]))
   picked: list[Candidate] = []
   for round_ in itertools.zip_longest(*order):

@@ -1,8 +1,10 @@
-"""``fsm.suggest`` and what it returns, ``Suggestions``: the best mesh, rules
-and remat for a model on a pod.
+"""``fsm.suggest`` and what it returns, ``Suggestions``: the best mesh, rules,
+remat and offload for a model on a pod.
 
 Candidates are every way of splitting the chips over a preset's mesh axes,
-times the rule presets, times the remat policies. A preset none of whose
+times the rule presets, times the remat policies, times the offload presets
+(none unless asked for).
+ A preset none of whose
 logical names the model uses is skipped with a warning (its layout would be
 plain data parallelism). Cheap checks come first and are exact, so they never
 reject a layout that could fit: a candidate whose shapes do not divide its
@@ -19,8 +21,12 @@ first), then the rest; within each, by estimated step time, then by headroom.
 On GPUs the step time is the roofline's compute and collective time without
 its HBM term: a GPU program compiled without a GPU is not autotuned (its
 matmuls are cuBLAS calls with their neighbours unfused), so its HBM bytes are
-inflated, and remat lowers them. Last, a layout never
-ranks above the same mesh and preset with less remat when both fit.
+inflated, and remat lowers them. At an equal step time a layout without
+offload ranks first, so an offload never ranks above a layout that fits
+without one at an equal or better step time (its host transfers count in its
+step time where the host link's bandwidth is known; each offload's reason
+says what it moves and what that costs). Last, a layout never ranks above
+the same mesh, preset and offload with less remat when both fit.
 """
 
 from __future__ import annotations
@@ -35,14 +41,20 @@ from flax_shardmeta._capacity.fit.usable import FRACTION_VARIABLES, UsableMemory
 from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._capacity.suggest import presets as presets_lib, ranking
 from flax_shardmeta._capacity.suggest.candidate import Candidate, signed
+from flax_shardmeta._capacity.suggest.offload_presets import (
+  OffloadPreset,
+  resolve_offload,
+)
 from flax_shardmeta._capacity.suggest.presets import RulePreset
 from flax_shardmeta._capacity.suggest.search import (
   Build,
   Memory,
   Where,
+  built,
   candidate_mesh,
   candidates_of,
   check,
+  check_offload_build,
   device_pool,
   first_built,
   judged_capacity,
@@ -69,13 +81,16 @@ def suggest(
   chip: str | None = None,
   presets: Iterable[str | RulePreset] = presets_lib.DEFAULT_PRESETS,
   remat: Iterable[str] = ('none', 'full'),
+  offload: Iterable[str | OffloadPreset] = ('none',),
   max_candidates: int = 8,
   progress: bool | Callable[[str], None] = True,
   cache: bool = True,
   mem_fraction: float | None = None,
   reserve: int | str | None = None,
+  host_memory: int | str | None = None,
 ) -> Suggestions:
-  """Searches meshes, rule presets and remat policies for the best layout.
+  """Searches meshes, rule presets, remat policies and offloads for the best
+  layout.
 
   On GPUs every candidate is judged as :func:`fit` judges it: against the
   memory a real run gives XLA (``mem_fraction`` of the GPU's memory, less
@@ -106,6 +121,12 @@ def suggest(
     remat: remat policies to try, least remat first: a layout never ranks
       above the same mesh and preset with a policy listed before its own
       when both fit.
+    offload: offload presets to try (``'none'``, ``'optimizer'``,
+      ``'activations'``, ``'optimizer+activations'``, or
+      :class:`OffloadPreset` objects); a candidate that offloads is built
+      with ``build(mesh, rules, remat, offload)``, and judged by its device
+      memory, its host memory against ``host_memory``, and its step time
+      with the transfers.
     max_candidates: at most this many are compiled (the most promising by
       the estimate, spread over the presets and remat policies).
     progress: print progress to stderr (or call this with each line).
@@ -115,13 +136,15 @@ def suggest(
     reserve: GPUs: bytes (or text like ``'3GiB'``) the run holds outside
       XLA's pool per GPU (default: the CUDA context and each layout's NCCL
       communicators, see :func:`fit`).
+    host_memory: the RAM of one host that offload candidates are judged
+      against (default: the machine type's of the chip, see :func:`fit`).
 
   Returns:
     :class:`Suggestions`, best first; ``suggestions[0].compare()`` says why.
 
   Raises:
     FitError: malformed arguments (batch, hbm, max_candidates, mem_fraction,
-      reserve).
+      reserve, offload), or offload asked of a build that cannot take it.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax_shardmeta as fsm
@@ -149,7 +172,10 @@ def suggest(
   memory = Memory.of(capacity, where.on_gpu, mem_fraction, reserve)
   policies = tuple(remat)
   resolved = presets_lib.resolve(presets)
-  candidates = candidates_of(resolved, policies, where, batch * tokens_per_example)
+  offloads = resolve_offload(offload)
+  check_offload_build(build, offloads)
+  tokens = batch * tokens_per_example
+  candidates = candidates_of(resolved, policies, where, tokens, offloads)
   first = first_built(build, candidates)
   unused: dict[str, str] = {}
   if first is not None:
@@ -157,17 +183,19 @@ def suggest(
     candidates = [c for c in candidates if c.preset.name not in unused]
   say(f'{len(candidates)} candidates over {len(pool)} devices; checking plans')
   runs = {'mem_fraction': mem_fraction, 'reserve': reserve}
+  if host_memory is not None:
+    runs['host_memory'] = host_memory
   estimate_chip = chip or (spec.name if spec is not None else None)
   for c in candidates:
-    built = first[1] if first is not None and c is first[0] else None
-    check(c, build, where, batch, memory, estimate_chip, runs, built)
+    made = first[1] if first is not None and c is first[0] else None
+    check(c, build, where, batch, memory, estimate_chip, runs, made)
   viable = [c for c in candidates if c.rejected is None]
   rejected = [c for c in candidates if c.rejected is not None]
   chosen = pick(viable, max_candidates, memory)
   skipped = [c for c in viable if c not in chosen]
   for i, c in enumerate(chosen, 1):
     t = time.perf_counter()
-    step, *args = build(candidate_mesh(c, where), c.preset.rules, c.remat)
+    step, *args = built(build, candidate_mesh(c, where), c)
     c.report = r = fit(step, *args, hbm=capacity, chip=chip, cache=cache, **runs)
     say(f'[{i}/{len(chosen)}] {c.label}: {_compiled(r, time.perf_counter() - t)}')
   ranked = ranking.rank(chosen, policies)
@@ -212,6 +240,14 @@ def _fits_cell(r: FitReport) -> str:
   if kind == 'fits_with_fraction':
     return f'only at {r.needed_fraction:.2f}'
   return {'fits': 'yes', 'does_not_fit': 'no'}.get(kind, '?')
+
+
+def _host_cell(r: FitReport) -> str:
+  host = r.host
+  if host is None:
+    return '-'
+  held = format_bytes(host.per_host_bytes)
+  return held if host.fits is not False else f'{held} (over)'
 
 
 def ranking_text(gpu: bool) -> str:
@@ -323,10 +359,13 @@ class Suggestions(list):
   def format(self, top: int | None = None) -> str:
     """The ranked table (the first ``top`` rows), then the rejected ones."""
     gpu = self.usable is not None
-    head = ['#', 'mesh', 'preset', 'remat', 'per chip', 'largest', 'headroom']
-    head += ['fits', 'collectives', 'step (est.)']
+    hosted = any(c.offload.offloads for c in self)
+    head = ['#', 'mesh', 'preset', 'remat', *(['offload'] if hosted else [])]
+    head += ['per chip', 'largest', 'headroom']
+    head += [*(['host (per host)'] if hosted else []), 'fits', 'collectives']
+    head += ['step (est.)']
     head += ['HBM traffic'] if gpu else []
-    rows = [(*head, 'tokens/s/chip')]
+    rows: list[tuple[str, ...]] = [(*head, 'tokens/s/chip')]
     shown = [(c, c.report) for c in (self[:top] if top else self) if c.report]
     for i, (c, r) in enumerate(shown, 1):
       big = r.largest_row
@@ -338,9 +377,11 @@ class Suggestions(list):
           ' '.join(f'{k}={v}' for k, v in c.shape.items()),
           c.preset.name,
           c.remat,
+          *([c.offload.name] if hosted else []),
           format_bytes(r.total_bytes),
           f'{big.name} {format_bytes(big.bytes)}',
           '-' if r.headroom_bytes is None else signed(r.headroom_bytes),
+          *([_host_cell(r)] if hosted else []),
           _fits_cell(r),
           format_bytes(int(r.collective_bytes)),
           '-' if not c.rank_s else format_seconds(c.rank_s),
@@ -403,6 +444,8 @@ class Suggestions(list):
       ]
     c = self.closest
     r = c.report
+    if r is not None and r.fits_device and r.host is not None and r.host.fits is False:
+      return [f'nothing fits; closest: {c.label}, {r.host.verdict()}']
     limit = r.hbm_bytes if r is not None and r.hbm_bytes is not None else None
     limit = self.hbm_bytes if limit is None else limit
     what = ' usable' if r is not None and r.usable is not None else ''

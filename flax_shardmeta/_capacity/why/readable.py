@@ -32,9 +32,14 @@ _MEANING = {
 
 
 def format_why(
-  collectives: Sequence[CollectiveRow], replicated: Sequence[str] = (), top: int = 8
+  collectives: Sequence[CollectiveRow],
+  replicated: Sequence[str] = (),
+  top: int = 8,
+  host: Any = None,
 ) -> str:
-  """The readable table of :meth:`FitReport.why`.
+  """The readable table of :meth:`FitReport.why`; with ``host`` (the
+  report's :class:`HostMemory`), the copies between host and chip memory
+  too, as their own kind, ``offload``.
 
   Example:
     >>> rows = [CollectiveRow('all-gather', ('data',), 4, 2**30, reason='parameter',
@@ -42,7 +47,8 @@ def format_why(
     >>> format_why(rows).splitlines()[1][:56]
     'parameter: 1.00 GiB per chip per step in 4 collectives: '
   """
-  if not collectives and not replicated:
+  moved = offload_lines(host, top)
+  if not collectives and not replicated and not moved:
     return 'Why each collective is there: the step runs none.'
   lines = ['Why each collective is there (per chip, per step; largest first):']
   if not collectives:
@@ -76,6 +82,7 @@ def format_why(
     if len(rows) > top:
       rest = sum(r.bytes for r in rows[top:])
       lines.append(f'  ... {len(rows) - top} more rows, {format_bytes(int(rest))}')
+  lines += moved
   lines += ['', 'What looks unexpected:']
   found = unexpected(collectives, replicated)
   for f in found or ['nothing: every reshard was asked for.']:
@@ -83,6 +90,41 @@ def format_why(
       f'- {f}', 100, subsequent_indent='  ', break_on_hyphens=False
     )
   return '\n'.join(lines)
+
+
+def offload_lines(host: Any, top: int = 8) -> list[str]:
+  """The step's copies between host and chip memory (``host``: a
+  :class:`HostMemory`), as a group of :func:`format_why`: by argument path
+  and by offloaded checkpoint name; empty when it moves nothing.
+
+  Example:
+    >>> from flax_shardmeta._capacity.fit.host_side import HostMemory, HostRow
+    >>> h = HostMemory(2**20, (HostRow('argument', 'opt/mu', '', 2**20),), 4, 1,
+    ...                None, '', '', to_device_bytes=2**20, to_host_bytes=2**20)
+    >>> offload_lines(h)[0][:45]
+    'offload: 1.00 MiB to the chip and 1.00 MiB to'
+  """
+  if host is None or not (host.to_device_bytes or host.to_host_bytes):
+    return []
+  lines = [
+    f'offload: {format_bytes(host.to_device_bytes)} to the chip and '
+    f'{format_bytes(host.to_host_bytes)} to the host per chip per step: moving '
+    f'what the step keeps in host memory ({host.time_words()})'
+  ]
+  shown = [('  kind', 'what', 'where', 'bytes', 'moved')]
+  for r in list(host.rows)[:top]:
+    each = (
+      'out in the forward pass, in for the backward'
+      if r.kind == 'offloaded activations'
+      else 'in and out each step'
+      if r.kind == 'argument'
+      else 'written each step'
+      if r.kind == 'output'
+      else 'between host and chip'
+    )
+    shown.append((f'  {r.kind}', r.what, r.where or '-', format_bytes(r.bytes), each))
+  lines += table(shown, {3})
+  return lines
 
 
 def format_unknown_why(replicated: Sequence[str] = ()) -> str:
