@@ -15,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_shardmeta as fsm
+from flax_shardmeta._units import format_seconds
 
 AUTO = (AxisType.Auto,)
 LAYERS, WIDTH, BATCH = 8, 512, 256
@@ -397,3 +398,23 @@ def test_offload_copies_are_their_own_kind_in_peak_and_why():
   why = report.why()
   assert 'offload: 16.00 MiB to the chip and 16.00 MiB to the host' in why
   assert 'argument  opt/m' in why and 'in and out each step' in why
+
+
+@pytest.mark.cuda
+def test_suggest_times_an_offload_by_its_transfers_on_gpus():
+  found = fsm.suggest(
+    _small_build, batch=256, topology='h100:1x4', presets=[FSDP4], remat=['none'],
+    offload=['optimizer', 'none'], progress=False, cache=False,
+  )  # fmt: skip
+  # Listed first, but ranked after the layout without it.
+  assert [c.offload.name for c in found] == ['none', 'optimizer']
+  plain, hosted = found
+  host = hosted.report.host
+  # mu and nu (8 layers of 1024 x 1024 f32 over 4 GPUs) in and out each step,
+  # at PCIe Gen5's 64 GB/s: in the ranked time.
+  assert host.transfer_s == pytest.approx(2 * LAYERS * 1024 * 1024 * 4 / 4 / 64e9)
+  roof = hosted.report.roofline
+  assert roof.transfer_s == host.transfer_s
+  assert hosted.rank_s == max(roof.compute_s, roof.collective_s, roof.transfer_s)
+  assert plain.rank_s <= hosted.rank_s
+  assert f'{format_seconds(host.transfer_s)} (can overlap compute)' in (hosted.reason)
