@@ -11,6 +11,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 FLOOR_EXTRAS := test,notebooks,tpu,gpu
 PYTEST := $(BIN)/python -m pytest -n 2
 
@@ -22,9 +23,15 @@ LATEST_EXTRAS := test,notebooks,tpu,gpu
 
 .PHONY: demo test test-slow test-latest lint bench docs versions clean
 
-$(STAMP): pyproject.toml .ci/floor.txt dev/quiet_libtpu.pth dev/quiet_libtpu.py dev/quiet_cuda.pth dev/quiet_cuda.py
-	$(PYTHON) -m venv $(VENV)
+# The demo needs the package and its runtime dependencies only (jax, flax, optax,
+# numpy, treescope); the tests add their extras to the same venv.
+$(DEMO_STAMP): pyproject.toml .ci/floor.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c .ci/floor.txt -e .
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP) pyproject.toml .ci/floor.txt dev/quiet_libtpu.pth dev/quiet_libtpu.py dev/quiet_cuda.pth dev/quiet_cuda.py
 	$(BIN)/pip install --quiet -c .ci/floor.txt -e '.[$(FLOOR_EXTRAS)]'
 	$(BIN)/python dev/install_pth.py
 	touch $(STAMP)
@@ -36,7 +43,8 @@ $(LATEST_STAMP): pyproject.toml dev/quiet_libtpu.pth dev/quiet_libtpu.py dev/qui
 	$(LATEST_BIN)/python dev/install_pth.py
 	touch $(LATEST_STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
+	@echo 'make demo: .venv holds the package and its runtime dependencies (jax, flax, optax, numpy, treescope); make test adds the test, notebook, TPU and GPU extras.'
 	$(BIN)/python -m flax_shardmeta demo
 
 # Lint, types and the default tests (the long end-to-end ones are marked slow).

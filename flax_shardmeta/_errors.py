@@ -218,10 +218,10 @@ class TopologyError(FlaxShardmetaError):
 
   Example:
     >>> import flax_shardmeta as fsm
-    >>> fsm.make_mesh((4,), ('data',), topology='v5p-8')
+    >>> fsm.make_mesh((4,), ('data',), topology='v5p8')
     Traceback (most recent call last):
     ...
-    flax_shardmeta._errors.TopologyError: unknown topology 'v5p-8': ...
+    flax_shardmeta._errors.TopologyError: unknown topology 'v5p8': ...
   """
 
 

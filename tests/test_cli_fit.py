@@ -89,8 +89,8 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
 
 @pytest.mark.libtpu
 def test_bad_topologies_exit_2(capsys):
-  code, _, err = run(capsys, *POD[:3], '--topology', 'v5p-8', '--mesh', 'data=4')
-  assert code == 2 and "unknown topology 'v5p-8'" in err
+  code, _, err = run(capsys, *POD[:3], '--topology', 'v5p8', '--mesh', 'data=4')
+  assert code == 2 and "unknown topology 'v5p8'" in err
   code, _, err = run(capsys, *POD[:3], '--topology', 'v5p:2x2x1', '--mesh', 'data=8')
   assert code == 2 and 'does not fit 4 devices' in err
 

@@ -49,6 +49,11 @@ def test_table_totals(capsys, ckpt):
   assert ', needed 192.00 MiB, over-read' in out
   assert 'total: read 192.00 MiB' not in out
   assert 'problems: none' in out
+  # A row per module by default; --verbose, a row per array.
+  assert 'module ' in out and 'params/ScanDotReluDot_0/' in out
+  code, verbose, _ = run(capsys, *args(ckpt, '--devices-per-host', '4', '--verbose'))
+  assert code == 0 and 'params/ScanDotReluDot_0/W2 *' in verbose
+  assert 'opt_state/0/count *' not in verbose  # P() before and after
 
 
 def test_json_and_budget_that_holds(capsys, ckpt):

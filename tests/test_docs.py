@@ -240,7 +240,7 @@ def _batch_layout_error() -> str:
 
 def _topology_error() -> str:
   return _raised(
-    fsm.TopologyError, lambda: fsm.make_mesh((4,), ('data',), topology='v5p-8')
+    fsm.TopologyError, lambda: fsm.make_mesh((4,), ('data',), topology='v5p8')
   )
 
 

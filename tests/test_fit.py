@@ -386,8 +386,8 @@ def test_topology_meshes_and_their_errors(monkeypatch):
     fsm.TopologyError, match=r"unknown accelerator 'v9' in topology 'v9:2x2'.*v5p"
   ):
     fsm.make_mesh((4,), ('data',), topology='v9:2x2')
-  with pytest.raises(fsm.TopologyError, match="unknown topology 'v5p-8'.*h100:4x8"):
-    fsm.make_mesh((4,), ('data',), topology='v5p-8')
+  with pytest.raises(fsm.TopologyError, match="unknown topology 'v5p8'.*h100:4x8"):
+    fsm.make_mesh((4,), ('data',), topology='v5p8')
   with pytest.raises(fsm.MeshShapeError, match='does not fit 4 devices'):
     fsm.make_mesh((8,), ('data',), topology='v5p:2x2x1')
   monkeypatch.setattr(topology, 'libtpu_available', lambda: False)

@@ -18,7 +18,12 @@ import pytest
 import flax_shardmeta as fsm
 
 ROOT = pathlib.Path(fsm.__file__).resolve().parent.parent
-PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs' / 'guides').glob('*.md'))]
+PAGES = [
+  ROOT / 'README.md',
+  ROOT / 'docs' / 'getting_started.md',
+  ROOT / 'docs' / 'install.md',
+  *sorted((ROOT / 'docs' / 'guides').glob('*.md')),
+]
 TEXTS = {page.relative_to(ROOT).as_posix(): page.read_text() for page in PAGES}
 README = TEXTS['README.md']
 BLOCKS = [
@@ -113,7 +118,7 @@ def test_shell_plan_commands_of_builtin_models_succeed():
 
 
 def test_a_plain_script_in_the_readme_venv_prints_nothing_of_libtpu_or_cuda(tmp_path):
-  # The venvs of `make demo` / `make test` carry libtpu (the tpu extra) and
+  # The venv of `make test` carries libtpu (the tpu extra) and
   # jax's CUDA plugin (the gpu extra); a user's own script there, with no jax
   # settings of its own, stays quiet.
   script = tmp_path / 'my_script.py'

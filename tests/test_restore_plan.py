@@ -238,3 +238,41 @@ def test_to_dict_is_json_and_str_has_the_totals(meshes):
   # Each of the 4 column reads of a leaf fetches all of its saved chunks.
   assert 'total: read 224.00 KiB, needed 56.00 KiB' in text
   assert 'problems: none' in text
+
+
+def test_the_text_groups_by_module_and_stars_only_what_moves(meshes):
+  save, target = meshes
+  # Twelve identical blocks, a step count, an embedding: the table has a
+  # row per module and stacks the blocks; --verbose lists every array.
+  source = {
+    f'Block_{i}': {
+      'kernel': struct((64, 32), save, P('data')),
+      'bias': struct((32,), save, P()),
+    }
+    for i in range(12)
+  }
+  source['count'] = struct((), save, P(), dtype=jnp.int32)
+  tgt = {
+    f'Block_{i}': {
+      'kernel': struct((64, 32), target, P('data', 'model')),
+      'bias': struct((32,), target, P()),
+    }
+    for i in range(12)
+  }
+  tgt['count'] = struct((), target, P(), dtype=jnp.int32)
+  plan = fsm.restore_plan(source, tgt)
+  lines = str(plan).splitlines()
+  (stack,) = [line for line in lines if line.startswith('Block_{0..11}/')]
+  assert '[12 identical copies]' in stack
+  cells = stack.split()
+  # 24 arrays, the 12 kernels change layout; the biases and the count
+  # (replicated before and after, P() to P()) do not.
+  assert cells[-3:] == ['12', 'of', '24']
+  assert len(lines) < 15
+  verbose = plan.format(verbose=True).splitlines()
+  assert any(line.startswith('Block_11/kernel *') for line in verbose)
+  assert any(line.split()[0] == 'count' for line in verbose)
+  assert not [
+    line for line in verbose if line.startswith(('count *', 'Block_0/bias *'))
+  ]
+  assert not plan.entry('count').moves and not plan.entry('Block_3/bias').moves

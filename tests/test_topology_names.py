@@ -59,7 +59,7 @@ def test_the_accelerator_decides_the_platform():
   ):
     assert topology.platform_of(name) == 'tpu'
   # No ACCELERATOR:SHAPE at all: left to the accepted-forms message.
-  assert topology.platform_of('v5p-8') is None
+  assert topology.platform_of('v5p8') is None
   assert topology.platform_of(None) is None
   assert topology.TPU_GENERATIONS == ('v4', 'v5e', 'v5p', 'v6e', 'tpu7x')
 
@@ -96,8 +96,8 @@ def test_known_names_keep_their_paths(monkeypatch):
   with pytest.raises(fsm.TopologyError, match=r"pip install '\.\[gpu\]'"):
     fsm.make_mesh((8,), ('data',), topology='h100:1x8')
   # A name that is no topology at all lists the accepted forms.
-  with pytest.raises(fsm.TopologyError, match="unknown topology 'v5p-8'.*h100:4x8"):
-    fsm.make_mesh((4,), ('data',), topology='v5p-8')
+  with pytest.raises(fsm.TopologyError, match="unknown topology 'v5p8'.*h100:4x8"):
+    fsm.make_mesh((4,), ('data',), topology='v5p8')
 
 
 def test_the_cli_answers_without_libtpu_in_one_line(capsys, monkeypatch):
@@ -132,3 +132,41 @@ def test_the_cli_command_exits_2_with_the_did_you_mean():
   assert done.returncode == 2, done.stderr
   assert done.stdout == ''
   assert done.stderr.splitlines() == [f'flax-shardmeta: error: {H900} {SECTION}']
+
+
+@pytest.mark.parametrize(
+  'given, expected',
+  [
+    # Cloud TPU's accelerator types: TensorCores for v4 and v5p (two a chip),
+    # chips for v5e (v5litepod) and v6e.
+    ('v5p-8', 'v5p:2x2x1'),
+    ('v5p-16', 'v5p:2x2x2'),
+    ('v5p-128', 'v5p:4x4x4'),
+    ('v5p-256', 'v5p:4x4x8'),
+    ('v4-32', 'v4:2x2x4'),
+    ('v5litepod-1', 'v5e:1x1'),
+    ('v5litepod-8', 'v5e:2x4'),
+    ('v5litepod-16', 'v5e:4x4'),
+    ('V6E-256', 'v6e:16x16'),
+    ('v6e-64', 'v6e:8x8'),
+    ('v5p:4x4x8', None),
+    ('h100:4x8', None),
+  ],
+)
+def test_accelerator_types_as_consoles_print_them(given, expected):
+  assert topology.accelerator_topology(given) == expected
+
+
+@pytest.mark.parametrize('given', ['v5p-6', 'v5p-12', 'v6e-12'])
+def test_an_accelerator_type_no_slice_has_is_refused(given):
+  with pytest.raises(fsm.TopologyError, match='is no .* slice'):
+    topology.accelerator_topology(given)
+
+
+@pytest.mark.libtpu
+def test_a_mesh_over_an_accelerator_type():
+  mesh = fsm.make_mesh((4,), ('data',), topology='v5p-8')
+  assert mesh.devices.size == 4 and mesh.devices.flat[0].device_kind == 'TPU v5'
+  assert (
+    len(fsm.make_mesh((16,), ('data',), topology='v5litepod-16').devices.flat) == 16
+  )

@@ -30,7 +30,8 @@ if TYPE_CHECKING:  # jax is imported when a mesh is made: the CLI starts light
 ACCEPTED_FORMS = (
   "'v4:2x2x1', 'v5e:4x4' (v5litepod), 'v5p:4x4x8', 'v6e:8x8', 'tpu7x:2x2x1'; "
   'GENERATION:SHAPE with one size per torus dimension (3 for v4, v5p and '
-  'TPU7x, 2 for v5e and v6e)'
+  "TPU7x, 2 for v5e and v6e); or Cloud TPU's accelerator types, 'v5p-8', "
+  "'v5litepod-16', 'v6e-256'"
 )
 """The topology names libtpu accepts, as given in errors."""
 
@@ -49,6 +50,53 @@ _TPU_SPELLINGS = frozenset({*TPU_GENERATIONS, 'v2', 'v3', 'v5'})
 # Cloud TPU's name of a generation libtpu does not take, and the one it does
 # ('v5litepod-16' is a v5e slice, as ACCEPTED_FORMS says).
 _CLOUD_NAMES = {'v5litepod': 'v5e'}
+
+
+# Cloud TPU's accelerator types, as its console and `gcloud` print them:
+# 'v5p-8', 'v5litepod-16', 'v6e-256'. The number counts TensorCores for v4 and
+# v5p (two per chip) and chips for v5e and v6e.
+_ACCELERATOR = re.compile(r'^(v4|v5p|v5litepod|v5e|v6e)-(\d+)$', re.IGNORECASE)
+_CORES_PER_CHIP = {'v4': 2, 'v5p': 2}
+_TORUS_DIMS = {'v4': 3, 'v5p': 3, 'v5e': 2, 'v6e': 2}
+
+
+def accelerator_topology(name: Any) -> str | None:
+  """The topology of a Cloud TPU accelerator type (``'v5p-8'`` ->
+  ``'v5p:2x2x1'``), as Cloud TPU lays its slices out; None for a name that is
+  not an accelerator type.
+
+  Raises:
+    TopologyError: an accelerator type no slice has (an odd core count, or
+      chips that are not a power of two).
+
+  Example:
+    >>> accelerator_topology('v5p-8'), accelerator_topology('v5litepod-16')
+    ('v5p:2x2x1', 'v5e:4x4')
+    >>> accelerator_topology('v6e-256'), accelerator_topology('v5p:4x4x8')
+    ('v6e:16x16', None)
+  """
+  match = _ACCELERATOR.match(name.strip()) if isinstance(name, str) else None
+  if match is None:
+    return None
+  given, count = match.group(1).lower(), int(match.group(2))
+  generation = _CLOUD_NAMES.get(given, given)
+  per_chip = _CORES_PER_CHIP.get(generation, 1)
+  chips = count // per_chip
+  if count % per_chip or chips < 1 or chips & (chips - 1):
+    cores = ' TensorCores (two per chip)' if per_chip == 2 else ' chips'
+    raise TopologyError(
+      f'accelerator type {name!r}: {count}{cores} is no {given} slice; Cloud TPU '
+      f'slices have a power of two of chips ({ACCEPTED_FORMS}).'
+    )
+  sizes = [1] * _TORUS_DIMS[generation]
+  i = 0
+  while chips > 1:  # doubled in turn: as even as the torus can be
+    sizes[i % len(sizes)] *= 2
+    chips //= 2
+    i += 1
+  # Smallest first, a dimension of 1 last: Cloud TPU's '2x2x1', '2x4', '4x4x8'.
+  shape = sorted(s for s in sizes if s > 1) + [s for s in sizes if s == 1]
+  return f'{generation}:{"x".join(map(str, shape))}'
 
 
 def libtpu_available() -> bool:
@@ -75,7 +123,9 @@ def platform_of(name: Any) -> str | None:
 
   Example:
     >>> platform_of('h100:4x8'), platform_of('v5p:4x4x8'), platform_of('v5p-8')
-    ('gpu', 'tpu', None)
+    ('gpu', 'tpu', 'tpu')
+    >>> platform_of('v5p8') is None
+    True
     >>> platform_of('h900:1x8')
     Traceback (most recent call last):
     ...
@@ -86,6 +136,7 @@ def platform_of(name: Any) -> str | None:
   """
   if gpu.is_gpu_topology(name):
     return 'gpu'
+  name = accelerator_topology(name) or name
   match = _NAME.match(name.strip()) if isinstance(name, str) else None
   if match is None:
     return None
@@ -127,7 +178,8 @@ def topology_devices(
   v5p and v6e, two per chip for TPU7x. Results are cached per name.
 
   Args:
-    name: ``GENERATION:SHAPE``, e.g. ``'v5p:4x4x8'`` or ``'v6e:16x16'``.
+    name: ``GENERATION:SHAPE``, e.g. ``'v5p:4x4x8'`` or ``'v6e:16x16'``, or a
+      Cloud TPU accelerator type, ``'v5p-256'`` (:func:`accelerator_topology`).
     num_slices: slices joined over the data-centre network; each device's
       ``slice_index`` says which it belongs to.
 
@@ -148,6 +200,7 @@ def topology_devices(
     ...   print(8, 'TPU v5')
     8 TPU v5
   """
+  name = accelerator_topology(name) or name
   if platform_of(name) == 'gpu':
     if num_slices != 1:
       raise TopologyError(

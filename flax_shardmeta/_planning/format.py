@@ -105,7 +105,7 @@ def _stack_label(key: tuple[str, ...], indices: list[tuple[int, ...]]) -> str:
   return '/'.join(out)
 
 
-def _groups(
+def groups(
   entries: Sequence[EntryView],
 ) -> list[tuple[str, int, list[EntryView]]]:
   """(label, copies, entries of one copy), in first-seen order."""
@@ -170,7 +170,7 @@ def format_table(plan: PlanView) -> str:
     'bytes/device',
   )
   rows: list[tuple[str, ...] | str] = []
-  for label, copies, members in _groups(plan.entries):
+  for label, copies, members in groups(plan.entries):
     per_copy = sum(e.bytes_per_device for e in members)
     layers = _stacked_layers(members)
     notes = []

@@ -37,6 +37,27 @@ def dim_axes(spec: Any, ndim: int) -> tuple[tuple[str, ...], ...]:
   )
 
 
+def resized_axes(
+  old_sizes: dict[str, int] | None, mesh: Any, axes: tuple[tuple[str, ...], ...]
+) -> bool:
+  """Whether a mesh axis a leaf is sharded over (``axes``, per dimension) has
+  another size than when it was saved: a new mesh moves only such leaves, and
+  a replicated one (a step count, ``P()`` to ``P()``) stays as it was.
+
+  Example:
+    >>> import jax
+    >>> mesh = jax.sharding.AbstractMesh((2, 4), ('data', 'model'))
+    >>> saved = {'data': 8}
+    >>> resized_axes(saved, mesh, (('data',),)), resized_axes(saved, mesh, ((),))
+    (True, False)
+  """
+  if old_sizes is None:
+    return False
+  used = {a for dim in axes for a in dim}
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  return any(old_sizes.get(a) != sizes[a] for a in used if a in sizes)
+
+
 def chunk_shape(
   shape: tuple[int, ...], axes: tuple[tuple[str, ...], ...], sizes: dict[str, int]
 ) -> tuple[int, ...]:

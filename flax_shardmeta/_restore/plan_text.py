@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from flax_shardmeta._planning.format import groups
 from flax_shardmeta._specs import format_spec
 from flax_shardmeta._units import format_bytes, table
 
 
-def plan_text(p: Any) -> str:
-  """A ``RestorePlan`` as a table of leaves, then hosts, totals and problems."""
+def plan_text(p: Any, verbose: bool = False) -> str:
+  """A ``RestorePlan`` as a table, then hosts, totals and problems: one row
+  per module (identical copies stacked, as ``plan`` shows them) with what it
+  reads and needs and how many of its arrays change layout; ``verbose``: one
+  row per array."""
   mesh = p.mesh
   where = (
     'no mesh'
@@ -21,21 +25,7 @@ def plan_text(p: Any) -> str:
     f'Restore plan: {_count(len(p.entries), "array")} onto {where}, '
     f'{_count(p.num_hosts, "host")}'
   ]
-  rows = [('array', 'shape', 'dtype', 'saved spec', 'target spec', 'read', 'needed')]
-  for e in p.entries:
-    rows.append(
-      (
-        e.path + (' *' if e.moves else ''),
-        'x'.join(map(str, e.shape)) or 'scalar',
-        str(e.dtype),
-        format_spec(e.saved_spec),
-        format_spec(e.spec),
-        format_bytes(e.bytes_read),
-        format_bytes(e.bytes_needed),
-      )
-    )
-  lines += table(rows, {5, 6})
-  lines.append('(* the layout changes)')
+  lines += _leaf_rows(p.entries) if verbose else _module_rows(p.entries)
   most = max(p.read_per_host, default=0)
   lines.append(
     f'total: read {format_bytes(p.total_read)}, needed '
@@ -69,6 +59,49 @@ def plan_text(p: Any) -> str:
     lines.append(f'notes (restored as the target asks): {len(notes)}')
     lines += [f'  {q}' for q in notes]
   return '\n'.join(lines)
+
+
+def _leaf_rows(entries: Any) -> list[str]:
+  rows = [('array', 'shape', 'dtype', 'saved spec', 'target spec', 'read', 'needed')]
+  for e in entries:
+    rows.append(
+      (
+        e.path + (' *' if e.moves else ''),
+        'x'.join(map(str, e.shape)) or 'scalar',
+        str(e.dtype),
+        format_spec(e.saved_spec),
+        format_spec(e.spec),
+        format_bytes(e.bytes_read),
+        format_bytes(e.bytes_needed),
+      )
+    )
+  return [*table(rows, {5, 6}), '(* the layout changes)']
+
+
+def _module_rows(entries: Any) -> list[str]:
+  """One row per module: its arrays, what they read and need in all, and how
+  many change layout; a stack of identical modules is one row."""
+  rows = [('module', 'arrays', 'read', 'needed', 'layout changes')]
+  for label, copies, group in groups(entries):
+    members: list[Any] = list(group)  # restore entries: reads and moves
+    n = len(members) * copies
+    moved = sum(e.moves for e in members) * copies
+    name = f'{label or "(root)"}/' + (
+      f' [{copies} identical copies]' if copies > 1 else ''
+    )
+    rows.append(
+      (
+        name,
+        str(n),
+        format_bytes(sum(e.bytes_read for e in members) * copies),
+        format_bytes(sum(e.bytes_needed for e in members) * copies),
+        f'{moved} of {n}' if moved else '-',
+      )
+    )
+  return [
+    *table(rows, {1, 2, 3}),
+    '(per module; --verbose / verbose=True: every array)',
+  ]
 
 
 def _count(n: int, noun: str) -> str:

@@ -26,6 +26,7 @@ from flax_shardmeta._restore.chunks import (
   dim_axes,
   host_of_devices,
   lost_explicit_axes,
+  resized_axes,
   saved_layout,
 )
 from flax_shardmeta._restore.inputs import (
@@ -254,10 +255,15 @@ class RestorePlan(ShownWithTreescope):
       'content_check': self.content_check.to_dict(),
     }
 
-  def __str__(self) -> str:
+  def format(self, verbose: bool = False) -> str:
+    """The plan as text: a row per module (``verbose``: per array), then
+    hosts, totals, problems and notes; ``str(plan)`` is ``format()``."""
     from flax_shardmeta._restore.plan_text import plan_text
 
-    return plan_text(self)
+    return plan_text(self, verbose)
+
+  def __str__(self) -> str:
+    return self.format()
 
   def __repr__(self) -> str:
     return (
@@ -470,11 +476,8 @@ def _entry(
     )
   n = len(shape)
   new_axes = dim_axes(spec, n) if sharding is not None else ()
-  moves = old is not None and (
-    dim_axes(old_spec, n) != new_axes
-    or (old_sizes is not None and sharding is not None
-        and old_sizes != dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes)))
-  )  # fmt: skip
+  resized = sharding is not None and resized_axes(old_sizes, sharding.mesh, new_axes)
+  moves = old is not None and (dim_axes(old_spec, n) != new_axes or resized)
   cost = None
   if ok and old is not None and sharding is not None and hosts is not None:
     sizes = (nbytes((), old.dtype), nbytes((), dtype))

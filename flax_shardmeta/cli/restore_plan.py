@@ -81,7 +81,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     help='allow target dtypes that can lose saved values, e.g. float32 into '
     'int8 (fsm.restore(..., allow_cast=True))',
   )
-  options.add_output(p, table='a table of arrays and totals, or JSON', cache=False)
+  p.add_argument(
+    '--verbose',
+    action='store_true',
+    help='a row per array (default: a row per module, identical copies stacked)',
+  )
+  options.add_output(
+    p,
+    table='a table of modules (arrays with --verbose) and totals, or JSON',
+    cache=False,
+  )
 
 
 def _step_number(text: str) -> int:
@@ -156,7 +165,10 @@ def run(args: argparse.Namespace) -> int:
   for w in caught:
     print(f'flax-shardmeta: warning: {w.message}', file=sys.stderr)
   rule_files.note_default_rules(args)
-  print(json.dumps(result.to_dict(), indent=1) if args.format == 'json' else result)
+  if args.format == 'json':
+    print(json.dumps(result.to_dict(), indent=1))
+  else:
+    print(result.format(verbose=args.verbose))
   if result.blocking:
     print(
       f'flax-shardmeta restore-plan: {len(result.blocking)} problem(s)',
