@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -31,6 +32,26 @@ BLOCKS = [
   for name, text in TEXTS.items()
   for block in re.findall(r'^```python\n(.*?)^```', text, re.MULTILINE | re.DOTALL)
 ]
+
+
+def _quoted(text: str) -> dict[str, str]:
+  """Each python block's output as the page quotes it: a ```text block
+  right after it, with nothing but a blank line between."""
+  fences = list(re.finditer(r'^```(\w*)\n(.*?)^```\n', text, re.MULTILINE | re.DOTALL))
+  return {
+    a.group(2): b.group(2)
+    for a, b in zip(fences, fences[1:])
+    if a.group(1) == 'python'
+    and b.group(1) == 'text'
+    and not text[a.end() : b.start()].strip()
+  }
+
+
+QUOTED = {
+  (name, block): quoted
+  for name, text in TEXTS.items()
+  for block, quoted in _quoted(text).items()
+}
 
 
 def test_the_readme_and_guides_have_python_blocks():
@@ -64,6 +85,14 @@ def test_python_block_runs_as_written(index, tmp_path):
     m.group(1) for m in re.finditer(r'^print\(.*\)  # (.+)$', block, re.MULTILINE)
   ]
   assert done.stdout.splitlines()[: len(expected)] == expected
+  # The output quoted after it is printed as quoted (`...` marks lines left out).
+  printed = {line.rstrip() for line in done.stdout.splitlines()}
+  stale = [
+    line
+    for line in QUOTED.get((name, block), '').splitlines()
+    if line.strip() and '...' not in line and line.rstrip() not in printed
+  ]
+  assert not stale, f'{name} block {index} no longer prints:\n' + '\n'.join(stale)
 
 
 @pytest.mark.parametrize('name', list(TEXTS))
@@ -100,8 +129,6 @@ def test_across_hosts_block_runs_in_two_processes(tmp_path):
 
 @pytest.mark.slow
 def test_shell_plan_commands_of_builtin_models_succeed():
-  import shlex
-
   text = '\n'.join(TEXTS.values())
   lines = re.findall(r'^\.venv/bin/flax-shardmeta (plan --model .*)$', text, re.M)
   assert len(lines) >= 3
@@ -135,3 +162,53 @@ def test_a_plain_script_in_the_readme_venv_prints_nothing_of_libtpu_or_cuda(tmp_
   assert done.returncode == 0, done.stderr
   assert done.stdout.strip() == '3.0'
   assert done.stderr == '', done.stderr
+
+
+# A guide's `flax-shardmeta fit` command and the output it quotes right after.
+QUOTED_FITS = [
+  (name, command, quoted)
+  for name, text in TEXTS.items()
+  for command, quoted in re.findall(
+    r'^```bash\n\.venv/bin/flax-shardmeta (fit [^\n\\]*)\n```\n\n```text\n(.*?)^```',
+    text,
+    re.MULTILINE | re.DOTALL,
+  )
+]
+
+
+def test_guides_quote_fit_outputs():
+  assert len(QUOTED_FITS) >= 3, [c for _, c, _ in QUOTED_FITS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  'index',
+  range(len(QUOTED_FITS)),
+  ids=[f'{n}:{i}' for i, (n, _, _) in enumerate(QUOTED_FITS)],
+)
+def test_a_quoted_fit_output_is_what_the_command_prints(index):
+  from flax_shardmeta._devices import gpu, topology
+
+  name, command, quoted = QUOTED_FITS[index]
+  on_gpu = 'h100' in command or 'h200' in command
+  if not (gpu.cuda_plugin_available() if on_gpu else topology.libtpu_available()):
+    pytest.skip('the compiler for this target is not installed')
+  done = subprocess.run(
+    [sys.executable, '-m', 'flax_shardmeta', *shlex.split(command)],
+    capture_output=True,
+    text=True,
+    timeout=1200,
+    env={**os.environ, 'JAX_PLATFORMS': 'cpu'},
+    check=False,
+  )
+  printed = {line.rstrip() for line in done.stdout.splitlines()}
+  # Every line the guide quotes is printed as quoted (an excerpt may leave
+  # lines out, marked `...`): its figures cannot go stale.
+  stale = [
+    line
+    for line in quoted.splitlines()
+    if line.strip() and '...' not in line and line.rstrip() not in printed
+  ]
+  assert not stale, (
+    f'{name}: `flax-shardmeta {command}` no longer prints:\n' + '\n'.join(stale)
+  )
