@@ -108,3 +108,19 @@ def publish(title: str, lines: list[str], write: bool) -> None:
   print(body)
   if write:
     write_section(title, body)
+
+
+def xla_totals(m: dict[str, int]) -> tuple[int, int]:
+  """XLA's device and host totals per chip from ``memory_analysis()``'s
+  fields, combined as fit combines them: argument + output - alias + temp
+  (+ generated code on the device)."""
+
+  def side(p: str) -> int:
+    return (
+      m.get(f'{p}argument_size_in_bytes', 0)
+      + m.get(f'{p}output_size_in_bytes', 0)
+      - m.get(f'{p}alias_size_in_bytes', 0)
+      + m.get(f'{p}temp_size_in_bytes', 0)
+    )
+
+  return side('') + m.get('generated_code_size_in_bytes', 0), side('host_')

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import gpu_truth as truth
+from _common import xla_totals
 
 BATCH = {'h100': 24, 'h200': 44}  # gpu_truth's smallest size of each card
 STEPS = 3
@@ -147,17 +148,6 @@ def _rss() -> int:
   return 0
 
 
-def _sum(m: dict[str, int], host: bool) -> int:
-  p = 'host_' if host else ''
-  total = (
-    m.get(f'{p}argument_size_in_bytes', 0)
-    + m.get(f'{p}output_size_in_bytes', 0)
-    - m.get(f'{p}alias_size_in_bytes', 0)
-    + m.get(f'{p}temp_size_in_bytes', 0)
-  )
-  return total + (0 if host else m.get('generated_code_size_in_bytes', 0))
-
-
 def markdown(record: dict[str, Any]) -> list[str]:
   """The result as lines for BENCHMARKS.md."""
   lines = [truth.machine_line(truth.machine()), '']
@@ -170,9 +160,9 @@ def markdown(record: dict[str, Any]) -> list[str]:
     lines += [f'  - note: {n}' for n in c['notes']]
   real = record.get('gpu')
   if real and 'memory_analysis' in real:
-    m = real['memory_analysis']
+    device, host = xla_totals(real['memory_analysis'])
     lines.append(
-      f'- {real["device"]}: XLA device {_sum(m, False):,} B, host {_sum(m, True):,} B; '
+      f'- {real["device"]}: XLA device {device:,} B, host {host:,} B; '
       f'peak_bytes_in_use {real["peak_bytes_in_use"]}; RSS grew '
       f'{real["rss_growth_bytes"]:,} B; state in {real["state_memory_kinds"]}'
     )

@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 import time
 
-from _common import machine, machine_line, publish
+from _common import machine, machine_line, publish, xla_totals
 
 CONFIGS = [('v5p:4x4x8', 128), ('h100:4x8', 32)]
 SEQ = 2048
@@ -50,24 +50,6 @@ def _fit(topology: str, chips: int, offload: str) -> tuple[object, float]:
   return report, time.perf_counter() - start
 
 
-def xla_fields(m: dict[str, int]) -> tuple[int, int]:
-  """XLA's device and host totals per chip, from ``memory_analysis()``."""
-  device = (
-    m['argument_size_in_bytes']
-    + m['output_size_in_bytes']
-    - m['alias_size_in_bytes']
-    + m['temp_size_in_bytes']
-    + m['generated_code_size_in_bytes']
-  )
-  host = (
-    m.get('host_argument_size_in_bytes', 0)
-    + m.get('host_output_size_in_bytes', 0)
-    - m.get('host_alias_size_in_bytes', 0)
-    + m.get('host_temp_size_in_bytes', 0)
-  )
-  return device, host
-
-
 def main(write: bool) -> None:
   import flax_shardmeta as fsm
 
@@ -82,7 +64,7 @@ def main(write: bool) -> None:
     base = None
     for offload in OFFLOADS:
       report, seconds = _fit(topology, chips, offload)
-      device, host = xla_fields(report.memory_analysis)  # type: ignore[attr-defined]
+      device, host = xla_totals(report.memory_analysis)  # type: ignore[attr-defined]
       r: object = report
       total, hosted = r.total_bytes, r.host_bytes  # type: ignore[attr-defined]
       base = total if base is None else base

@@ -98,6 +98,17 @@ def _fit(mesh, jitted, args, **options):
     return fsm.fit(jitted, *args, cache=False, **options)
 
 
+def _xla_device(report):
+  m = report.memory_analysis
+  return (
+    m['argument_size_in_bytes']
+    + m['output_size_in_bytes']
+    - m['alias_size_in_bytes']
+    + m['temp_size_in_bytes']
+    + m['generated_code_size_in_bytes']
+  )
+
+
 def _xla_host(report):
   m = report.memory_analysis
   return (
@@ -112,16 +123,8 @@ def _xla_host(report):
 def test_optimizer_state_on_the_host_is_counted_there_not_on_the_chip():
   mesh, jitted, args = _optimizer_on_host('v5p:2x2x1')
   report = _fit(mesh, jitted, args)
-  m = report.memory_analysis
   # The device total is XLA's device figures, field by field.
-  device = (
-    m['argument_size_in_bytes']
-    + m['output_size_in_bytes']
-    - m['alias_size_in_bytes']
-    + m['temp_size_in_bytes']
-    + m['generated_code_size_in_bytes']
-  )
-  assert report.total_bytes == device
+  assert report.total_bytes == _xla_device(report)
   assert report.row('optimizer state') == 0
   # The host side is XLA's host figures: mu and nu, 4096 x 1024 f32 over 4 chips.
   shard = 4096 * 1024 * 4 // 4
@@ -238,17 +241,9 @@ def test_pinned_host_arguments_on_a_gpu_target_are_counted_apart():
   assert fsm.in_device_memory(kept).memory_kind == 'device'
   mesh, jitted, args = _optimizer_on_host('h100:1x4', host_kind=fsm.in_host_memory)
   report = _fit(mesh, jitted, args)
-  m = report.memory_analysis
-  device = (
-    m['argument_size_in_bytes']
-    + m['output_size_in_bytes']
-    - m['alias_size_in_bytes']
-    + m['temp_size_in_bytes']
-    + m['generated_code_size_in_bytes']
-  )
   shard = 4096 * 1024 * 4 // 4
   # XLA's GPU compiler counts them apart: the device total leaves them out.
-  assert report.total_bytes == device
+  assert report.total_bytes == _xla_device(report)
   assert report.row('optimizer state') == 0
   assert report.host_bytes == _xla_host(report) == 2 * shard
   assert {r.what for r in report.host.rows} == {'opt/mu', 'opt/nu'}
