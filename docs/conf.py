@@ -31,8 +31,8 @@ extensions = [
 
 # Markdown pages and notebooks (myst_nb registers both suffixes).
 exclude_patterns = ['_build', '**.ipynb_checkpoints']
-# GitHub's anchors: `errors.md#shardingerror` works on GitHub and here, and the
-# error messages name their section that way.
+# GitHub's anchors: `errors.md#shardingerror` works on GitHub and here (the
+# class name in lower case, as the errors page says).
 myst_heading_anchors = 3
 
 # The notebooks keep the outputs they were saved with.

@@ -80,6 +80,7 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
   from flax_shardmeta._devices.simulated import (
     simulate_cpu_devices as simulate_cpu_devices,
   )
+  from flax_shardmeta._error_pages import explain_error as explain_error
   from flax_shardmeta._errors import (
     BatchLayoutError as BatchLayoutError,
     CheckpointDamagedError as CheckpointDamagedError,

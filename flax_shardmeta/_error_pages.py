@@ -1,36 +1,144 @@
 """The errors page: the line every error and warning message ends with.
 
-Each class of ``_errors`` has a section on ``docs/errors.md``, its anchor the
-class name in lower case. ``str()`` of an error ends with that section's line;
-``.message`` is the message as raised, to quote inside another one.
+Each class of ``_errors`` has a section on the errors page, ``errors.md``,
+shipped inside the package (the site's ``docs/errors.md`` includes it), so an
+installed user reads it with ``flax-shardmeta explain CLASSNAME``. ``str()`` of
+an error ends with that command; ``.message`` is the message as raised, to
+quote inside another one.
 """
 
 from __future__ import annotations
+
+import difflib
+import functools
+import importlib.resources
+import re
 
 _ERRORS = 'flax_shardmeta._errors'
 """The module whose classes the page documents (a subclass made elsewhere
 points to its nearest base there)."""
 
-ERRORS_PAGE = 'docs/errors.md'
-"""The page with a section per error and warning class: what raises it, what to do."""
+ERRORS_PAGE = 'errors.md'
+"""The page with a section per error and warning class (what raises it, what
+to do), a file of the package: ``flax-shardmeta explain`` prints its sections."""
 
 
 def errors_page_line(cls: type) -> str:
   """The line ending the message of an error or warning ``cls``: its section.
 
   The section is that of the nearest class of ``_errors`` in ``cls``'s MRO (a
-  subclass made elsewhere points to its base's); its anchor is the class name
-  in lower case, as the page's headings make it.
+  subclass made elsewhere points to its base's), named as the command that
+  prints it. On the documentation site it is ``errors.html#`` and the class
+  name in lower case.
 
   Example:
     >>> import flax_shardmeta as fsm
     >>> errors_page_line(fsm.RuleConflictError)
-    '(errors page: docs/errors.md#ruleconflicterror)'
+    '(what to do: flax-shardmeta explain RuleConflictError)'
   """
   documented = next(
     c for c in cls.__mro__ if c.__module__ == _ERRORS and c.__name__[0] != '_'
   )
-  return f'(errors page: {ERRORS_PAGE}#{documented.__name__.lower()})'
+  return f'(what to do: flax-shardmeta explain {documented.__name__})'
+
+
+@functools.cache
+def sections() -> dict[str, str]:
+  """Each section of the errors page by its class name, as written (markdown).
+
+  Example:
+    >>> list(sections())[:2]
+    ['FlaxShardmetaError', 'ShardingError']
+  """
+  page = importlib.resources.files('flax_shardmeta').joinpath(ERRORS_PAGE)
+  parts = re.split(r'^## (\w+)\n', page.read_text(encoding='utf-8'), flags=re.M)
+  return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2])}
+
+
+def _key(name: str) -> str:
+  # 'fsm.ShardingError', 'flax_shardmeta._errors.ShardingError', the old
+  # 'docs/errors.md#shardingerror' and 'shardingerror' all name one section.
+  return re.split(r'[.#/:]', name.strip())[-1].lower()
+
+
+def section_name(name: str) -> str:
+  """The class whose section ``name`` means, whatever its case or prefix.
+
+  Raises:
+    LookupError: no section has that name; the message lists the close ones.
+
+  Example:
+    >>> section_name('fsm.shardingerror'), section_name('errors.md#fiterror')
+    ('ShardingError', 'FitError')
+  """
+  by_key = {_key(n): n for n in sections()}
+  if _key(name) in by_key:
+    return by_key[_key(name)]
+  close = difflib.get_close_matches(_key(name), by_key, n=3, cutoff=0.6)
+  known = [by_key[c] for c in close] or list(sections())
+  which = 'did you mean' if close else 'the sections are'
+  raise LookupError(
+    f'no section of the errors page is called {name!r}; {which} {", ".join(known)}'
+  )
+
+
+LISTING_WIDTH = 100
+"""Columns of the list of sections: each line's first sentence is cut to fit."""
+
+
+def _plain_links(text: str) -> str:
+  return re.sub(r'\[([^\]]+)\]\([^)]+\)', r'\1', text)
+
+
+def _listing() -> str:
+  width = max(map(len, sections()))
+  room = LISTING_WIDTH - width - 4
+  out = ['The errors page, a section per class (flax-shardmeta explain NAME):']
+  for name, text in sections().items():
+    paragraph = _plain_links(' '.join(text.split('\n\n', 1)[0].split()))
+    sentence = paragraph.split('. ', 1)[0].rstrip('.:') + '.'
+    if len(sentence) > room:
+      sentence = sentence[: room - 3] + '...'
+    out.append(f'  {name:<{width}}  {sentence}')
+  return '\n'.join(out) + '\n'
+
+
+def explain_error(error: str | type | BaseException | None = None) -> str:
+  """The errors page's section on an error or warning, as text for a terminal.
+
+  What ``flax-shardmeta explain NAME`` prints: what raises it, a message as it
+  reads (indented) and what to do. ``error`` is a class name in any case, with
+  or without a module (``'fsm.ShardingError'``), the class or an instance (a
+  subclass made elsewhere gets its base's section); ``None`` lists the
+  sections, one line each.
+
+  Raises:
+    LookupError: no section has that name; the message lists the close ones.
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> print(fsm.explain_error('nomesherror').splitlines()[0])
+    NoMeshError
+    >>> 'What to do:' in fsm.explain_error(fsm.NoMeshError('no mesh'))
+    True
+  """
+  if error is None:
+    return _listing()
+  if isinstance(error, BaseException):
+    error = type(error)
+  if isinstance(error, type):
+    error = errors_page_line(error).rsplit(' ', 1)[1].rstrip(')')
+  title = section_name(error)
+  out, fenced = [title, '=' * len(title), ''], False
+  for line in sections()[title].splitlines():
+    if line.startswith('```'):
+      fenced = not fenced
+      continue
+    if fenced:
+      out.append(f'    {line}' if line else '')
+    else:
+      out.append(_plain_links(line))
+  return '\n'.join(out) + '\n'
 
 
 class NamesItsSection:
@@ -63,7 +171,7 @@ class NamesItsSection:
     Example:
       >>> import flax_shardmeta as fsm
       >>> fsm.NoMeshError('no mesh').errors_page
-      '(errors page: docs/errors.md#nomesherror)'
+      '(what to do: flax-shardmeta explain NoMeshError)'
     """
     return errors_page_line(type(self))
 

@@ -23,8 +23,9 @@ class FlaxShardmetaError(_NamesItsSection, ValueError):
 
   A ``ValueError``, so code that already catches bad values keeps working;
   ``except fsm.FlaxShardmetaError`` catches exactly this library's errors.
-  Each message ends with the section of ``docs/errors.md`` about it, e.g.
-  ``(errors page: docs/errors.md#nomesherror)``.
+  Each message ends with the command that prints its section of the errors
+  page, e.g.
+  ``(what to do: flax-shardmeta explain NoMeshError)``.
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -99,7 +100,7 @@ class NoMeshError(FlaxShardmetaError):
     ...
     flax_shardmeta._errors.NoMeshError: shard_value needs a mesh: pass mesh=... or
     run inside `with jax.set_mesh(mesh):`.
-    (errors page: docs/errors.md#nomesherror)
+    (what to do: flax-shardmeta explain NoMeshError)
   """
 
 
@@ -113,7 +114,7 @@ class InvalidRulesError(FlaxShardmetaError):
     ...
     flax_shardmeta._errors.InvalidRulesError: Logical axis rule #0 is ('embed',);
     expected a pair (logical_name: str, mesh_axes), e.g. ('mlp', 'model').
-    (errors page: docs/errors.md#invalidruleserror)
+    (what to do: flax-shardmeta explain InvalidRulesError)
   """
 
 
@@ -154,7 +155,7 @@ class RuleContextError(FlaxShardmetaError):
     ...
     flax_shardmeta._errors.RuleContextError: fsm.logical_axis_rules((('mlp',
     'model'),)) was exited but never entered.
-    (errors page: docs/errors.md#rulecontexterror)
+    (what to do: flax-shardmeta explain RuleContextError)
   """
 
 
@@ -171,7 +172,7 @@ class MeshShapeError(FlaxShardmetaError):
     flax_shardmeta._errors.MeshShapeError: mesh {'data': 3, 'model': 4} does not fit
     8 devices in 1 process(es) (8 each). A factorisation that fits:
     axis_sizes=(2, 4), or -1 for one axis.
-    (errors page: docs/errors.md#meshshapeerror)
+    (what to do: flax-shardmeta explain MeshShapeError)
   """
 
 
@@ -187,7 +188,7 @@ class BatchLayoutError(FlaxShardmetaError):
     flax_shardmeta._errors.BatchLayoutError: a global batch of 7 rows does not divide
     over the batch axes ('data',) (2 ways): each device would hold 3.5 rows. Use a
     multiple of 2, e.g. 8.
-    (errors page: docs/errors.md#batchlayouterror)
+    (what to do: flax-shardmeta explain BatchLayoutError)
   """
 
 
@@ -410,7 +411,7 @@ class UnmappedNameWarning(_NamesItsSection, UserWarning):
     >>> print(caught[0].message)
     Logical name 'mpl' is not mapped by any rule, so it was replicated; did you
     mean 'mlp' (rule ('mlp', 'model'))? Concerned: w.
-    (errors page: docs/errors.md#unmappednamewarning)
+    (what to do: flax-shardmeta explain UnmappedNameWarning)
   """
 
 

@@ -589,6 +589,7 @@ def test_each_command_is_a_module_adding_its_own_arguments():
     'diff',
     'restore-plan',
     'audit',
+    'explain',
   ]
   assert list(COMMANDS) == names
   for name, command in COMMANDS.items():

@@ -226,8 +226,8 @@ def test_bad_fraction_variables_are_named_before_the_plugin_starts(
   err = error_line(capsys, 'fit', '--model', 'mlp', '--mesh', 'data=4,model=2',
                    '--topology', 'h100:1x8')  # fmt: skip
   assert (
-    err
-    == f'flax-shardmeta: error: {said} (errors page: docs/errors.md#topologyerror)\n'
+    err == f'flax-shardmeta: error: {said} '
+    '(what to do: flax-shardmeta explain TopologyError)\n'
   )
   assert 'JAX_PLATFORMS' not in err
 

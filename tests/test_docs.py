@@ -2,14 +2,17 @@
 
 The module map is written from the code at build time (``docs/_ext``); here
 the generator is checked against the package. Every error and warning class
-has a section on ``docs/errors.md``, every message names it, and each message
-quoted there is produced by the call described and compared with the text.
-The whole site builds with warnings as errors (slow: ``make test-slow``).
+has a section on the errors page (``flax_shardmeta/errors.md``, shipped with
+the package and included by ``docs/errors.md``), every message names the
+command that prints it, and each message quoted there is produced by the call
+described and compared with the text. The whole site builds with warnings as
+errors and every link in it leads somewhere (slow: ``make test-slow``).
 """
 
 from __future__ import annotations
 
 import doctest
+import html.parser
 import inspect
 import pathlib
 import re
@@ -17,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import urllib.parse
 import warnings
 from collections.abc import Callable
 
@@ -33,7 +37,7 @@ from flax_shardmeta import _errors
 
 ROOT = pathlib.Path(fsm.__file__).resolve().parent.parent
 DOCS = ROOT / 'docs'
-ERRORS_PAGE = (DOCS / 'errors.md').read_text()
+ERRORS_PAGE = (ROOT / 'flax_shardmeta' / 'errors.md').read_text()
 AUTO = (AxisType.Auto,) * 2
 
 
@@ -110,12 +114,61 @@ def test_every_error_and_warning_has_a_section_and_nothing_else_does():
 @pytest.mark.parametrize('cls', _documented_classes(), ids=lambda c: c.__name__)
 def test_every_message_ends_naming_its_section(cls):
   line = _errors.errors_page_line(cls)
-  assert line == f'(errors page: docs/errors.md#{cls.__name__.lower()})'
+  assert line == f'(what to do: flax-shardmeta explain {cls.__name__})'
   assert cls.__name__.lower() in SECTIONS
   arguments = {fsm.ShardingError: ([],), _errors.LaunchError: ('it failed', [])}
   error = cls(*arguments.get(cls, ('it went wrong',)))
   assert str(error) == f'{_errors.message(error)}\n{line}'
-  assert '(errors page' not in _errors.message(error)
+  assert '(what to do' not in _errors.message(error)
+
+
+@pytest.mark.parametrize('cls', _documented_classes(), ids=lambda c: c.__name__)
+def test_the_command_a_message_names_prints_its_section(cls, capsys):
+  from flax_shardmeta.cli import main
+
+  command = re.fullmatch(r'\(what to do: (.+)\)', _errors.errors_page_line(cls))
+  assert command is not None
+  program, *argv = command.group(1).split()
+  assert program == 'flax-shardmeta'
+  assert main(argv) == 0
+  out = capsys.readouterr().out
+  section = ERRORS_PAGE.split(f'\n## {cls.__name__}\n', 1)[1].split('\n## ')[0]
+  assert out.startswith(f'{cls.__name__}\n{"=" * len(cls.__name__)}\n\n')
+  # The prose as written (links keep their text), quoted messages indented.
+  first = section.strip().split('\n\n', 1)[0].splitlines()[0]
+  assert re.sub(r'\[([^\]]+)\]\([^)]+\)', r'\1', first) in out
+  for block in _text_blocks(cls.__name__):
+    assert textwrap.indent(block, '    ') in out
+  assert '```' not in out
+
+
+def test_explain_finds_a_section_however_it_is_named(capsys):
+  from flax_shardmeta.cli import main
+
+  for name in ('shardingerror', 'fsm.ShardingError', 'docs/errors.md#shardingerror'):
+    assert main(['explain', name]) == 0
+    assert capsys.readouterr().out.startswith('ShardingError\n')
+  assert main(['explain', 'ShardError']) == 2
+  err = capsys.readouterr().err
+  assert "no section of the errors page is called 'ShardError'" in err
+  assert 'did you mean ShardingError' in err
+  # No name: every section, one line each.
+  assert main(['explain']) == 0
+  listed = capsys.readouterr().out.splitlines()[1:]
+  assert [line.split()[0] for line in listed] == list(SECTIONS.values())
+  assert all(len(line) <= 100 for line in listed)
+
+
+def test_the_errors_page_ships_with_the_package():
+  import importlib.resources
+  import tomllib
+
+  page = importlib.resources.files('flax_shardmeta').joinpath('errors.md')
+  assert page.read_text() == ERRORS_PAGE
+  config = tomllib.loads((ROOT / 'pyproject.toml').read_text())
+  assert 'errors.md' in config['tool']['setuptools']['package-data']['flax_shardmeta']
+  # The site's page is the package's, included.
+  assert '{include} ../flax_shardmeta/errors.md' in (DOCS / 'errors.md').read_text()
 
 
 def test_a_subclass_made_elsewhere_names_its_base_section():
@@ -123,15 +176,17 @@ def test_a_subclass_made_elsewhere_names_its_base_section():
 
   with pytest.raises(fsm.FlaxShardmetaError) as info:
     examples.model_rules('gpt')
-  assert str(info.value).endswith('\n(errors page: docs/errors.md#flaxshardmetaerror)')
+  assert str(info.value).endswith(
+    '\n(what to do: flax-shardmeta explain FlaxShardmetaError)'
+  )
 
 
 def test_a_quoted_error_inside_another_message_drops_its_section_line():
   with pytest.raises(fsm.InvalidRulesError) as info:
     fsm.match_partition_rules([('w', (0,))], {'w': jnp.ones((2, 2))})
   # The InvalidNamesError quoted inside keeps no line of its own.
-  assert str(info.value).count('(errors page:') == 1
-  assert str(info.value).endswith('#invalidruleserror)')
+  assert str(info.value).count('(what to do:') == 1
+  assert str(info.value).endswith('explain InvalidRulesError)')
 
 
 # The messages quoted on the errors page, produced as the page describes.
@@ -385,3 +440,94 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
     assert f'id="flax_shardmeta.nnx.{name}"' in api_html, name
   for notebook in sorted((ROOT / 'notebooks').glob('*.ipynb')):
     assert (out / 'notebooks' / f'{notebook.stem}.html').is_file(), notebook
+  # Every link of every page leads to a page of the site and a place on it.
+  followed, outside, broken = _follow_links(out)
+  assert followed > 1000 and broken == [], broken[:20]
+  # Links off the site (none today) would be to the projects the pages cite.
+  assert all(link.startswith('https://') for link in outside), sorted(outside)[:5]
+
+
+class _Links(html.parser.HTMLParser):
+  """The ``href``/``src`` links and the element ids of one HTML page."""
+
+  def __init__(self) -> None:
+    super().__init__()
+    self.links: list[str] = []
+    self.ids: set[str] = set()
+
+  def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+    for key, value in attrs:
+      if key == 'id' and value:
+        self.ids.add(value)
+      elif key in ('href', 'src') and value:
+        self.links.append(value)
+
+
+def _follow_links(site: pathlib.Path) -> tuple[int, set[str], list[str]]:
+  """Follows each link of the built site's pages: (followed, outside, broken)."""
+  pages = {}
+  for path in site.rglob('*.html'):
+    parser = _Links()
+    parser.feed(path.read_text())
+    pages[path.resolve()] = parser
+  followed, outside, broken = 0, set(), []
+  for path, parser in pages.items():
+    if path.relative_to(site.resolve()).parts[0] == '_static':
+      continue  # the theme's templates, not pages
+    for link in parser.links:
+      parts = urllib.parse.urlsplit(link)
+      if parts.scheme or parts.netloc:
+        outside.add(link)
+        continue
+      target = (path.parent / urllib.parse.unquote(parts.path)).resolve()
+      if not parts.path:
+        target = path
+      if target.is_dir():
+        target = target / 'index.html'
+      followed += 1
+      where = f'{path.relative_to(site.resolve())}: {link}'
+      if not target.is_file():
+        broken.append(f'{where}: no such file')
+      elif parts.fragment and target in pages:
+        if urllib.parse.unquote(parts.fragment) not in pages[target].ids:
+          broken.append(f'{where}: no such place on the page')
+  return followed, outside, broken
+
+
+MARKDOWN_LINK = re.compile(r'\[[^\]]*\]\(([^)\s]+)\)')
+
+
+def _markdown_pages() -> list[pathlib.Path]:
+  return [
+    ROOT / 'README.md',
+    ROOT / 'BENCHMARKS.md',
+    ROOT / 'dev' / 'README.md',
+    ROOT / 'flax_shardmeta' / 'errors.md',
+    *sorted(DOCS.rglob('*.md')),
+  ]
+
+
+def _anchors(page: pathlib.Path) -> set[str]:
+  text = re.sub(r'^```.*?^```', '', page.read_text(), flags=re.M | re.S)
+  return {_slug(m.group(1)) for m in re.finditer(r'^#+ (.+)$', text, re.M)}
+
+
+def test_every_link_in_the_markdown_leads_somewhere():
+  # As GitHub shows the files: relative to each, a heading's anchor its slug.
+  followed, broken = 0, []
+  for page in _markdown_pages():
+    if '_build' in page.parts:
+      continue
+    text = re.sub(r'^```.*?^```', '', page.read_text(), flags=re.M | re.S)
+    for link in MARKDOWN_LINK.findall(text):
+      parts = urllib.parse.urlsplit(link)
+      if parts.scheme:
+        continue
+      target = (page.parent / parts.path).resolve() if parts.path else page
+      followed += 1
+      where = f'{page.relative_to(ROOT)}: {link}'
+      if not target.exists():
+        broken.append(f'{where}: no such file')
+      elif parts.fragment and parts.fragment not in _anchors(target):
+        broken.append(f'{where}: no such heading')
+  assert followed > 50 and broken == [], broken

@@ -179,7 +179,7 @@ def test_a_batch_its_in_shardings_cannot_split_names_the_argument(concrete):
     "dimension 0 of size 6 is not divisible by 'data'=4. Fix: make dimension 0 a "
     "multiple of 4 (e.g. 8), or map 'batch' to mesh axes that divide it in the "
     'rules (None replicates it)\n'
-    '(errors page: docs/errors.md#shardingerror)'
+    '(what to do: flax-shardmeta explain ShardingError)'
   )
   assert e.value.problems[0].dims == (0,)
 

@@ -189,6 +189,7 @@ LAYERS = [
     'cli.snapshot',
     'cli.diff',
     'cli.restore_plan',
+    'cli.explain',
     'cli.main',
     'cli',
     '__main__',

@@ -68,7 +68,7 @@ def test_snapshot_diff_names_the_one_that_is_not_a_snapshot():
 def test_an_errors_message_and_its_page_are_what_str_joins():
   e = fsm.RuleConflictError('two rules for embed')
   assert str(e) == f'{e.message}\n{e.errors_page}'
-  assert e.errors_page.endswith('#ruleconflicterror)')
+  assert e.errors_page.endswith('explain RuleConflictError)')
 
 
 def test_the_quiet_start_installs_its_import_hook_once(monkeypatch):

@@ -19,7 +19,7 @@ H900 = (
   "unknown accelerator 'h900' in topology 'h900:1x8': did you mean h100 or h200? "
   '(GPUs: a100, h100, h200, b200, custom; TPUs: v4, v5e, v5p, v6e, tpu7x)'
 )
-SECTION = '(errors page: docs/errors.md#topologyerror)'
+SECTION = '(what to do: flax-shardmeta explain TopologyError)'
 
 
 @pytest.mark.parametrize('libtpu', [True, False])

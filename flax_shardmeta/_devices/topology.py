@@ -132,7 +132,7 @@ def platform_of(name: Any) -> str | None:
     flax_shardmeta._errors.TopologyError: unknown accelerator 'h900' in topology
     'h900:1x8': did you mean h100 or h200? (GPUs: a100, h100, h200, b200, custom;
     TPUs: v4, v5e, v5p, v6e, tpu7x)
-    (errors page: docs/errors.md#topologyerror)
+    (what to do: flax-shardmeta explain TopologyError)
   """
   if gpu.is_gpu_topology(name):
     return 'gpu'

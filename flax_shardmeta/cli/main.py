@@ -1,7 +1,7 @@
 """The ``flax-shardmeta`` parser, built from each command's module, and ``main``.
 
 Each command (``demo``, ``plan``, ``fit``, ``suggest``, ``snapshot``, ``diff``,
-``restore-plan``, ``audit``) is a module of this package with the shape of
+``restore-plan``, ``audit``, ``explain``) is a module of this package with the shape of
 :class:`Command`; adding one is adding a module and a line to :data:`COMMANDS`.
 """
 
@@ -18,6 +18,7 @@ from flax_shardmeta.cli import (
   audit,
   demo,
   diff,
+  explain,
   fit,
   options,
   plan,
@@ -65,6 +66,7 @@ COMMANDS: dict[str, Command] = {
   'diff': diff,
   'restore-plan': restore_plan,
   'audit': audit,
+  'explain': explain,
 }
 """Each subcommand's module, in the order ``flax-shardmeta --help`` lists them."""
 
@@ -82,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     dest='command',
     required=True,
     parser_class=options.Parser,
-    metavar='{plan,fit,suggest,snapshot,diff,restore-plan,audit,demo}',
+    metavar='{plan,fit,suggest,snapshot,diff,restore-plan,audit,explain,demo}',
   )
   for name, command in COMMANDS.items():
     p = options.add_command(
@@ -116,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f'flax-shardmeta: error: {e}{hint}', file=sys.stderr)
     return 2
   except FlaxShardmetaError as e:  # a layout that cannot be, a topology unknown...
-    # The errors page's section on the message's last line: a one-line error
+    # The command that explains it at the end of the line: a one-line error
     # stays one line.
     print(f'flax-shardmeta: error: {e.message} {e.errors_page}', file=sys.stderr)
     return 2

@@ -33,7 +33,7 @@ class UnknownNameError(fsm.FlaxShardmetaError):
     ...
     flax_shardmeta.examples.state.UnknownNameError: unknown model 'gpt'; choose
     from mlp, llama3-8b, llama3-70b, llama3-405b
-    (errors page: docs/errors.md#flaxshardmetaerror)
+    (what to do: flax-shardmeta explain FlaxShardmetaError)
   """
 
 
