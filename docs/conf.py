@@ -1,9 +1,10 @@
 """Sphinx configuration of the documentation site: ``make docs``.
 
 Pages are MyST markdown, the notebooks are rendered with the outputs they
-have (the test suite executes them), and the API reference and module map are
-written from the code at build time (``_ext/fsm_sphinx.py``). Nothing is
-fetched: no intersphinx, no execution. Warnings are errors (``-W``).
+are saved with (the test suite executes them and compares), and the API
+reference (a page per public name, ``api/``) and module map are written from
+the code at build time (``_ext/fsm_sphinx.py``). Nothing is fetched: no
+intersphinx, no execution. Warnings are errors (``-W``).
 
 Example:
   .venv/bin/sphinx-build -W --keep-going -b html docs docs/_build/html

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib
 import inspect
 import pathlib
@@ -114,6 +115,7 @@ def attribute_doc(module: str, name: str) -> str | None:
   return None
 
 
+@functools.cache
 def api_rows(module: str) -> list[ApiRow]:
   """Every name of ``module.__all__``, in that order, with its summary.
 
@@ -137,6 +139,257 @@ def api_rows(module: str) -> list[ApiRow]:
       raise LookupError(f'{module}.{name} has no docstring to describe it')
     rows.append(ApiRow(module, name, kind, summary(doc), doc))
   return rows
+
+
+# The reference, by object
+# ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """A section of the API page: public names that go together, as the guides do.
+
+  Attributes:
+    key: the argument of ``fsm-api-group`` that shows it.
+    names: dotted names below the package (``'fit'``, ``'nnx.shard_module'``);
+      a public submodule is listed as itself (``'nnx'``).
+  """
+
+  key: str
+  names: tuple[str, ...]
+
+
+GROUPS = (
+  Group(
+    'annotations',
+    (
+      'with_partitioning',
+      'with_logical_partitioning',
+      'Partitioned',
+      'LogicallyPartitioned',
+      'LogicalPartitioned',
+      'PARTITION_NAME',
+      'unbox',
+      'replace_boxed',
+      'Annotation',
+      'register_annotation_type',
+    ),
+  ),
+  Group(
+    'rules',
+    (
+      'logical_axis_rules',
+      'set_logical_axis_rules',
+      'get_logical_axis_rules',
+      'rules_from_lists',
+      'composite_rules',
+      'standard_logical_axis_rules',
+      'match_partition_rules',
+      'logical_to_mesh_axes',
+      'explain_resolution',
+      'misspelt_axis',
+    ),
+  ),
+  Group(
+    'shardings',
+    (
+      'make_mesh',
+      'get_sharding',
+      'get_partition_spec',
+      'logical_to_mesh',
+      'logical_to_mesh_sharding',
+      'with_logical_constraint',
+      'shard_value',
+      'RulesFallback',
+      'logical_out_sharding',
+      'explain_sharding_type_errors',
+      'jit',
+      'JitWithContext',
+      'sharded_init',
+      'as_abstract',
+    ),
+  ),
+  Group(
+    'nnx',
+    (
+      'nnx',
+      'nnx.with_partitioning',
+      'nnx.with_logical_partitioning',
+      'nnx.shard_module',
+      'nnx.eval_shape',
+      'nnx.as_abstract',
+      'nnx.variable_annotation',
+      'nnx.FSM_LOGICAL',
+      'nnx.NAME_KEYS',
+      'nnx.OPTIMIZER_NAMES',
+    ),
+  ),
+  Group(
+    'plans',
+    (
+      'plan',
+      'ShardingPlan',
+      'PlanEntry',
+      'ShardingProblem',
+      'step_arguments',
+      'verify',
+      'actual_shardings',
+      'Mismatch',
+      'Mismatches',
+      'snapshot',
+      'snapshot_diff',
+    ),
+  ),
+  Group(
+    'capacity',
+    (
+      'fit',
+      'FitReport',
+      'HostMemory',
+      'HostRow',
+      'HOST_RAM',
+      'PeakMemory',
+      'PeakRow',
+      'PeakDiff',
+      'suggest',
+      'Suggestions',
+      'Candidate',
+      'RulePreset',
+      'RULE_PRESETS',
+      'OffloadPreset',
+      'OFFLOAD_PRESETS',
+      'in_host_memory',
+      'in_device_memory',
+      'Chip',
+      'CHIPS',
+      'chip_named',
+      'is_gpu_topology',
+    ),
+  ),
+  Group('restore', ('save', 'restore', 'restore_plan', 'RestorePlan')),
+  Group('audit', ('audit_explicit', 'ExplicitAudit')),
+  Group(
+    'hosts',
+    (
+      'data_layout',
+      'DataLayout',
+      'host_local_to_global',
+      'global_to_host_local',
+      'shard_tree',
+      'gather_tree',
+    ),
+  ),
+  Group(
+    'errors',
+    (
+      'explain_error',
+      'FlaxShardmetaError',
+      'ShardingError',
+      'InvalidNamesError',
+      'InvalidRulesError',
+      'RuleConflictError',
+      'RuleContextError',
+      'NoMeshError',
+      'ExplicitShardingError',
+      'NnxJitError',
+      'MeshShapeError',
+      'BatchLayoutError',
+      'TopologyError',
+      'SizeError',
+      'FitError',
+      'RestoreError',
+      'CheckpointDamagedError',
+      'HostBudgetError',
+      'LaunchError',
+      'IndivisibleDimensionWarning',
+      'UnmappedNameWarning',
+      'UnmappedMeshAxisNameWarning',
+    ),
+  ),
+  Group(
+    'testing',
+    (
+      'testing',
+      'testing.assert_snapshot',
+      'testing.SnapshotMismatch',
+      'testing.UPDATE_VARIABLE',
+      'testing.launch',
+      'testing.join_launch',
+      'testing.ProcessResult',
+      'simulate_cpu_devices',
+      'cpu_only_jax',
+    ),
+  ),
+  Group(
+    'utilities',
+    ('format_bytes', 'parse_bytes', 'clear_caches', '__version__'),
+  ),
+)
+"""The API page's sections in order, each public name in exactly one of them."""
+
+DOCUMENTED_MODULES = ('flax_shardmeta', 'flax_shardmeta.nnx', 'flax_shardmeta.testing')
+"""The modules whose ``__all__`` the reference lists: the package and its public
+submodules."""
+
+
+def group(key: str) -> Group:
+  """The group ``key`` of :data:`GROUPS`.
+
+  Example:
+    >>> group('audit').names
+    ('audit_explicit', 'ExplicitAudit')
+  """
+  (found,) = [g for g in GROUPS if g.key == key]
+  return found
+
+
+def public_names() -> list[str]:
+  """Every public name, dotted below the package, in its module's ``__all__``.
+
+  Example:
+    >>> names = public_names()
+    >>> 'fit' in names and 'nnx.shard_module' in names and 'testing' in names
+    True
+  """
+  out = []
+  for module in DOCUMENTED_MODULES:
+    prefix = module.removeprefix('flax_shardmeta').lstrip('.')
+    out += [
+      f'{prefix}.{n}' if prefix else n for n in importlib.import_module(module).__all__
+    ]
+  return out
+
+
+def row_of(name: str) -> ApiRow:
+  """The row of a dotted public name (``'fit'``, ``'nnx.shard_module'``).
+
+  Example:
+    >>> row_of('testing.launch').module, row_of('nnx').kind
+    ('flax_shardmeta.testing', 'module')
+  """
+  module, _, short = f'flax_shardmeta.{name}'.rpartition('.')
+  (row,) = [r for r in api_rows(module) if r.name == short]
+  return row
+
+
+def page_name(name: str) -> str:
+  """The document of a public name's page, below the docs folder.
+
+  Example:
+    >>> page_name('fit'), page_name('nnx.shard_module')
+    ('api/flax_shardmeta.fit', 'api/flax_shardmeta.nnx.shard_module')
+  """
+  return f'api/flax_shardmeta.{name}'
+
+
+def page_title(name: str) -> str:
+  """How a public name is written where users call it: ``fsm.fit``.
+
+  Example:
+    >>> page_title('nnx.shard_module')
+    'fsm.nnx.shard_module'
+  """
+  return f'fsm.{name}'
 
 
 # The module map

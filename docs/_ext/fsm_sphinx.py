@@ -4,21 +4,27 @@ Each directive writes reStructuredText (docstrings are reStructuredText) and
 parses it in place, so the pages use them inside ``{eval-rst}`` blocks::
 
   ```{eval-rst}
-  .. fsm-api-table:: flax_shardmeta
+  .. fsm-api-group:: plans
   ```
 
-- ``fsm-api-table MODULE``: every name of ``MODULE.__all__`` with the first
-  paragraph of its docstring, each linked to its entry;
-- ``fsm-api-entries MODULE``: the module's docstring and an autodoc entry per
-  name of its ``__all__`` (submodules are left to their own section);
+- ``fsm-api-group KEY``: the names of a group of ``fsm_reference.GROUPS``,
+  each linked to its own page with the first paragraph of its docstring;
+- ``fsm-api-entry NAME``: one public name's entry (its page's body), e.g.
+  ``fit`` or ``nnx.shard_module``; a submodule's is its docstring and names;
+- ``fsm-api-table MODULE``: every name of ``MODULE.__all__``, one line each;
 - ``fsm-module-layers``: the layers of ``tests/test_layers.py``, each module
   with the first paragraph of its docstring;
 - ``fsm-module-packages``: each package's ``__init__`` docstring.
+
+A page per public name, ``docs/api/flax_shardmeta.NAME.md``, is written when
+the build starts (:func:`write_api_pages`), as autosummary writes its stubs:
+the folder is generated, not kept in the repository.
 """
 
 from __future__ import annotations
 
 import importlib
+import pathlib
 import re
 from typing import Any
 
@@ -76,9 +82,8 @@ class ApiTable(_Generated):
 
   def lines(self) -> list[str]:
     module = self.arguments[0]
+    prefix = module.removeprefix('flax_shardmeta').lstrip('.')
     out = [
-      f'.. py:currentmodule:: {module}',
-      '',
       '.. list-table::',
       '   :header-rows: 1',
       '   :widths: 30 70',
@@ -87,36 +92,89 @@ class ApiTable(_Generated):
       '     - what it is',
     ]
     for row in ref.api_rows(module):
-      out += [
-        f'   * - :{ROLES[row.kind]}:`~{module}.{row.name}`',
-        f'     - {row.summary}',
-      ]
+      name = f'{prefix}.{row.name}' if prefix else row.name
+      out += [f'   * - {_link(name)}', f'     - {row.summary}']
     return out
 
 
-class ApiEntries(_Generated):
-  """``fsm-api-entries MODULE``: its docstring, then each public name's entry."""
+def _link(name: str) -> str:
+  """A reference to public name ``name``, written as users call it."""
+  row = ref.row_of(name)
+  return f':{ROLES[row.kind]}:`{ref.page_title(name)} <flax_shardmeta.{name}>`'
+
+
+class ApiGroup(_Generated):
+  """``fsm-api-group KEY``: a group's names, each linked to its own page."""
 
   required_arguments = 1
 
   def lines(self) -> list[str]:
-    module = self.arguments[0]
-    out = [f'.. automodule:: {module}', '']
-    for row in ref.api_rows(module):
-      if row.kind == 'module':
-        continue  # documented in a section of its own
-      if row.kind == 'data':
-        value = repr(getattr(importlib.import_module(module), row.name))
-        out += [f'.. py:data:: {row.name}', f'   :module: {module}']
-        if len(value) <= SHORT_VALUE:
-          out.append(f'   :value: {value}')
-        out += ['', *_indented(row.doc), '']
-        continue
-      out.append(f'.. {AUTODOC[row.kind]}:: {module}.{row.name}')
-      if row.kind != 'function':
-        out.append('   :members:')
-      out.append('')
+    group = ref.group(self.arguments[0])
+    out = [
+      '.. list-table::',
+      '   :header-rows: 1',
+      '   :widths: 30 70',
+      '',
+      '   * - name',
+      '     - what it is',
+    ]
+    for name in group.names:
+      out += [f'   * - {_link(name)}', f'     - {ref.row_of(name).summary}']
+    out += ['', '.. toctree::', '   :hidden:', '']
+    out += [f'   /{ref.page_name(name)}' for name in group.names]
     return out
+
+
+class ApiEntry(_Generated):
+  """``fsm-api-entry NAME``: one public name's entry, the body of its page."""
+
+  required_arguments = 1
+
+  def lines(self) -> list[str]:
+    name = self.arguments[0]
+    row = ref.row_of(name)
+    dotted = f'{row.module}.{row.name}'
+    if row.kind == 'module':
+      return [f'.. automodule:: {dotted}', '', f'.. fsm-api-table:: {dotted}']
+    if row.kind == 'data':
+      value = repr(getattr(importlib.import_module(row.module), row.name))
+      out = [f'.. py:data:: {row.name}', f'   :module: {row.module}']
+      if len(value) <= SHORT_VALUE:
+        out.append(f'   :value: {value}')
+      return [*out, '', *_indented(row.doc)]
+    out = [f'.. {AUTODOC[row.kind]}:: {dotted}']
+    if row.kind != 'function':
+      out.append('   :members:')
+    return out
+
+
+def api_page(name: str) -> str:
+  """The markdown of public name ``name``'s page: its title and its entry."""
+  return (
+    f'# `{ref.page_title(name)}`\n\n'
+    '<!-- Written by docs/_ext/fsm_sphinx.py as the site builds; not kept. -->\n\n'
+    f'```{{eval-rst}}\n.. fsm-api-entry:: {name}\n```\n'
+  )
+
+
+def write_api_pages(app: Sphinx) -> None:
+  """Writes a page per public name under ``docs/api/`` (``builder-inited``).
+
+  Pages of names no longer public are removed; a page is rewritten only when
+  its text changes, so an unchanged build reads nothing again.
+  """
+  folder = pathlib.Path(app.srcdir) / 'api'
+  folder.mkdir(exist_ok=True)
+  wanted = {}
+  for group in ref.GROUPS:
+    for name in group.names:
+      wanted[folder / f'{ref.page_name(name).split("/", 1)[1]}.md'] = api_page(name)
+  for path in folder.glob('*.md'):
+    if path not in wanted:
+      path.unlink()
+  for path, text in wanted.items():
+    if not path.is_file() or path.read_text() != text:
+      path.write_text(text)
 
 
 class ModuleLayers(_Generated):
@@ -156,8 +214,10 @@ class ModulePackages(_Generated):
 
 def setup(app: Sphinx) -> dict[str, Any]:
   """Registers the directives: ``extensions = [..., 'fsm_sphinx']`` in conf.py."""
+  app.connect('builder-inited', write_api_pages)
+  app.add_directive('fsm-api-group', ApiGroup)
+  app.add_directive('fsm-api-entry', ApiEntry)
   app.add_directive('fsm-api-table', ApiTable)
-  app.add_directive('fsm-api-entries', ApiEntries)
   app.add_directive('fsm-module-layers', ModuleLayers)
   app.add_directive('fsm-module-packages', ModulePackages)
   return {'version': '1', 'parallel_read_safe': True, 'parallel_write_safe': True}
