@@ -4,10 +4,21 @@ Each notebook is executed by nbclient in a fresh ``python3`` kernel whose
 ``PYTHONPATH`` starts with this checkout, so it imports the flax_shardmeta under
 test. A failing cell fails the test with that cell's error; the outputs are then
 checked for what the notebook is meant to show.
+
+The notebooks are saved with their outputs (the site shows them as saved: its
+charts, tables and treescope views). Each run here compares the fresh outputs
+with the saved ones in substance: the same outputs of the same kinds in each
+cell, the same text with its numbers left out (times and losses move between
+runs). The floor's stack saved them, so only the floor compares. After a
+change to a notebook or to what it prints, save them again with
+``FLAX_SHARDMETA_UPDATE_NOTEBOOKS=1 python -m pytest tests/test_notebooks.py
+-m 'slow or not slow'``.
 """
 
 from __future__ import annotations
 
+import copy
+import difflib
 import os
 import pathlib
 import re
@@ -16,11 +27,14 @@ import nbclient
 import nbclient.exceptions
 import nbformat
 import pytest
+from floor import ON_THE_FLOOR
 
 import flax_shardmeta
 
 ROOT = pathlib.Path(flax_shardmeta.__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / 'notebooks'
+UPDATE = 'FLAX_SHARDMETA_UPDATE_NOTEBOOKS'
+"""Set to 1, the notebook tests save the outputs they make instead of comparing."""
 
 
 def _run(name: str, timeout: int = 300) -> list[str]:
@@ -29,6 +43,7 @@ def _run(name: str, timeout: int = 300) -> list[str]:
   ``timeout``: seconds any one cell may take.
   """
   nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+  saved = copy.deepcopy(nb)
   env = dict(os.environ)
   env['PYTHONPATH'] = os.pathsep.join(
     p for p in (str(ROOT), env.get('PYTHONPATH')) if p
@@ -46,6 +61,10 @@ def _run(name: str, timeout: int = 300) -> list[str]:
     client.execute(env=env)
   except nbclient.exceptions.CellExecutionError as e:
     pytest.fail(f'{name}: a cell failed:\n{e}', pytrace=False)
+  if os.environ.get(UPDATE) == '1':
+    _save(nb, NOTEBOOKS / name)
+  elif ON_THE_FLOOR:
+    _compare(name, _substance(saved), _substance(nb))
   outputs = []
   for cell in nb.cells:
     if cell.cell_type != 'code':
@@ -62,6 +81,82 @@ def _run(name: str, timeout: int = 300) -> list[str]:
     outputs.append(''.join(text))
   _check_line_lengths(name, outputs)
   return outputs
+
+
+def _save(nb: nbformat.NotebookNode, path: pathlib.Path) -> None:
+  """Writes ``nb`` with its outputs, without what changes at every run."""
+  for cell in nb.cells:
+    cell.metadata.pop('execution', None)  # nbclient's timestamps
+    if cell.cell_type != 'code':
+      continue
+    # One stream output per run of prints, however the kernel split them.
+    merged = []
+    for output in cell.outputs:
+      last = merged[-1] if merged else None
+      if (
+        output.output_type == 'stream'
+        and last is not None
+        and last.output_type == 'stream'
+        and last.name == output.name
+      ):
+        last.text += output.text
+      else:
+        merged.append(output)
+    cell.outputs = merged
+  nbformat.validate(nb)
+  nbformat.write(nb, path)
+
+
+NUMBER = re.compile(r'0x[0-9a-f]+|\d+(?:[.,]\d+)*(?:e[-+]?\d+)?')
+# Where a kernel's temporary folders print (the fit cache of this session).
+TEMPORARY = re.compile(r'/tmp/\S+')
+
+
+def _substance(nb: nbformat.NotebookNode) -> list[list[str]]:
+  """Each code cell's outputs: kind, media types and text without its numbers.
+
+  Pictures and HTML views count by their presence: a chart or a treescope
+  view must be there, its pixels and markup may differ. A stream's text is
+  one piece however the kernel happened to split it into outputs.
+  """
+  out = []
+  for cell in nb.cells:
+    if cell.cell_type != 'code':
+      continue
+    pieces: list[tuple[str, str]] = []
+    for output in cell.outputs:
+      if output.output_type == 'stream':
+        kind, text = f'[{output.name}]', output.text
+        if pieces and pieces[-1][0] == kind:
+          text = pieces.pop()[1] + text
+        pieces.append((kind, text))
+      else:
+        kind = f'[{output.output_type}: {" ".join(sorted(output.data))}]'
+        html = 'text/html' in output.data
+        pieces.append((kind, '' if html else output.data.get('text/plain', '')))
+    items = []
+    for kind, text in pieces:
+      items.append(kind)
+      for line in ANSI.sub('', text).splitlines():
+        line = TEMPORARY.sub('TMP', NUMBER.sub('#', line))
+        items.append(' '.join(line.split()))
+    out.append(items)
+  return out
+
+
+def _compare(name: str, saved: list[list[str]], now: list[list[str]]) -> None:
+  """Fails with the first cell whose outputs differ from the saved ones."""
+  assert len(saved) == len(now), (
+    f'{name}: {len(saved)} code cells saved, {len(now)} run'
+  )
+  for i, (before, after) in enumerate(zip(saved, now)):
+    if before != after:
+      diff = '\n'.join(difflib.unified_diff(before, after, 'saved', 'now', lineterm=''))
+      pytest.fail(
+        f'{name}, code cell {i}: the outputs differ from the saved ones in substance '
+        f'(save them again with {UPDATE}=1 if the change is meant):\n{diff}',
+        pytrace=False,
+      )
 
 
 ANSI = re.compile(r'\x1b\[[0-9;]*m')
@@ -85,6 +180,16 @@ def test_notebooks_use_only_the_public_api():
       assert not found, f'{path.name}: {found.group(0)!r} is not public'
 
 
+CHARTS = {
+  '01_linen_scale_up.ipynb': 0,
+  '02_nnx.ipynb': 0,
+  '03_plan_a_pod.ipynb': 1,
+  '04_will_it_fit.ipynb': 2,
+  '05_gpu_clusters.ipynb': 2,
+}
+"""The charts each notebook draws (its tests count the same)."""
+
+
 def _markdown(name: str) -> str:
   nb = nbformat.read(NOTEBOOKS / name, as_version=4)
   return '\n'.join(c.source for c in nb.cells if c.cell_type == 'markdown')
@@ -94,7 +199,7 @@ def _losses(text: str) -> list[float]:
   return [float(x) for x in re.findall(r'step \d+: loss ([0-9.]+)', text)]
 
 
-def test_notebooks_are_committed_without_outputs():
+def test_notebooks_are_saved_with_their_outputs():
   names = sorted(p.name for p in NOTEBOOKS.glob('*.ipynb'))
   assert names == [
     '01_linen_scale_up.ipynb',
@@ -107,7 +212,15 @@ def test_notebooks_are_committed_without_outputs():
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == 'code']
-    assert all(not c.outputs and c.execution_count is None for c in code), name
+    # Run top to bottom, once: the counts are 1, 2, 3...; no cell failed.
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), name
+    kinds = {o.output_type for c in code for o in c.outputs}
+    assert kinds <= {'stream', 'display_data', 'execute_result'}, (name, kinds)
+    assert not any('execution' in c.metadata for c in code), name
+    # Each notebook shows what it prints, and each chart it draws.
+    assert sum(bool(c.outputs) for c in code) >= len(code) // 2, name
+    pictures = sum('image/png' in o.get('data', {}) for c in code for o in c.outputs)
+    assert pictures == CHARTS[name], (name, pictures)
     # Devices are simulated before jax is imported.
     assert 'xla_force_host_platform_device_count=8' in code[0].source, name
     assert 'import jax' not in code[0].source, name
@@ -283,3 +396,27 @@ def test_gpu_clusters():
   assert float(remat[1][3]) / float(remat[0][3]) == pytest.approx(1.2, abs=0.05)
   prose = _markdown('05_gpu_clusters.ipynb')
   assert '**Auto**' in prose and 'NVLink' in prose and 'network' in prose
+
+
+def test_the_comparison_leaves_numbers_out_and_keeps_the_rest():
+  def notebook(*outputs: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell('print(1)', outputs=list(outputs))]
+    return nb
+
+  def stream(text: str) -> nbformat.NotebookNode:
+    return nbformat.v4.new_output('stream', name='stdout', text=text)
+
+  saved = _substance(notebook(stream('step 0: loss 1.0561\n'), stream('fits (78 s)\n')))
+  # Other numbers, the same prints split otherwise: the same in substance.
+  assert _substance(notebook(stream('step 0: loss 0.99\nfits (3 s)\n'))) == saved
+  _compare('a.ipynb', saved, saved)
+  with pytest.raises(pytest.fail.Exception, match=r'code cell 0(.|\n)*\+does not fit'):
+    _compare(
+      'a.ipynb', saved, _substance(notebook(stream('step 0: loss 1.0\ndoes not fit\n')))
+    )
+  chart = nbformat.v4.new_output('display_data', data={'text/plain': '<Figure>'})
+  with pytest.raises(pytest.fail.Exception, match='display_data'):
+    _compare(
+      'a.ipynb', saved, _substance(notebook(stream('step 0: loss 1.0\n'), chart))
+    )

@@ -7,7 +7,6 @@ checked in tests/test_docs.py.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import pathlib
 import re
@@ -16,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from floor import ON_THE_FLOOR
 
 import flax_shardmeta as fsm
 
@@ -178,16 +178,6 @@ QUOTED_FITS = [
     re.MULTILINE | re.DOTALL,
   )
 ]
-
-
-def _floor_jax() -> str:
-  """The jax version the floor pins (.ci/floor.txt): the pages' outputs are
-  what it prints."""
-  pins = (ROOT / '.ci' / 'floor.txt').read_text()
-  return re.search(r'^jax==(\S+)$', pins, re.MULTILINE).group(1)  # pyright: ignore[reportOptionalMemberAccess]
-
-
-ON_THE_FLOOR = importlib.metadata.version('jax') == _floor_jax()
 
 
 def test_guides_quote_fit_outputs():
