@@ -92,7 +92,7 @@ PACKAGES = (
 # Path parts of library code, as the rows' sources write them (MaxText's own
 # files are the model's code here, so they are the user's lines).
 LIBRARIES = ('jax', 'jaxlib', 'flax', 'optax')
-REASONS = ('parameter', 'gradient', 'activation', 'other', '')
+REASONS = ('parameter', 'gradient', 'routing', 'activation', 'other', '')
 GATHERS = ('all-gather', 'all-gather-start')
 REDUCTIONS = ('all-reduce', 'all-reduce-start', 'reduce-scatter')
 COLLECTIVES = (

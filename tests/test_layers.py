@@ -94,8 +94,13 @@ LAYERS = [
   ],
   # The memory a GPU run gives XLA, and compiling for it.
   ['_capacity.fit.usable'],
-  # Layouts inside a traced step, and the layout changes its constraints ask for.
-  ['_capacity.estimate.propagate', '_capacity.why.layout_changes'],
+  # Layouts inside a traced step, the layout changes its constraints ask for,
+  # and the lines that route tokens to experts.
+  [
+    '_capacity.estimate.propagate',
+    '_capacity.why.layout_changes',
+    '_capacity.why.routing_lines',
+  ],
   # The compiled program's text: read, its data flow, why each collective is
   # there, then its loops, collectives and work.
   [

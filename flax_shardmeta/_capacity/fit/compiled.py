@@ -177,7 +177,7 @@ def figures(
       inputs, outputs = out.get('input_bytes', []), out.get('outputs')
       return attributor(
         program, parsed, arguments, inputs, target.names, outputs, changes,
-        lines_of_trace(traced),
+        lines_of_trace(traced), _input_specs(target, arguments),
       )  # fmt: skip
 
     why = reader(text, computations)
@@ -251,6 +251,7 @@ def attributor(
   outputs: list[list[Any]] | None = None,
   changes: Sequence[LayoutChange] = (),
   lines: TracedLines | None = None,
+  specs: Sequence[Any] = (),
 ) -> hlo_attribution.Attributor:
   """What tells each collective's reason: the program's parameters as plan
   paths and report categories, its source lines, which outputs are the new
@@ -280,7 +281,27 @@ def attributor(
     _new_values(inputs, categories, outputs, main) if known else None,
     changes,
     lines.kept([leaf[1] > 0 for leaf in inputs]) if lines is not None else None,
+    [s for s, leaf in zip(specs, inputs) if leaf[1] > 0]
+    if len(specs) == len(inputs)
+    else [],
   )
+
+
+def _input_specs(target: Step, arguments: Arguments) -> list[Any]:
+  """Per input of the step, the mesh axes of each dimension of its layout
+  (None where it has no ``PartitionSpec``)."""
+  out = []
+  for sharding in input_shardings(target, arguments.lowered):
+    spec = getattr(sharding, 'spec', None)
+    if spec is None:
+      out.append(None)
+      continue
+    dims = []
+    for entry in tuple(spec):
+      named = entry if isinstance(entry, tuple) else (entry,)
+      dims.append(tuple(a for a in named if isinstance(a, str)))
+    out.append(tuple(dims))
+  return out
 
 
 def _layout_changes(

@@ -46,6 +46,12 @@ from collections.abc import Sequence
 
 from flax_shardmeta._capacity.hlo.flow import Flow, Reach
 from flax_shardmeta._capacity.why.layout_changes import LayoutChange, asked_for
+from flax_shardmeta._capacity.why.routing_lines import (
+  EXCHANGES,
+  ROUTING_KINDS,
+  batched_axes,
+  batched_gather,
+)
 from flax_shardmeta._capacity.why.traced_lines import TracedLines, is_explicit
 from flax_shardmeta._frames import NO_USER_LINE, import_path, is_library_file
 from flax_shardmeta._programs.hlo_text import (
@@ -56,7 +62,15 @@ from flax_shardmeta._programs.hlo_text import (
 )
 from flax_shardmeta._programs.name_stacks import primitive_of, scope_of
 
-REASONS = ('parameter', 'gradient', 'activation', 'explicit', 'other', 'unknown')
+REASONS = (
+  'parameter',
+  'gradient',
+  'routing',
+  'activation',
+  'explicit',
+  'other',
+  'unknown',
+)
 """Why a collective runs, in the order ``why()`` lists them."""
 
 PARAMETERS, OPTIMIZER, INPUTS = (
@@ -78,7 +92,11 @@ class Attribution:
     source: the user's line, ``'pkg/model.py:22'`` (``'(no user line)'``
       when no instruction near it has one).
     scope: the module scope from the name stack, e.g. ``'Model/layers/attn'``.
-    change: for ``'activation'``, how the value's layout changes.
+    change: for ``'activation'``, how the value's layout changes; for
+      ``'routing'``, the line's role (``'dispatch'``, ``'experts'``,
+      ``'combine'``); for a ``'parameter'`` gathered whole over the axis of a
+      dimension its use batches over (the experts of a mixture-of-experts
+      layer), which: ``'batched dim 1 over expert -> whole'``.
     asked_by: ``'constraint'`` when a sharding constraint asked for it, else
       the operation that needed it (``'dot_general'``...); for
       ``'explicit'``, the collective the code calls (``'ppermute'``...).
@@ -129,6 +147,8 @@ class Attributor:
       (``constraint_changes.layout_changes``).
     lines: the traced step's lines (``traced_lines``), its ``uses`` per
       entry parameter number; None without the trace.
+    specs: per entry parameter number, the mesh axes of each dimension of
+      its layout (``((), ('expert',), (), ())``), or None where unknown.
   """
 
   def __init__(
@@ -141,6 +161,7 @@ class Attributor:
     outputs: dict[int, int] | None = None,
     changes: Sequence[LayoutChange] = (),
     lines: TracedLines | None = None,
+    specs: Sequence[tuple[tuple[str, ...], ...] | None] = (),
   ) -> None:
     self.computations = computations
     self.flow = Flow(computations)
@@ -158,6 +179,8 @@ class Attributor:
       for leaf, line in zip(self.leaves, uses)
       if leaf is not None and line and len(uses) == len(self.leaves)
     }
+    batched = lines.batched if lines is not None else ()
+    self.batched_axes = batched_axes(self.leaves, batched, specs)
 
   def attribute(
     self,
@@ -179,9 +202,13 @@ class Attributor:
     if max(_bytes(comp, value, inst), 0) <= 8:
       return Attribution('other', (leaf[0],) if leaf else (), **common)
     if leaf is not None and leaf[1] == PARAMETERS:
-      return Attribution('parameter', (leaf[0],), **common)
+      change = batched_gather(self.batched_axes.get(leaf[0], {}), kind, axes)
+      return Attribution('parameter', (leaf[0],), change=change, **common)
     if leaf is not None and leaf[1] == OPTIMIZER:
       return Attribution('other', (leaf[0],), **common)
+    role = self._routing(kind, op, common['source'])
+    if role:
+      return Attribution('routing', (), change=role, asked_by=role, **common)
     reach = self._reach(inst, comp, operand)
     grads = self.updated(reach.outputs)
     if not grads and 'transpose(' in op:
@@ -224,6 +251,15 @@ class Attributor:
     return Attribution(
       'activation', (), change=_change(inst, kind), asked_by=asked, **common
     )
+
+  def _routing(self, kind: str, op: str, source: str) -> str:
+    """The role of the line a token-moving collective is at (``''`` when it
+    is at no routing line, or is a collective the code calls otherwise)."""
+    if self.lines is None or kind not in ROUTING_KINDS:
+      return ''
+    if is_explicit(op) and primitive_of(op) not in EXCHANGES:
+      return ''
+    return self.lines.routing.get(source, '')
 
   def source(self, inst: Instruction | None) -> str:
     """The user's line of ``inst``: its innermost frame outside jax, flax,

@@ -154,6 +154,13 @@ def collectives(
         name = inst.name if len(parts) == 1 else f'{inst.name}#{k}'
         op = CollectiveOp(kind, name, size, runs, n, axes, slow, link)
         why = attributor.attribute(inst, comp, kind, k, axes) if attributor else None
+        if (
+          why is not None and why.reason == 'routing' and kind == 'all-gather' and n > 1
+        ):
+          # Every token goes to every shard; an all-to-all sends each token
+          # only to the shard of its expert: 1/n of the bytes.
+          said = f'{why.change}; an all-to-all: 1/{n} of it'
+          why = dataclasses.replace(why, change=said)
         out.append(dataclasses.replace(op, **_fields(why)) if why else op)
   return out
 

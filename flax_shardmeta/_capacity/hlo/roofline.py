@@ -47,7 +47,9 @@ class CollectiveRow:
     link: the link they use: ``'ici'`` / ``'dcn'`` on TPUs, ``'nvlink'`` /
       ``'network'`` on GPUs, None on CPUs or when it cannot be told.
     reason: why they run: ``'parameter'`` (gathering a parameter for use),
-      ``'gradient'`` (reducing a parameter's gradient), ``'activation'``
+      ``'gradient'`` (reducing a parameter's gradient), ``'routing'``
+      (moving a mixture-of-experts layer's tokens to and from their experts),
+      ``'activation'``
       (resharding a value computed in the step), ``'explicit'`` (a collective
       the step's code calls, ``ppermute`` in a ``shard_map``), ``'other'`` (scalars, the
       loss and metrics) or ``'unknown'`` (the data flow does not tell);

@@ -23,6 +23,7 @@ from flax_shardmeta._units import format_bytes, table
 _MEANING = {
   'parameter': 'gathering parameters for use (FSDP, or a layout the matmul wants)',
   'gradient': "reducing or scattering parameters' gradients",
+  'routing': 'moving tokens to their experts and back (dispatch, experts, combine)',
   'activation': 'resharding values computed in the step',
   'explicit': "collectives the step's code calls (ppermute, psum... in shard_map)",
   'other': 'scalars, the loss and metrics',
@@ -156,7 +157,7 @@ def unexpected(
   collectives: Sequence[CollectiveRow], replicated: Sequence[str] = ()
 ) -> list[str]:
   """The findings :func:`format_why` ends with, largest first."""
-  found = []
+  found = not_expert_parallel(collectives)
   # All-reduces of partial sums are a sharded contraction's own; reshards
   # (gathers, all-to-alls, permutes) are layout changes somebody chose.
   unasked = sorted(
@@ -207,6 +208,56 @@ def unexpected(
   return found
 
 
+def not_expert_parallel(collectives: Sequence[CollectiveRow]) -> list[str]:
+  """The finding for parameters laid out over an axis on a dimension their
+  use batches over (a mixture-of-experts layer's experts) that XLA gathers
+  whole over that axis for use: each chip then computes every expert.
+
+  Example:
+    >>> gather = CollectiveRow('all-gather', ('expert',), 2, 2**20, reason='parameter',
+    ...   parameters=('params/w1',), change='batched dim 0 over expert -> whole')
+    >>> not_expert_parallel([gather])[0][:58]
+    'not expert-parallel: params/w1 is laid out over expert on '
+  """
+  gathered: dict[str, float] = {}
+  axes: set[str] = set()
+  for r in collectives:
+    if r.reason == 'parameter' and r.change.startswith('batched dim'):
+      for path in r.parameters:
+        gathered[path] = gathered.get(path, 0.0) + r.bytes
+      axes.update(r.change.split(' over ', 1)[1].split(' ', 1)[0].split('+'))
+  if not gathered:
+    return []
+  reduced = sum(
+    r.bytes
+    for r in collectives
+    if r.reason == 'gradient'
+    and set(r.parameters) & set(gathered)
+    and set(r.axes) & axes
+  )
+  paths = sorted(gathered)
+  named = ', '.join(paths[:4]) + (f' (+{len(paths) - 4})' if len(paths) > 4 else '')
+  over = '+'.join(sorted(axes))
+  verb = 'is' if len(paths) == 1 else 'are'
+  grads = (
+    f' and reduces the gradients over {over} ({format_bytes(int(reduced))}/step)'
+    if reduced
+    else ''
+  )
+  return [
+    f'not expert-parallel: {named} {verb} laid out over {over} on a dimension '
+    f'{"its matmul batches" if len(paths) == 1 else "their matmuls batch"} over '
+    '(the experts), '
+    f'yet XLA gathers {"it" if len(paths) == 1 else "them"} whole over {over} for '
+    f'use ({format_bytes(int(sum(gathered.values())))}/step){grads}: every chip '
+    'computes every expert and the tokens stay where they are. The fix: constrain '
+    f"the routed tokens' expert dimension to {over} (fsm.with_logical_constraint on "
+    "the dispatched tokens, the experts' logical name on that dimension), so that "
+    'XLA moves the tokens and not the weights; or route with shard_map and '
+    'jax.lax.all_to_all / ragged_all_to_all'
+  ]
+
+
 def _what(r: CollectiveRow) -> str:
   first = next(iter(r.parameters), None)
   if first is not None:
@@ -214,6 +265,8 @@ def _what(r: CollectiveRow) -> str:
     return first + more
   if r.reason == 'activation':
     return r.change + (' (constraint)' if r.asked_by == 'constraint' else '')
+  if r.reason == 'routing':
+    return r.change
   if r.reason == 'explicit':
     return f'{r.asked_by}: {r.change}' if r.change else r.asked_by
   return '-'

@@ -25,8 +25,15 @@ from typing import Any
 
 from jax.extend import core as jex_core
 
+from flax_shardmeta._capacity.why.routing_lines import routing_roles
 from flax_shardmeta._frames import user_line
-from flax_shardmeta._programs.jaxprs import NAMED_CALLS, operand_offset, sub_jaxprs
+from flax_shardmeta._programs.jaxprs import (
+  NAMED_CALLS,
+  UnknownParameters,
+  operand_offset,
+  scan_parts,
+  sub_jaxprs,
+)
 from flax_shardmeta._programs.name_stacks import (
   merged_names,
   primitive_of,
@@ -65,6 +72,11 @@ class TracedLines:
       saves or offloads by name).
     checkpoint_shapes: each name -> the shapes of the values given it (a
       line that makes several values tells them apart by shape).
+    routing: the lines that route tokens to experts and back, each with its
+      role, ``'dispatch'``, ``'experts'`` or ``'combine'`` (``routing_lines``).
+    batched: per input of the step, the dimensions its first use batches
+      over (a ``dot_general``'s batch dimensions, e.g. the experts of
+      ``'becd,edf->becf'``), numbered as the input's; ``()`` where none.
 
   Example:
     >>> t = TracedLines({('M/up', 'dot_general', True): ('m.py:4',)}, ('m.py:4',))
@@ -80,6 +92,8 @@ class TracedLines:
   checkpoint_shapes: dict[str, tuple[tuple[int, ...], ...]] = dataclasses.field(
     default_factory=dict
   )
+  routing: dict[str, str] = dataclasses.field(default_factory=dict)
+  batched: tuple[tuple[int, ...], ...] = ()
 
   def lines_of(self, op_name: str) -> tuple[str, ...]:
     """The user's lines of the equations an instruction's ``op_name`` names
@@ -92,9 +106,10 @@ class TracedLines:
     """These lines with ``uses`` only for the inputs kept (the compiled
     program's parameters: jax drops the inputs a step never reads)."""
     if len(keep) != len(self.uses):
-      return dataclasses.replace(self, uses=())
+      return dataclasses.replace(self, uses=(), batched=())
     kept = tuple(u for u, k in zip(self.uses, keep) if k)
-    return dataclasses.replace(self, uses=kept)
+    batched = tuple(b for b, k in zip(self.batched, keep) if k)
+    return dataclasses.replace(self, uses=kept, batched=batched)
 
 
 def key_of(op_name: str) -> Key:
@@ -114,8 +129,13 @@ def traced_lines(jaxpr: Any) -> TracedLines:
   _walk(jaxpr, 'jit(step)', found, named)
   lines = {k: tuple(dict.fromkeys(v)) for k, v in found.items()}
   used: dict[int, str] = {}
-  _first_uses(jaxpr, {v: {i} for i, v in enumerate(jaxpr.invars)}, used)
+  batched: dict[int, tuple[int, ...]] = {}
+  offsets = {v: {i: 0} for i, v in enumerate(jaxpr.invars)}
+  _first_uses(
+    jaxpr, {v: {i} for i, v in enumerate(jaxpr.invars)}, used, offsets, batched
+  )
   uses = tuple(used.get(i, '') for i in range(len(jaxpr.invars)))
+  batch_dims = tuple(batched.get(i, ()) for i in range(len(jaxpr.invars)))
   checkpoints = {
     line: tuple(dict.fromkeys(n for n, _ in v)) for line, v in named.items()
   }
@@ -124,7 +144,8 @@ def traced_lines(jaxpr: Any) -> TracedLines:
     for n, shape in given:
       shapes.setdefault(n, []).append(shape)
   by_name = {n: tuple(dict.fromkeys(v)) for n, v in shapes.items()}
-  return TracedLines(lines, uses, checkpoints, by_name)
+  routing = routing_roles(jaxpr)
+  return TracedLines(lines, uses, checkpoints, by_name, routing, batch_dims)
 
 
 def lines_of_trace(traced: Any) -> TracedLines | None:
@@ -202,12 +223,28 @@ def _sub_jaxprs(eqn: Any) -> list[tuple[Any, int]]:
   return [(inner, operand_offset(eqn)) for inner, _ in sub_jaxprs(eqn)]
 
 
+# Moves that keep every dimension where it was: an input's dimensions are
+# still numbered as its own after them.
+_SAME_DIMS = frozenset(
+  'convert_element_type copy copy_p sharding_constraint reshard mesh_cast pvary '
+  'pbroadcast device_put'.split()
+)
+
+
 def _first_uses(
-  jaxpr: Any, roots: dict[Any, set[int]], found: dict[int, str], depth: int = 0
+  jaxpr: Any,
+  roots: dict[Any, set[int]],
+  found: dict[int, str],
+  offsets: dict[Any, dict[int, int]],
+  batched: dict[int, tuple[int, ...]],
+  depth: int = 0,
 ) -> None:
   """For each input (numbered in ``roots``: var -> the inputs it carries),
   the user's line of the first equation that computes with it, through
-  moves and casts and into sub-programs, into ``found``; one pass."""
+  moves and casts and into sub-programs, into ``found``; one pass. Where
+  that use is a ``dot_general``, the input's dimensions it batches over go
+  into ``batched`` (``offsets``: var -> input -> how many leading dimensions
+  of the input a loop's slicing took off)."""
   for eqn in jaxpr.eqns:
     hits = {
       i: roots[v] - found.keys()
@@ -217,23 +254,50 @@ def _first_uses(
     pending = set().union(*hits.values()) if hits else set()
     if not pending:
       continue
-    if eqn.primitive.name in _MOVES:
+    name = eqn.primitive.name
+    if name in _MOVES:
+      kept = offsets.get(eqn.invars[0], {}) if name in _SAME_DIMS else {}
       for out in eqn.outvars:
         roots[out] = pending
+        offsets[out] = kept
       continue
     subs = _sub_jaxprs(eqn)
     for inner, skip in subs:
       inner_roots: dict[Any, set[int]] = {}
+      sliced = _sliced_from(eqn, skip)
       for i, carried in hits.items():
         if carried and 0 <= i - skip < len(inner.invars):
-          inner_roots.setdefault(inner.invars[i - skip], set()).update(carried)
+          var = inner.invars[i - skip]
+          inner_roots.setdefault(var, set()).update(carried)
+          shift = 1 if i >= sliced else 0
+          known = offsets.get(eqn.invars[i], {})
+          offsets[var] = {n: k + shift for n, k in known.items()}
       if inner_roots and depth < 16:
-        _first_uses(inner, inner_roots, found, depth + 1)
+        _first_uses(inner, inner_roots, found, offsets, batched, depth + 1)
     if subs:
       continue  # only passed through: its use comes later
     line = user_line(getattr(eqn.source_info, 'traceback', None))
     if line:
       found.update(dict.fromkeys(pending, line))
+    if name == 'dot_general':
+      (_, _), (lhs, rhs) = eqn.params['dimension_numbers']
+      for position, dims in ((0, lhs), (1, rhs)):
+        known = offsets.get(eqn.invars[position], {})
+        for n in hits.get(position, set()):
+          if n in known and dims:
+            batched[n] = tuple(sorted(d + known[n] for d in dims))
+
+
+def _sliced_from(eqn: Any, skip: int) -> int:
+  """The first operand a loop slices along its leading dimension (a scan's
+  ``xs``); past every operand for any other equation."""
+  if eqn.primitive.name != 'scan':
+    return len(eqn.invars) + 1
+  try:
+    _, consts, carry = scan_parts(eqn.params)
+  except UnknownParameters:
+    return len(eqn.invars) + 1
+  return skip + consts + carry
 
 
 def is_explicit(op_name: str) -> bool:

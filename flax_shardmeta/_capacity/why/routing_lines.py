@@ -1,0 +1,187 @@
+"""Which lines of a traced step route tokens to experts and back.
+
+A mixture-of-experts layer picks experts with ``top_k`` (or ``argmax``), makes
+masks or indices from that choice alone (one-hot, cumsum: the *routing*
+values), then moves tokens with them: a contraction, gather or scatter of a
+routing value with the tokens is the *dispatch* (its result holds tokens
+grouped by expert), the experts compute on those (*experts*), and a second
+such operation with a routing value brings them back (*combine*). The walk
+follows values through calls and loops (``nn.scan`` layers, remat, ``jit``),
+in the forward pass: the backward pass moves the same tokens' gradients at
+the same lines, where its collectives are found by line.
+
+A collective XLA places at one of these lines moves tokens, whatever it picks
+(all-to-all, all-gather, permute): ``why()`` calls it ``routing``.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> def layer(x, router, w):
+  ...   _, expert = jax.lax.top_k(x @ router, 1)
+  ...   mask = jax.nn.one_hot(expert[:, 0], 2)               # (tokens, experts)
+  ...   grouped = jnp.einsum('te,td->etd', mask, x)          # dispatch
+  ...   out = jnp.einsum('etd,edf->etf', grouped, w)         # experts
+  ...   return jnp.einsum('etf,te->tf', out, mask)           # combine
+  >>> x, r, w = jnp.ones((4, 3)), jnp.ones((3, 2)), jnp.ones((2, 3, 3))
+  >>> roles = routing_roles(jax.make_jaxpr(layer)(x, r, w).jaxpr)
+  >>> sorted(set(roles.values()))
+  ['combine', 'dispatch', 'experts']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jax.extend import core as jex_core
+
+from flax_shardmeta._frames import user_line
+from flax_shardmeta._programs.jaxprs import operand_offset, sub_jaxprs
+
+CHOOSERS = frozenset({'top_k', 'approx_top_k', 'argmax', 'argmin'})
+"""The primitives whose results choose experts."""
+
+MOVERS = frozenset({
+  'dot_general', 'gather', 'scatter', 'scatter-add', 'scatter_add', 'scatter_sum',
+  'dynamic_slice', 'dynamic_update_slice',
+})  # fmt: skip
+"""The primitives that move tokens by a routing value (a mask, an index)."""
+
+EXCHANGES = frozenset({'all_to_all', 'ragged_all_to_all'})
+"""The collectives a ``shard_map`` routing calls to send tokens to experts."""
+
+ROUTING_KINDS = frozenset({'all-to-all', 'all-gather', 'collective-permute'})
+"""The compiled collectives that move tokens, whichever of them XLA picks."""
+
+ROLES = ('dispatch', 'combine', 'experts')
+"""What a routing line does, the first two before the third where a line does
+several."""
+
+_ROUTING, _TOKENS, _CONSTANT = 'routing', 'tokens', 'constant'
+
+
+def routing_roles(jaxpr: Any) -> dict[str, str]:
+  """The user's lines that dispatch, compute experts on and combine tokens,
+  each with its role (:data:`ROLES`); ``{}`` for a step with no experts."""
+  roles: dict[str, str] = {}
+  _walk(jaxpr, {}, roles, 0)
+  return roles
+
+
+def _note(roles: dict[str, str], line: str, role: str) -> None:
+  """A line's role: a dispatch or combine outranks experts, the first stays."""
+  if line and (line not in roles or roles[line] == 'experts'):
+    roles[line] = role
+
+
+def _walk(
+  jaxpr: Any, kinds: dict[Any, str], roles: dict[str, str], depth: int
+) -> list[str | None]:
+  """Marks each value routing or tokens (``kinds``: var -> kind) and notes
+  the lines' roles; returns the kinds of the jaxpr's outputs."""
+  for eqn in jaxpr.eqns:
+    if 'transpose(' in str(getattr(eqn.source_info, 'name_stack', '') or ''):
+      # The backward pass moves the same tokens' gradients at the same lines
+      # (its collectives are found by line); following gradients would take
+      # every value the loss depends on for a token.
+      continue
+    ins = [
+      kinds.get(v) if isinstance(v, jex_core.Var) else 'literal' for v in eqn.invars
+    ]
+    name = eqn.primitive.name
+    subs = sub_jaxprs(eqn)
+    if subs and name not in MOVERS:
+      if depth >= 16:
+        continue  # routing starts inside a body too: every body is read
+      skip = operand_offset(eqn)
+      outs: list[str | None] = []
+      for inner, _ in subs:
+        inner_kinds: dict[Any, str] = {}
+        for i, v in enumerate(inner.invars):
+          kind = ins[i + skip] if i + skip < len(ins) else None
+          if kind in (_ROUTING, _TOKENS, _CONSTANT):
+            inner_kinds[v] = kind
+        got = _walk(inner, inner_kinds, roles, depth + 1)
+        outs = got if len(got) == len(eqn.outvars) else outs
+      for out, kind in zip(eqn.outvars, outs):
+        if kind is not None:
+          kinds[out] = kind
+      continue
+    kind = _kind(name, ins, eqn, roles)
+    if kind is not None:
+      for out in eqn.outvars:
+        kinds[out] = kind
+  return [kinds.get(v) if isinstance(v, jex_core.Var) else None for v in jaxpr.outvars]
+
+
+def _kind(
+  name: str, ins: Sequence[str | None], eqn: Any, roles: dict[str, str]
+) -> str | None:
+  """What ``eqn``'s results are, from what its operands are; notes its line."""
+  if name in CHOOSERS:
+    return _ROUTING
+  # Constants (literals, iota, what is made of them) take no side: a
+  # one-hot compares the choice with an iota and stays routing.
+  variables = [k for k in ins if k not in (_CONSTANT, 'literal')]
+  if not variables:
+    return _CONSTANT
+  routing = any(k == _ROUTING for k in variables)
+  tokens = any(k == _TOKENS for k in variables)
+  if all(k == _ROUTING for k in variables):
+    return _ROUTING
+  line = user_line(getattr(eqn.source_info, 'traceback', None))
+  if name in EXCHANGES and tokens:
+    # Tokens sent to their experts' devices (shard_map routing), and back
+    # once the experts have run.
+    _note(roles, line, 'combine' if 'experts' in roles.values() else 'dispatch')
+    return _TOKENS
+  if routing:
+    if name not in MOVERS:
+      return None  # a routing value compared or mixed otherwise: not a move
+    # With the tokens grouped by expert, a routing value brings them back.
+    _note(roles, line, 'combine' if tokens else 'dispatch')
+    return None if tokens else _TOKENS
+  if tokens:
+    _note(roles, line, 'experts')
+    return _TOKENS
+  return None
+
+
+def batched_axes(
+  leaves: Sequence[tuple[str, str] | None],
+  batched: Sequence[tuple[int, ...]],
+  specs: Sequence[tuple[tuple[str, ...], ...] | None],
+) -> dict[str, dict[int, tuple[str, ...]]]:
+  """Per parameter path, the mesh axes of each laid-out dimension its use
+  batches over (``TracedLines.batched`` against the layouts' specs).
+
+  Example:
+    >>> batched_axes([('params/w1', 'parameters')], [(1,)], [((), ('expert',), ())])
+    {'params/w1': {1: ('expert',)}}
+  """
+  out: dict[str, dict[int, tuple[str, ...]]] = {}
+  if not len(batched) == len(leaves) == len(specs):
+    return out
+  for leaf, dims, spec in zip(leaves, batched, specs):
+    if leaf is not None and spec is not None:
+      on = {d: spec[d] for d in dims if d < len(spec) and spec[d]}
+      if on:
+        out[leaf[0]] = on
+  return out
+
+
+def batched_gather(
+  on: dict[int, tuple[str, ...]], kind: str, axes: Sequence[str]
+) -> str:
+  """How a parameter's collective undoes the layout of a dimension its use
+  batches over (``''`` when it does not: another kind, other axes).
+
+  Example:
+    >>> batched_gather({1: ('expert',)}, 'all-gather', ('expert',))
+    'batched dim 1 over expert -> whole'
+  """
+  if kind != 'all-gather':
+    return ''
+  for d, named in on.items():
+    if set(named) & set(axes):
+      return f'batched dim {d} over {"+".join(named)} -> whole'
+  return ''
