@@ -161,3 +161,41 @@ def test_the_same_on_a_tpu_topology():
   )
   _check_gathered_experts(_report(False, mesh))
   _check_routed_tokens(_report(True, mesh))
+
+
+def _builtin_moe(rules, mesh) -> fsm.FitReport:
+  from flax_shardmeta.examples import train
+
+  build = train.builder(
+    'moe-tiny', batch=8, seq=64, optimizer_name='sgd', dtype=jnp.float32
+  )
+  step, state, batch = build(mesh, rules, 'none')
+  return fsm.fit(step, state, batch, cache=False)
+
+
+def test_the_builtin_moe_under_ep_is_expert_parallel(cpu_mesh):
+  from flax_shardmeta.examples import moe
+
+  experts = {f'state/params/layers/{w}' for w in ('w1', 'w2', 'w3')}
+  # The ep rules: the routed tokens' batch over data, their experts over expert.
+  report = _builtin_moe(moe.MOE_RULES, cpu_mesh)
+  gathered = {
+    p for r in report.collectives if r.reason == 'parameter' for p in r.parameters
+  }
+  assert not gathered & experts, report.why()
+  routing = [r for r in report.collectives if r.reason == 'routing']
+  assert routing and {s.rsplit(':', 1)[0] for r in routing for s in r.sources} == {
+    'flax_shardmeta/examples/moe.py'
+  }
+  assert {r.change.split(';')[0] for r in routing} <= {'dispatch', 'experts', 'combine'}
+  assert 'not expert-parallel' not in report.why()
+  # Without a batch for the routed tokens apart from the experts' axis, the
+  # tokens stay on their batch shards and the experts are gathered to them.
+  rules = [rule for rule in moe.MOE_RULES if rule[0] != 'batch_no_exp']
+  report = _builtin_moe(rules, cpu_mesh)
+  text = ' '.join(report.why().split())
+  assert 'not expert-parallel: state/params/layers/w1, state/params/layers/w2,' in text
+  gathered = {
+    p for r in report.collectives if r.reason == 'parameter' for p in r.parameters
+  }
+  assert experts <= gathered

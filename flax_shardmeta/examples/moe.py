@@ -73,12 +73,37 @@ MOE_CONFIGS = {
 
 MOE_RULES = (
   ('batch', ('data', 'expert')),
+  ('batch_no_exp', 'data'),
   ('expert', 'expert'),
   ('embed', None),
   ('layers', None),
 )
 """Rules for the examples over a ('data', 'expert') mesh: the experts over
-'expert', the batch over both axes (the ``ep`` preset's)."""
+'expert', the batch over both axes, and the batch of the tokens routed to the
+experts over 'data' alone (the ``ep`` preset's)."""
+
+
+def routed_names() -> tuple[str | None, ...]:
+  """The logical names of the tokens routed to the experts, ``(batch,
+  experts, capacity, embed)``.
+
+  Where the rules name ``'batch_no_exp'`` (the axes of the batch the experts
+  do not use, MaxText's ``activation_batch_no_exp``; the ``ep`` presets do),
+  the routed tokens' batch goes there and their experts' dimension is laid
+  out as the experts are: XLA moves the tokens to the experts. Elsewhere the
+  routed tokens stay on the batch's shards, whole over the experts, and the
+  experts come to them (what ``why()`` calls not expert-parallel).
+
+  Example:
+    >>> import flax_shardmeta as fsm
+    >>> with fsm.logical_axis_rules(MOE_RULES):
+    ...   routed_names()
+    ('batch_no_exp', 'expert', None, 'embed')
+  """
+  named = {name for name, _ in fsm.get_logical_axis_rules()}
+  if 'batch_no_exp' in named:
+    return ('batch_no_exp', 'expert', None, 'embed')
+  return ('batch', None, None, 'embed')
 
 
 def route(
@@ -139,9 +164,11 @@ class MoeBlock(LlamaBlock):
     h = RMSNorm(c.norm_eps, self.param_dtype, name='ffn_norm')(x)
     dispatch, combine = route(h @ router, c.top_k, c.capacity_factor)
     inputs = jnp.einsum('bsec,bsd->becd', dispatch.astype(h.dtype), h)
+    inputs = fsm.with_logical_constraint(inputs, routed_names())
     gated = jax.nn.silu(jnp.einsum('becd,edf->becf', inputs, w1))
     hidden = gated * jnp.einsum('becd,edf->becf', inputs, w3)
     outputs = jnp.einsum('becf,efd->becd', hidden, w2)
+    outputs = fsm.with_logical_constraint(outputs, routed_names())
     x = x + jnp.einsum('becd,bsec->bsd', outputs, combine.astype(h.dtype))
     x = fsm.with_logical_constraint(x, ('batch', 'length', 'embed'))
     return x, None
@@ -204,4 +231,5 @@ __all__ = [
   'MoeTransformer',
   'model',
   'route',
+  'routed_names',
 ]

@@ -19,7 +19,8 @@ t5x-1d     data, model            T5X's rules, model parallelism in 1-D
 t5x-2d     data, model            T5X's 2-D parameter partitioning: embed over
                                   data as well (``(1, 2)``)
 ep         data, expert           expert over expert; batch over (data,
-                                  expert) (mixture-of-experts models)
+                                  expert), batch_no_exp (the routed tokens')
+                                  over data (mixture-of-experts models)
 ep+tp      data, expert, model    as ep, and heads, kv_heads, mlp, hidden,
                                   vocab over model (expert and model inside a
                                   host)
@@ -58,6 +59,9 @@ _TP = (
 # (examples.linen.DotReluDot); a model names it 'mlp' or 'hidden', not both.
 
 _EP = ('expert', 'expert')
+_BATCH_NO_EXP = ('batch_no_exp', 'data')
+# The batch of the tokens routed to the experts: over data alone, the expert
+# axis being the experts' (MaxText's activation_batch_no_exp).
 # T5X's mixture-of-experts name for the experts' dimension, and examples.moe's.
 
 
@@ -159,13 +163,13 @@ RULE_PRESETS: dict[str, RulePreset] = {
     RulePreset(
       'ep',
       ('data', 'expert'),
-      (('batch', ('data', 'expert')), _EP),
+      (('batch', ('data', 'expert')), _BATCH_NO_EXP, _EP),
       'experts over expert (mixture-of-experts models)',
     ),
     RulePreset(
       'ep+tp',
       ('data', 'expert', 'model'),
-      (('batch', ('data', 'expert')), _EP, *_TP),
+      (('batch', ('data', 'expert')), _BATCH_NO_EXP, _EP, *_TP),
       'ep, and heads / mlp / vocab over model',
     ),
   )
