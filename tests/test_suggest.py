@@ -315,6 +315,56 @@ def test_the_ep_preset_shards_the_moe_examples_experts():
   assert best.report.row('parameters') < replicated / 2
 
 
+def test_a_knob_grid_builds_each_layout_once_per_value():
+  found = fsm.suggest(
+    moe_build(),
+    batch=8,
+    chip='v5p',
+    presets=['ep'],
+    remat=['none'],
+    knobs={'capacity_factor': [0.5, 2.0]},
+    max_candidates=2,
+    progress=False,
+  )
+  tried = [*found, *found.rejected, *found.skipped]
+  assert {c.knobs for c in tried} == {
+    (('capacity_factor', 0.5),),
+    (('capacity_factor', 2.0),),
+  }
+  # One compiled per value: the pick spreads over the knobs' values.
+  by_value = {dict(c.knobs)['capacity_factor']: c for c in found}
+  assert sorted(by_value) == [0.5, 2.0] and all(c.fits for c in found)
+  # Twice the capacity per expert: the dispatch buffers grow with it.
+  assert by_value[2.0].total_bytes > by_value[0.5].total_bytes
+  # seq 8, top-2 of 8 experts: 2 tokens per expert and row, 1 slot at 0.5.
+  assert by_value[0.5].knob_notes == (
+    'capacity_factor=0.5 drops 50% of the routed tokens at uniform routing'
+  )
+  assert by_value[2.0].knob_notes.endswith('drops no token at uniform routing')
+  assert all(c.knob_notes in c.reason for c in found)
+  assert by_value[0.5].label.endswith(', remat none, capacity_factor=0.5')
+  assert by_value[0.5].to_dict()['knobs'] == {'capacity_factor': 0.5}
+  table = found.format()
+  assert 'knobs' in table.splitlines()[1] and 'capacity_factor=2.0' in table
+
+
+def test_knobs_the_build_cannot_take_are_refused_up_front():
+  with pytest.raises(fsm.FitError, match='knobs.*capacity'):
+    fsm.suggest(
+      moe_build(),
+      batch=8,
+      chip='v5p',
+      presets=['ep'],
+      knobs={'capacity': [1.0]},
+      progress=False,
+    )
+  for bad in ({'capacity_factor': []}, [('capacity_factor', 1.0)]):
+    with pytest.raises(fsm.FitError, match='knob'):
+      fsm.suggest(moe_build(), batch=8, chip='v5p', knobs=bad, progress=False)
+  with pytest.raises(ValueError, match='capacity_factor is a setting'):
+    train.train_step('mlp', AbstractMesh((8,), ('data',)), capacity_factor=1.0)
+
+
 def test_the_ep_tp_preset_produces_candidates():
   found = fsm.suggest(
     moe_build(),

@@ -106,6 +106,33 @@ def routed_names() -> tuple[str | None, ...]:
   return ('batch', None, None, 'embed')
 
 
+def capacity(length: int, top_k: int, experts: int, capacity_factor: float) -> int:
+  """Slots of each expert's buffer per batch row, as :func:`route` makes them.
+
+  Example:
+    >>> capacity(2048, 2, 8, 1.25)
+    640
+  """
+  return max(1, math.ceil(top_k * length * capacity_factor / experts))
+
+
+def dropped_share(config: MoeConfig, length: int, capacity_factor: float) -> float:
+  """The share of routed tokens a capacity factor drops when the router
+  spreads them evenly: each expert is sent ``top_k x length / experts`` per
+  batch row and keeps its :func:`capacity` of them. A router that favours some
+  experts drops more.
+
+  Example:
+    >>> dropped_share(MOE_CONFIGS['moe-tiny'], 2048, 1.0)
+    0.0
+    >>> dropped_share(MOE_CONFIGS['moe-tiny'], 2048, 0.5)
+    0.5
+  """
+  sent = config.top_k * length / config.num_experts
+  kept = capacity(length, config.top_k, config.num_experts, capacity_factor)
+  return max(0.0, 1 - kept / sent)
+
+
 def route(
   logits: jax.Array, top_k: int, capacity_factor: float
 ) -> tuple[jax.Array, jax.Array]:
@@ -124,7 +151,7 @@ def route(
     ((1, 3, 2, 2), [[1.0, 1.0, 0.0]])
   """
   batch, length, experts = logits.shape
-  capacity = max(1, math.ceil(top_k * length * capacity_factor / experts))
+  slots = capacity(length, top_k, experts, capacity_factor)
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
   gates, index = jax.lax.top_k(probs, top_k)  # (batch, length, k)
   gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
@@ -135,7 +162,7 @@ def route(
   place = place.reshape(batch, top_k, length, experts).transpose(0, 2, 1, 3)
   place = jnp.sum(place * choice, axis=-1)  # (b, s, k)
   # one_hot of a place past the capacity is all zeros: the token is dropped.
-  slot = jax.nn.one_hot(place, capacity, dtype=jnp.float32)  # (b, s, k, c)
+  slot = jax.nn.one_hot(place, slots, dtype=jnp.float32)  # (b, s, k, c)
   chosen = choice.astype(jnp.float32)
   dispatch = jnp.einsum('bske,bskc->bsec', chosen, slot)
   combine = jnp.einsum('bske,bskc->bsec', chosen * gates[..., None], slot)
@@ -195,6 +222,7 @@ def model(
   remat: str = 'none',
   num_layers: int | None = None,
   offloaded: Sequence[str] = (),
+  capacity_factor: float | None = None,
 ) -> tuple[MoeTransformer, Any]:
   """An example mixture-of-experts model and an abstract input for its ``init``.
 
@@ -204,6 +232,7 @@ def model(
     remat: the rematerialisation policy of each layer (``REMAT_POLICIES``).
     num_layers: another depth than the model's own.
     offloaded: checkpoint names each layer offloads to host memory.
+    capacity_factor: another capacity factor than the model's own.
 
   Raises:
     ValueError: an unknown name or remat policy.
@@ -219,6 +248,8 @@ def model(
   config = MOE_CONFIGS[name]
   if num_layers is not None:
     config = dataclasses.replace(config, num_layers=num_layers)
+  if capacity_factor is not None:
+    config = dataclasses.replace(config, capacity_factor=capacity_factor)
   module = MoeTransformer(config, dtype, remat, tuple(offloaded))
   return module, jax.ShapeDtypeStruct((1, 1), jnp.int32)
 
@@ -229,6 +260,8 @@ __all__ = [
   'MoeBlock',
   'MoeConfig',
   'MoeTransformer',
+  'capacity',
+  'dropped_share',
   'model',
   'route',
   'routed_names',

@@ -120,6 +120,7 @@ def train_step(
   dtype: Any = jnp.bfloat16,
   num_layers: int | None = None,
   offload: str | fsm.OffloadPreset | None = None,
+  capacity_factor: float | None = None,
 ) -> tuple[fsm.JitWithContext, Any, jax.ShapeDtypeStruct]:
   """A built-in model's training step on ``mesh``, with abstract arguments.
 
@@ -141,6 +142,8 @@ def train_step(
       (laid out in ``pinned_host``, moved to the chips for the update and
       back), and the named activations the layers' remat policy offloads
       (the built-in models name each layer's input ``LAYER_INPUT``).
+    capacity_factor: another capacity factor than the mixture-of-experts
+      model's own (``examples.moe.MoeConfig.capacity_factor``).
 
   Returns:
     ``(step, state, batch)``: ``step(state, batch) -> (state, loss)`` from
@@ -160,8 +163,13 @@ def train_step(
   tokens = abstract_batch(name, batch, seq)
   hosted = _offload_preset(offload)
   model = (name, remat, dtype, num_layers, hosted.names)
+  if capacity_factor is not None and name not in _moe_configs():
+    raise UnknownNameError(
+      f'capacity_factor is a setting of the mixture-of-experts models '
+      f'({", ".join(_moe_configs())}), not of {name!r}'
+    )
   if api == 'linen':
-    fn, state = _linen(*model, tx, rules)
+    fn, state = _linen(*model, tx, rules, capacity_factor)
   elif api == 'nnx':
     fn, state = _nnx(*model, tx, rules)
   else:
@@ -229,13 +237,19 @@ def _linen(
   offloaded: Sequence[str],
   tx: Any,
   rules: Any,
+  capacity_factor: float | None = None,
 ) -> tuple[Any, Any]:
   from flax_shardmeta.examples import linen, moe
 
-  make = moe.model if name in moe.MOE_CONFIGS else linen.model
-  module, example = make(
-    name, dtype, remat=remat, num_layers=num_layers, offloaded=offloaded
-  )
+  if name in moe.MOE_CONFIGS:
+    module, example = moe.model(
+      name, dtype, remat=remat, num_layers=num_layers, offloaded=offloaded,
+      capacity_factor=capacity_factor,
+    )  # fmt: skip
+  else:
+    module, example = linen.model(
+      name, dtype, remat=remat, num_layers=num_layers, offloaded=offloaded
+    )
 
   def init(key: jax.Array) -> train_state.TrainState:
     x = jnp.zeros(example.shape, example.dtype)
@@ -310,8 +324,11 @@ def builder(
   dtype: Any = jnp.bfloat16,
   num_layers: int | None = None,
 ) -> Any:
-  """``build(mesh, rules, remat, offload=None) -> (step, state, batch)`` for
-  ``fsm.suggest`` (``offload``: an ``fsm.OffloadPreset``, see :func:`train_step`).
+  """``build(mesh, rules, remat, offload=None, **knobs) -> (step, state,
+  batch)`` for ``fsm.suggest`` (``offload``: an ``fsm.OffloadPreset``, see
+  :func:`train_step`). The mixture-of-experts models take the knob
+  ``capacity_factor``, and the build's ``knob_notes`` says the share of
+  tokens a factor drops at uniform routing.
 
   Example:
     >>> import jax
@@ -320,6 +337,8 @@ def builder(
     ...                            [('batch', 'data')], 'none')
     >>> batch.shape
     (16, 1024)
+    >>> builder('moe-tiny', seq=100).knob_notes(capacity_factor=0.5)
+    'capacity_factor=0.5 drops 48% of the routed tokens at uniform routing'
   """
 
   def build(
@@ -327,6 +346,8 @@ def builder(
     rules: Sequence[tuple[str, Any]],
     remat: str,
     offload: fsm.OffloadPreset | None = None,
+    *,
+    capacity_factor: float | None = None,
   ) -> Any:
     return train_step(
       name,
@@ -340,6 +361,22 @@ def builder(
       dtype=dtype,
       num_layers=num_layers,
       offload=offload,
+      capacity_factor=capacity_factor,
     )
 
+  def knob_notes(capacity_factor: float | None = None) -> str:
+    if capacity_factor is None or name not in _moe_configs():
+      return ''
+    from flax_shardmeta.examples import moe
+
+    config = _moe_configs()[name]
+    share = moe.dropped_share(config, seq, capacity_factor)
+    if not share:
+      return f'capacity_factor={capacity_factor} drops no token at uniform routing'
+    return (
+      f'capacity_factor={capacity_factor} drops {share:.0%} of the routed tokens '
+      'at uniform routing'
+    )
+
+  build.knob_notes = knob_notes  # pyright: ignore[reportFunctionMemberAccess]
   return build

@@ -40,6 +40,10 @@ class Candidate:
       ``'too_close'``, ...), if made.
     offload: what the step keeps in host memory (``OFFLOAD_PRESETS['none']``:
       nothing).
+    knobs: the model's own settings it was built with, ``(name, value)``
+      pairs passed to the build as keyword arguments (``suggest(knobs=...)``).
+    knob_notes: what the build says of those settings (e.g. the tokens a
+      capacity factor drops), shown with the candidate's reason.
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -58,6 +62,8 @@ class Candidate:
   reason: str = ''
   estimate_verdict: str | None = None
   offload: OffloadPreset = OFFLOAD_PRESETS['none']
+  knobs: tuple[tuple[str, Any], ...] = ()
+  knob_notes: str = ''
   _topology: str | None = dataclasses.field(default=None, repr=False)
   _num_slices: int = dataclasses.field(default=1, repr=False)
   _tokens: int = dataclasses.field(default=0, repr=False)
@@ -68,7 +74,8 @@ class Candidate:
     """``'fsdp+tp data=2 fsdp=16 model=4, remat none'``."""
     mesh = ' '.join(f'{k}={v}' for k, v in self.shape.items())
     offload = f', offload {self.offload.name}' if self.offload.offloads else ''
-    return f'{self.preset.name} {mesh}, remat {self.remat}{offload}'
+    knobs = ''.join(f', {k}={v}' for k, v in self.knobs)
+    return f'{self.preset.name} {mesh}, remat {self.remat}{offload}{knobs}'
 
   @property
   def fits(self) -> bool | None:
@@ -208,6 +215,8 @@ class Candidate:
       'mesh': dict(self.shape),
       'remat': self.remat,
       'offload': self.offload.name,
+      'knobs': dict(self.knobs),
+      'knob_notes': self.knob_notes,
       'host_bytes': None if self.report is None else self.report.host_bytes,
       'fits': self.fits,
       'verdict': self.verdict,

@@ -43,16 +43,65 @@ from flax_shardmeta._units import format_bytes, parse_bytes
 
 Build = Callable[..., Sequence[Any]]
 """``build(mesh, rules, remat) -> (step, *abstract_args)``: what ``fit`` takes;
-``build(mesh, rules, remat, offload)`` for a candidate that offloads."""
+``build(mesh, rules, remat, offload)`` for a candidate that offloads, and the
+model's knobs as keyword arguments (``build(..., capacity_factor=1.25)``)."""
 
 
 def built(build: Build, mesh: Any, c: Candidate) -> tuple[Any, ...]:
   """What ``build`` makes for candidate ``c`` on ``mesh``: its offload preset
   is passed only when it offloads, so builds without offload keep their three
-  arguments."""
+  arguments; its knobs as keyword arguments."""
+  knobs = dict(c.knobs)
   if c.offload.offloads:
-    return tuple(build(mesh, c.preset.rules, c.remat, c.offload))
-  return tuple(build(mesh, c.preset.rules, c.remat))
+    return tuple(build(mesh, c.preset.rules, c.remat, c.offload, **knobs))
+  return tuple(build(mesh, c.preset.rules, c.remat, **knobs))
+
+
+def knob_grid(knobs: Any) -> list[tuple[tuple[str, Any], ...]]:
+  """Every combination of the knobs' values, in the order given
+  (``[()]``: no knobs).
+
+  Raises:
+    FitError: knobs that are not a mapping of names to non-empty value lists.
+
+  Example:
+    >>> knob_grid({'capacity_factor': [1.0, 2.0]})
+    [(('capacity_factor', 1.0),), (('capacity_factor', 2.0),)]
+  """
+  if not knobs:
+    return [()]
+  if not hasattr(knobs, 'items'):
+    raise FitError(
+      f'knobs={knobs!r}: expected a mapping of knob names to the values to try, '
+      "e.g. knobs={'capacity_factor': [1.0, 1.25, 2.0]}"
+    )
+  axes = []
+  for name, values in knobs.items():
+    listed = list(values) if isinstance(values, (list, tuple, range)) else None
+    if not isinstance(name, str) or not name.isidentifier() or not listed:
+      raise FitError(
+        f'knobs[{name!r}]={values!r}: a knob is a keyword argument name of the build '
+        'with a non-empty list of values to try, e.g. '
+        "knobs={'capacity_factor': [1.0, 1.25, 2.0]}"
+      )
+    axes.append([(name, v) for v in listed])
+  return [tuple(combo) for combo in itertools.product(*axes)]
+
+
+def check_knob_build(build: Build, grid: Sequence[tuple[tuple[str, Any], ...]]) -> None:
+  """Knobs need a build that takes them as keyword arguments."""
+  if grid == [()]:
+    return
+  knobs = dict(grid[0])
+  try:
+    inspect.signature(build).bind(None, (), 'none', **knobs)
+  except TypeError:
+    raise FitError(
+      f'knobs {sorted(knobs)}: the build does not take them as keyword arguments; '
+      'a knob is passed to the build as build(mesh, rules, remat, name=value) '
+      '(flax_shardmeta.examples.train.builder takes capacity_factor for the '
+      'mixture-of-experts models)'
+    ) from None
 
 
 def check_offload_build(build: Build, offloads: Sequence[OffloadPreset]) -> None:
@@ -211,9 +260,10 @@ def candidates_of(
   where: Where,
   tokens: int,
   offloads: Sequence[OffloadPreset] = (),
+  knobs: Sequence[tuple[tuple[str, Any], ...]] = ((),),
 ) -> list[Candidate]:
-  """Every preset, split of the chips over its axes, remat policy and
-  offload preset."""
+  """Every preset, split of the chips over its axes, remat policy, offload
+  preset and combination of the model's knobs."""
   n = len(where.pool)
   return [
     Candidate(
@@ -221,6 +271,7 @@ def candidates_of(
       dict(zip(p.axes, sizes)),
       r,
       offload=o,
+      knobs=k,
       _topology=where.topology,
       _num_slices=where.num_slices,
       _tokens=tokens,
@@ -230,6 +281,7 @@ def candidates_of(
     for sizes in factorizations(p.axes, n, where.per_host, where.num_slices)
     for r in policies
     for o in (offloads or (OFFLOAD_PRESETS['none'],))
+    for k in knobs
   ]
 
 
@@ -333,15 +385,15 @@ def pick(viable: list[Candidate], n: int, memory: Memory) -> list[Candidate]:
   """The ``n`` most promising: estimated to fit (or too close to call) first,
   then those a raised fraction may hold, no remat before remat, no offload
   before offload, then least memory; taken in turn from each (preset, remat,
-  offload) group."""
+  offload, knobs) group."""
 
   def key(c: Candidate) -> tuple[Any, ...]:
     tier = _estimated_tier(c, memory)
     return (tier, c.remat != 'none', c.offload.offloads, c.estimate or 0)
 
-  groups: dict[tuple[str, str, str], list[Candidate]] = {}
+  groups: dict[tuple[Any, ...], list[Candidate]] = {}
   for c in sorted(viable, key=key):
-    groups.setdefault((c.preset.name, c.remat, c.offload.name), []).append(c)
+    groups.setdefault((c.preset.name, c.remat, c.offload.name, c.knobs), []).append(c)
   order = sorted(groups.values(), key=lambda g: key(g[0]))
   picked: list[Candidate] = []
   for round_ in itertools.zip_longest(*order):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from flax_shardmeta._capacity.fit.fit import fit
@@ -54,10 +54,12 @@ from flax_shardmeta._capacity.suggest.search import (
   candidate_mesh,
   candidates_of,
   check,
+  check_knob_build,
   check_offload_build,
   device_pool,
   first_built,
   judged_capacity,
+  knob_grid,
   pick,
 )
 from flax_shardmeta._devices.chips import chip_named, chip_of
@@ -88,6 +90,7 @@ def suggest(
   mem_fraction: float | None = None,
   reserve: int | str | None = None,
   host_memory: int | str | None = None,
+  knobs: Mapping[str, Sequence[Any]] | None = None,
 ) -> Suggestions:
   """Searches meshes, rule presets, remat policies and offloads for the best
   layout.
@@ -127,6 +130,14 @@ def suggest(
       with ``build(mesh, rules, remat, offload)``, and judged by its device
       memory, its host memory against ``host_memory``, and its step time
       with the transfers.
+    knobs: the model's own settings to try, as a grid:
+      ``{'capacity_factor': [1.0, 1.25, 2.0]}`` builds every layout once per
+      value, passed to the build as a keyword argument
+      (``build(mesh, rules, remat, capacity_factor=1.25)``); several knobs
+      multiply. A build with a ``knob_notes(**knobs) -> str`` attribute says
+      what a setting costs beside memory and time (the built-in MoE: the share
+      of tokens a capacity factor drops at uniform routing), in the
+      candidate's reason.
     max_candidates: at most this many are compiled (the most promising by
       the estimate, spread over the presets and remat policies).
     progress: print progress to stderr (or call this with each line).
@@ -174,8 +185,14 @@ def suggest(
   resolved = presets_lib.resolve(presets)
   offloads = resolve_offload(offload)
   check_offload_build(build, offloads)
+  grid = knob_grid(knobs)
+  check_knob_build(build, grid)
   tokens = batch * tokens_per_example
-  candidates = candidates_of(resolved, policies, where, tokens, offloads)
+  candidates = candidates_of(resolved, policies, where, tokens, offloads, grid)
+  notes = getattr(build, 'knob_notes', None)
+  if callable(notes) and grid != [()]:
+    for c in candidates:
+      c.knob_notes = str(notes(**dict(c.knobs)) or '')
   first = first_built(build, candidates)
   unused: dict[str, str] = {}
   if first is not None:
@@ -200,6 +217,9 @@ def suggest(
     say(f'[{i}/{len(chosen)}] {c.label}: {_compiled(r, time.perf_counter() - t)}')
   ranked = ranking.rank(chosen, policies)
   ranking.reasons(ranked, policies)
+  for c in ranked:
+    if c.knob_notes:
+      c.reason = f'{c.reason}; {c.knob_notes}' if c.reason else c.knob_notes
   return Suggestions(
     ranked,
     rejected,
@@ -360,7 +380,9 @@ class Suggestions(list):
     """The ranked table (the first ``top`` rows), then the rejected ones."""
     gpu = self.usable is not None
     hosted = any(c.offload.offloads for c in self)
+    knobbed = any(c.knobs for c in self)
     head = ['#', 'mesh', 'preset', 'remat', *(['offload'] if hosted else [])]
+    head += ['knobs'] if knobbed else []
     head += ['per chip', 'largest', 'headroom']
     head += [*(['host (per host)'] if hosted else []), 'fits', 'collectives']
     head += ['step (est.)']
@@ -378,6 +400,7 @@ class Suggestions(list):
           c.preset.name,
           c.remat,
           *([c.offload.name] if hosted else []),
+          *([' '.join(f'{k}={v}' for k, v in c.knobs)] if knobbed else []),
           format_bytes(r.total_bytes),
           f'{big.name} {format_bytes(big.bytes)}',
           '-' if r.headroom_bytes is None else signed(r.headroom_bytes),
