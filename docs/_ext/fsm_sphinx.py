@@ -83,24 +83,29 @@ class ApiTable(_Generated):
   def lines(self) -> list[str]:
     module = self.arguments[0]
     prefix = module.removeprefix('flax_shardmeta').lstrip('.')
-    out = [
-      '.. list-table::',
-      '   :header-rows: 1',
-      '   :widths: 30 70',
-      '',
-      '   * - name',
-      '     - what it is',
-    ]
-    for row in ref.api_rows(module):
-      name = f'{prefix}.{row.name}' if prefix else row.name
-      out += [f'   * - {_link(name)}', f'     - {row.summary}']
-    return out
+    rows = ref.api_rows(module)
+    return _names_table([f'{prefix}.{r.name}' if prefix else r.name for r in rows])
 
 
 def _link(name: str) -> str:
   """A reference to public name ``name``, written as users call it."""
   row = ref.row_of(name)
   return f':{ROLES[row.kind]}:`{ref.page_title(name)} <flax_shardmeta.{name}>`'
+
+
+def _names_table(names: list[str]) -> list[str]:
+  """A table of public names, each linked, with its docstring's summary."""
+  out = [
+    '.. list-table::',
+    '   :header-rows: 1',
+    '   :widths: 30 70',
+    '',
+    '   * - name',
+    '     - what it is',
+  ]
+  for name in names:
+    out += [f'   * - {_link(name)}', f'     - {ref.row_of(name).summary}']
+  return out
 
 
 class ApiGroup(_Generated):
@@ -110,16 +115,7 @@ class ApiGroup(_Generated):
 
   def lines(self) -> list[str]:
     group = ref.group(self.arguments[0])
-    out = [
-      '.. list-table::',
-      '   :header-rows: 1',
-      '   :widths: 30 70',
-      '',
-      '   * - name',
-      '     - what it is',
-    ]
-    for name in group.names:
-      out += [f'   * - {_link(name)}', f'     - {ref.row_of(name).summary}']
+    out = _names_table(list(group.names))
     out += ['', '.. toctree::', '   :hidden:', '']
     out += [f'   /{ref.page_name(name)}' for name in group.names]
     return out
