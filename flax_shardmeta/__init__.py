@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # The public names: the one table, read at run time too.
     HostMemory as HostMemory,
     HostRow as HostRow,
   )
+  from flax_shardmeta._capacity.peak.experts import MoeLayerPeak as MoeLayerPeak
   from flax_shardmeta._capacity.peak.rows import (
     PeakDiff as PeakDiff,
     PeakMemory as PeakMemory,

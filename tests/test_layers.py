@@ -112,6 +112,7 @@ LAYERS = [
     '_capacity.hlo.collectives',
     '_capacity.hlo.work',
     '_capacity.hlo.summary',
+    '_capacity.peak.experts',
   ],
   [
     '_capacity.hlo.roofline',

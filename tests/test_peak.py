@@ -308,3 +308,32 @@ def test_a_cached_gpu_fit_reads_its_peak_from_the_dumped_program(monkeypatch, tm
   second = fsm.fit(*args)
   assert second.cached and second.peak() == first.peak()
   assert second.peak().named_fraction >= 0.9
+
+
+def test_a_routing_rows_advice_and_per_layer_bytes():
+  dispatch = fsm.PeakRow(
+    'activation', 'dot_general', 'moe.py:9', 8 << 20, 'Moe/layers', 4, role='dispatch'
+  )
+  mask = fsm.PeakRow('activation', 'eq', 'moe.py:5', 6 << 20, 'Moe/layers', role='mask')
+  saved = fsm.PeakRow('activation', 'tanh', 'mlp.py:3', 4 << 20, 'Mlp')
+  peak = fsm.PeakMemory((dispatch, mask, saved), 18 << 20)
+  advice = peak.advice()
+  assert 'capacity_factor' in advice[1] and 'dispatch buffer' in advice[1]
+  assert 'one-hot masks' in advice[2] and 'remat' in advice[3]
+  # Stacked over a scan's 4 layers: a quarter each; the running layer's mask.
+  assert [(m.layers, m.bytes) for m in peak.moe_layers()] == [
+    (4, {'dispatch': 2 << 20}),
+    (1, {'mask': 6 << 20}),
+  ]
+  assert peak.by_role() == {'dispatch': 8 << 20, 'mask': 6 << 20}
+  text = peak.format()
+  assert 'Moe/layers, each of 4 layers' in text and 'routing masks' in text
+  # A step with no experts says nothing of them.
+  assert 'mixture' not in fsm.PeakMemory((saved,), 4 << 20).format()
+
+
+def test_a_dense_step_has_no_routing_roles(reports):
+  for report in reports:
+    peak = report.peak()
+    assert not [r for r in peak.rows if r.role] and peak.moe_layers() == ()
+    assert peak.to_dict()['by_role'] == {}

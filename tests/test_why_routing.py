@@ -70,6 +70,7 @@ def _line(text: str) -> str:
 
 
 DISPATCH, COMBINE = _line('# dispatch'), _line('# combine')
+CONSTRAINT = _line('routed = fsm.with_logical_constraint(')
 EXPERT_LINES = {_line("'becd,edf->becf'"), _line("'becf,efd->becd'")}
 
 
@@ -122,6 +123,10 @@ def _check_gathered_experts(report: fsm.FitReport) -> None:
   assert 'reduces the gradients over expert' in text
   assert "constrain the routed tokens' expert dimension to expert" in text
   assert not [r for r in report.collectives if r.reason == 'routing']
+  # fit's notes say it as well, once.
+  (note,) = [n for n in report.notes if n.startswith('not expert-parallel')]
+  assert ' '.join(note.split()) in text
+  assert ' '.join(note.split()) in ' '.join(str(report).split())
 
 
 def _check_routed_tokens(report: fsm.FitReport) -> None:
@@ -140,17 +145,60 @@ def _check_routed_tokens(report: fsm.FitReport) -> None:
   why = report.why()
   assert 'routing: ' in why and 'moving tokens to their experts and back' in why
   assert 'not expert-parallel' not in why
+  assert not [n for n in report.notes if 'expert-parallel' in n]
   # The reason is the rows' in the JSON too.
   rows = report.to_dict()['collectives']
   assert {row['reason'] for row in rows} >= {'routing'}
+
+
+@pytest.fixture(scope='module')
+def routed(cpu_mesh) -> fsm.FitReport:
+  return _report(True, cpu_mesh)
 
 
 def test_gathered_experts_are_said_not_expert_parallel(cpu_mesh):
   _check_gathered_experts(_report(False, cpu_mesh))
 
 
-def test_routed_tokens_are_routing_rows_at_dispatch_and_combine(cpu_mesh):
-  _check_routed_tokens(_report(True, cpu_mesh))
+def test_routed_tokens_are_routing_rows_at_dispatch_and_combine(routed):
+  _check_routed_tokens(routed)
+
+
+def test_the_masks_and_the_constrained_dispatch_buffer_are_told_apart(cpu_mesh):
+  model = Experts(constrain=True)
+  x = jnp.ones((2, 16, 8))
+  params = jax.eval_shape(model.init, jax.random.key(0), x)
+  masks: set[str] = set()
+  with jax.set_mesh(cpu_mesh), fsm.logical_axis_rules(RULES):
+    jaxpr = jax.make_jaxpr(_step(model))(params, x).jaxpr
+  roles = routing_roles(jaxpr, masks)
+  # The constraint on the routed tokens holds the dispatch buffer still.
+  assert roles[CONSTRAINT] == 'dispatch' and roles[DISPATCH] == 'dispatch'
+  assert {_line('top_k'), _line('mask = '), _line('slot = ')} <= masks
+  assert not masks & set(roles) and '' not in masks
+
+
+def test_peak_names_the_dispatch_and_combine_buffers_and_the_experts(routed):
+  peak = routed.peak()
+  lines = {r.role: set() for r in peak.rows if r.role}
+  for r in peak.rows:
+    if r.role:
+      lines[r.role].add(r.where)
+      assert r.kind in ('activation', 'backward', 'collective', 'offload'), r
+  assert lines['dispatch'] <= {DISPATCH, CONSTRAINT} and lines['dispatch']
+  assert lines['combine'] == {COMBINE}
+  assert lines['experts'] and lines['experts'] <= EXPERT_LINES
+  assert lines['mask'] <= {_line('top_k'), _line('mask = '), _line('slot = ')}
+  assert _line('mask = ') in lines['mask']
+  # Per layer: this layer is not scanned, one entry holding every role's bytes.
+  (layer,) = peak.moe_layers()
+  assert (layer.scope, layer.layers) == ('Experts', 1)
+  assert layer.bytes == peak.by_role() and layer.per_layer == layer.total_bytes
+  assert layer.total_bytes == sum(r.bytes for r in peak.rows if r.role)
+  text = peak.format()
+  assert 'mixture of experts, per layer' in text and '(dispatch buffer)' in text
+  assert peak.to_dict()['by_role'] == peak.by_role()
+  assert fsm.PeakMemory.from_dict(peak.to_dict()).by_role() == peak.by_role()
 
 
 @pytest.mark.slow
@@ -189,6 +237,16 @@ def test_the_builtin_moe_under_ep_is_expert_parallel(cpu_mesh):
   }
   assert {r.change.split(';')[0] for r in routing} <= {'dispatch', 'experts', 'combine'}
   assert 'not expert-parallel' not in report.why()
+  # What the scan saves of each MoE layer, per layer: its stacked rows over 2.
+  peak = report.peak()
+  (stacked,) = [m for m in peak.moe_layers() if m.layers > 1]
+  assert stacked.layers == 2 and stacked.scope == 'MoeTransformer/layers'
+  dispatch = [r for r in peak.rows if r.role == 'dispatch' and r.layers == 2]
+  assert dispatch and all(
+    r.where.startswith('flax_shardmeta/examples/moe.py') for r in dispatch
+  )
+  assert stacked.bytes['dispatch'] == sum(r.bytes for r in dispatch) // 2
+  assert stacked.bytes['experts'] > 0 and stacked.bytes['mask'] > 0
   # Without a batch for the routed tokens apart from the experts' axis, the
   # tokens stay on their batch shards and the experts are gathered to them.
   rules = [rule for rule in moe.MOE_RULES if rule[0] != 'batch_no_exp']

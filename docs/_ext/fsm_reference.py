@@ -251,6 +251,7 @@ GROUPS = (
       'PeakMemory',
       'PeakRow',
       'PeakDiff',
+      'MoeLayerPeak',
       'suggest',
       'Suggestions',
       'Candidate',

@@ -26,7 +26,7 @@ from jax.sharding import AbstractMesh
 
 from flax_shardmeta._capacity.fit.traced_step import Step, prepare
 from flax_shardmeta._capacity.hlo.roofline import CollectiveRow, roofline
-from flax_shardmeta._capacity.peak.rows import extrapolated
+from flax_shardmeta._capacity.peak.holders import extrapolated
 from flax_shardmeta._capacity.report import FitReport
 from flax_shardmeta._errors import FitError
 

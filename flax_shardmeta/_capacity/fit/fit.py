@@ -36,6 +36,7 @@ from flax_shardmeta._capacity.hlo import summary as hlo
 from flax_shardmeta._capacity.hlo.roofline import group, roofline
 from flax_shardmeta._capacity.peak.holders import compiled_peak
 from flax_shardmeta._capacity.report import FitReport
+from flax_shardmeta._capacity.why.readable import not_expert_parallel
 from flax_shardmeta._devices import gpu
 from flax_shardmeta._devices.chips import CHIPS, Chip, chip_named, chip_of
 from flax_shardmeta._devices.topology import describe
@@ -225,6 +226,7 @@ def _compiled_report(
   notes = _notes(mesh, chip, summary, hbm) + found.host_notes
   notes += _argument_notes(memory, by_category, told_by_path, found.reader)
   notes += donation_notes(found, memory, target.names)
+  notes += tuple(not_expert_parallel(collectives))  # as why()'s findings say
   memory_at_run, needed = None, None
   if on_gpu and hbm:
     memory_at_run = run.memory(hbm, collectives)

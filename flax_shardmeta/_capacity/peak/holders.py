@@ -8,11 +8,13 @@ outputs not donated by leaf (the result tuple's pointers are the rest), the
 temporaries by value at the heap's peak (the heap's holes are ``heap
 fragmentation``; what ``memory_analysis`` counts beyond the buffer
 assignment, a TPU's runtime scratch, is ``compiler scratch``), and the
-generated code.
+generated code. A peak compiled at two depths is extrapolated row by row
+(``extrapolated``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -247,3 +249,35 @@ def _own_bytes(values: Sequence[Value]) -> list[tuple[Value, int]]:
     taken.setdefault(v.allocation, []).append((start, stop))
     out.append((v, max(own, 0)))
   return out
+
+
+def extrapolated(
+  small: PeakMemory, large: PeakMemory, a: int, b: int, layers: int, total: int
+) -> PeakMemory:
+  """The peak at ``layers`` from the peaks of compiles at ``a`` and ``b``
+  layers, row by row on the same line as fit's figures; rows stacked over
+  ``b`` layers say ``layers``. What rounding leaves goes to the heap's row.
+
+  Example:
+    >>> row = lambda n: PeakRow('activation', 'tanh', 'm.py:3', n, layers=0)
+    >>> x = extrapolated(PeakMemory((row(100),), 100), PeakMemory((row(160),), 160),
+    ...                  2, 4, 32, 1000)
+    >>> x.rows[0].bytes, x.total_bytes
+    (1000, 1000)
+  """
+  t = (layers - a) / (b - a)
+  before = {r.key(): r.bytes for r in small.rows}
+  rows = []
+  for r in large.rows:
+    x = before.get(r.key(), 0)
+    size = max(round(x + (r.bytes - x) * t), 0)
+    stacked = layers if r.layers == b else r.layers
+    rows.append(dataclasses.replace(r, bytes=size, layers=stacked))
+  rest = total - sum(r.bytes for r in rows)
+  if rest:
+    what = 'what extrapolating the rows one by one leaves (rounding)'
+    rows.append(PeakRow('heap fragmentation', what, '', rest))
+  note = f'extrapolated row by row from compiles at {a} and {b} layers'
+  return PeakMemory(
+    merge_rows(rows), total, large.phase, large.at, large.method, (*large.notes, note)
+  )

@@ -8,6 +8,14 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from flax_shardmeta._capacity.peak.experts import (
+  ROLE_SHRINKS,
+  ROLE_TEXT,
+  ROUTING_ROLES,
+  MoeLayerPeak,
+  moe_layers,
+  moe_text,
+)
 from flax_shardmeta._units import format_bytes, table
 from flax_shardmeta._views import ShownWithTreescope
 
@@ -69,6 +77,8 @@ class PeakRow:
     shape: the buffer's shape as XLA holds it on a chip, where known.
     checkpoint: an activation's name from ``checkpoint_name`` at its line
       (what a remat policy saves or offloads by name), where it has one.
+    role: a mixture-of-experts value's routing role, one of
+      :data:`ROUTING_ROLES` (``''`` for any other value).
 
   Example:
     >>> import flax_shardmeta as fsm
@@ -86,6 +96,7 @@ class PeakRow:
   layers: int = 0
   shape: str = ''
   checkpoint: str = ''
+  role: str = ''
 
   @property
   def named(self) -> bool:
@@ -147,6 +158,34 @@ class PeakMemory(ShownWithTreescope):
         out[kind] = total
     return out
 
+  def by_role(self) -> dict[str, int]:
+    """Bytes per routing role of a mixture-of-experts step (:data:`ROUTING_ROLES`
+    order, roles with rows only): its dispatch and combine buffers, the
+    experts' activations and the routing masks, every layer together."""
+    out: dict[str, int] = {}
+    for role in ROUTING_ROLES:
+      rows = [r for r in self.rows if r.role == role]
+      if rows:
+        out[role] = sum(r.bytes for r in rows)
+    return out
+
+  def moe_layers(self) -> tuple[MoeLayerPeak, ...]:
+    """The mixture-of-experts layers' routing bytes at the peak, per layer:
+    one entry per scope and stacking (a scan's stacked values over its
+    layers, the layer it runs or an unrolled layer on its own), largest
+    first.
+
+    Example:
+      >>> import flax_shardmeta as fsm
+      >>> rows = (fsm.PeakRow('activation', 'dot_general', 'moe.py:9', 4096,
+      ...                     'Moe/layers', layers=4, role='dispatch'),
+      ...         fsm.PeakRow('activation', 'mul', 'moe.py:10', 512,
+      ...                     'Moe/layers', role='experts'))
+      >>> [(m.layers, m.bytes) for m in fsm.PeakMemory(rows, 4608).moe_layers()]
+      [(4, {'dispatch': 1024}), (1, {'experts': 512})]
+    """
+    return moe_layers(self.rows)
+
   def temporaries(self) -> tuple[PeakRow, ...]:
     """The rows of temporary memory (values, heap, scratch)."""
     return tuple(r for r in self.rows if r.kind in TEMPORARY_KINDS)
@@ -187,7 +226,8 @@ class PeakMemory(ShownWithTreescope):
     for r in rows:
       at = f' at {r.where}' if r.where else ''
       what = f'{r.kind} {_what(r)}{at}'
-      lines.append(f'  {format_bytes(r.bytes)}  {what}: {_SHRINKS[r.kind]}')
+      shrink = ROLE_SHRINKS.get(r.role) or _SHRINKS[r.kind]
+      lines.append(f'  {format_bytes(r.bytes)}  {what}: {shrink}')
     return lines
 
   def diff(self, other: PeakMemory) -> PeakDiff:
@@ -212,6 +252,8 @@ class PeakMemory(ShownWithTreescope):
       'method': self.method,
       'notes': list(self.notes),
       'by_kind': self.by_kind(),
+      'by_role': self.by_role(),
+      'moe_layers': [m.to_dict() for m in self.moe_layers()],
       'named_fraction': round(self.named_fraction, 4),
       'rows': [r.to_dict() for r in self.rows],
     }
@@ -253,6 +295,7 @@ class PeakMemory(ShownWithTreescope):
         rest = sum(r.bytes for r in rows[top:])
         cells.append((f'  ... {len(rows) - top} more', format_bytes(rest), '', ''))
     lines += table(cells, {1}) if cells else []
+    lines += moe_text(self.moe_layers())
     lines += [f'note: {n}' for n in self.notes]
     return '\n'.join(lines)
 
@@ -305,6 +348,8 @@ def _what(r: PeakRow) -> str:
   text = r.what or '(unnamed)'
   if r.checkpoint:
     text += f" '{r.checkpoint}'"
+  if r.role:
+    text += f' ({ROLE_TEXT.get(r.role, r.role)})'
   return f'{text} x {r.layers} layers' if r.layers else text
 
 
@@ -418,38 +463,6 @@ class PeakDiff(ShownWithTreescope):
       'by_kind': self.by_kind(),
       'rows': [r.to_dict() for r in self.rows],
     }
-
-
-def extrapolated(
-  small: PeakMemory, large: PeakMemory, a: int, b: int, layers: int, total: int
-) -> PeakMemory:
-  """The peak at ``layers`` from the peaks of compiles at ``a`` and ``b``
-  layers, row by row on the same line as fit's figures; rows stacked over
-  ``b`` layers say ``layers``. What rounding leaves goes to the heap's row.
-
-  Example:
-    >>> row = lambda n: PeakRow('activation', 'tanh', 'm.py:3', n, layers=0)
-    >>> x = extrapolated(PeakMemory((row(100),), 100), PeakMemory((row(160),), 160),
-    ...                  2, 4, 32, 1000)
-    >>> x.rows[0].bytes, x.total_bytes
-    (1000, 1000)
-  """
-  t = (layers - a) / (b - a)
-  before = {r.key(): r.bytes for r in small.rows}
-  rows = []
-  for r in large.rows:
-    x = before.get(r.key(), 0)
-    size = max(round(x + (r.bytes - x) * t), 0)
-    stacked = layers if r.layers == b else r.layers
-    rows.append(dataclasses.replace(r, bytes=size, layers=stacked))
-  rest = total - sum(r.bytes for r in rows)
-  if rest:
-    what = 'what extrapolating the rows one by one leaves (rounding)'
-    rows.append(PeakRow('heap fragmentation', what, '', rest))
-  note = f'extrapolated row by row from compiles at {a} and {b} layers'
-  return PeakMemory(
-    merge_rows(rows), total, large.phase, large.at, large.method, (*large.notes, note)
-  )
 
 
 def _signed(n: int) -> str:

@@ -43,6 +43,9 @@ _MOVES = frozenset(
   ('copy', 'bitcast', 'reshape', 'convert', 'copy-start', 'copy-done', 'transpose')
 )
 _BACKWARD = 'transpose('
+# The kinds of rows a routing line's role is told for (not a parameter's).
+# (A collective's is its attribution's: one of tokens, not a parameter's.)
+_ROUTED = frozenset({'activation', 'backward', 'offload'})
 _ON_HOST = 'S(5)'  # XLA's memory space of host memory, in a layout
 
 
@@ -61,7 +64,17 @@ class ValueReader:
     """The row of ``size`` bytes of ``value``: its kind told by where the
     value comes from and goes (the data flow), what and where by the
     operation that made its contents (through copies, and for a scan's
-    stacked buffers, the loop body's update)."""
+    stacked buffers, the loop body's update); a token or mask of a
+    mixture-of-experts layer with its routing role."""
+    row = self._row(value, size)
+    if row.kind not in _ROUTED or not row.where or self.why.lines is None:
+      return row
+    lines = self.why.lines
+    role = lines.routing.get(row.where, '')
+    role = role or ('mask' if row.where in lines.routing_masks else '')
+    return dataclasses.replace(row, role=role) if role else row
+
+  def _row(self, value: Value, size: int) -> PeakRow:
     found = self.where.get(value.name)
     if found is None:
       return PeakRow('temporary', '', '', size, shape=value.shape)
@@ -341,7 +354,8 @@ class ValueReader:
     where = a.source if a.source != NO_USER_LINE else ''
     scope = a.scope or scope_of(inst.op_name())
     what = f'{base}: {told}'
-    return PeakRow('collective', what, where, size, scope, shape=shape)
+    role = a.change.split(';')[0] if a.reason == 'routing' else ''
+    return PeakRow('collective', what, where, size, scope, shape=shape, role=role)
 
   def _line(self, comp: Computation, inst: Instruction) -> str:
     line = self.why.line(inst, comp)

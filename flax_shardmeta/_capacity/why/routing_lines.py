@@ -57,13 +57,29 @@ ROLES = ('dispatch', 'combine', 'experts')
 several."""
 
 _ROUTING, _TOKENS, _CONSTANT = 'routing', 'tokens', 'constant'
+_HELPERS = frozenset({'pjit', 'jit', 'closed_call', 'custom_jvp_call'})
+_DISPATCHED = 'dispatched'  # tokens grouped by expert, not yet computed on
+_RELAYS = frozenset({
+  'sharding_constraint', 'reshard', 'convert_element_type', 'reshape', 'transpose',
+  'copy', 'copy_p', 'squeeze', 'expand_dims', 'broadcast_in_dim',
+  'optimization_barrier', 'device_put',
+})  # fmt: skip
+# What passes dispatched tokens on as they are, but for layout, type or shape:
+# the dispatch buffer still (a constraint on it is where XLA moves it).
 
 
-def routing_roles(jaxpr: Any) -> dict[str, str]:
+def routing_roles(jaxpr: Any, masks: set[str] | None = None) -> dict[str, str]:
   """The user's lines that dispatch, compute experts on and combine tokens,
-  each with its role (:data:`ROLES`); ``{}`` for a step with no experts."""
+  each with its role (:data:`ROLES`); ``{}`` for a step with no experts.
+
+  With ``masks``, the lines that make routing values (the choice, the masks
+  and slots made from it alone, which ``peak()`` calls routing masks) are
+  added to it."""
   roles: dict[str, str] = {}
-  _walk(jaxpr, {}, roles, 0)
+  made: set[str] = set()
+  _walk(jaxpr, {}, roles, 0, made)
+  if masks is not None:
+    masks.update(line for line in made if line and line not in roles)
   return roles
 
 
@@ -74,10 +90,15 @@ def _note(roles: dict[str, str], line: str, role: str) -> None:
 
 
 def _walk(
-  jaxpr: Any, kinds: dict[Any, str], roles: dict[str, str], depth: int
+  jaxpr: Any,
+  kinds: dict[Any, str],
+  roles: dict[str, str],
+  depth: int,
+  masks: set[str],
 ) -> list[str | None]:
   """Marks each value routing or tokens (``kinds``: var -> kind) and notes
-  the lines' roles; returns the kinds of the jaxpr's outputs."""
+  the lines' roles, and in ``masks`` the lines making routing values;
+  returns the kinds of the jaxpr's outputs."""
   for eqn in jaxpr.eqns:
     if 'transpose(' in str(getattr(eqn.source_info, 'name_stack', '') or ''):
       # The backward pass moves the same tokens' gradients at the same lines
@@ -98,15 +119,20 @@ def _walk(
         inner_kinds: dict[Any, str] = {}
         for i, v in enumerate(inner.invars):
           kind = ins[i + skip] if i + skip < len(ins) else None
-          if kind in (_ROUTING, _TOKENS, _CONSTANT):
+          if kind in (_ROUTING, _TOKENS, _DISPATCHED, _CONSTANT):
             inner_kinds[v] = kind
-        got = _walk(inner, inner_kinds, roles, depth + 1)
+        got = _walk(inner, inner_kinds, roles, depth + 1, masks)
         outs = got if len(got) == len(eqn.outvars) else outs
       for out, kind in zip(eqn.outvars, outs):
         if kind is not None:
           kinds[out] = kind
+      if name in _HELPERS and outs and all(k == _ROUTING for k in outs):
+        # A jitted helper making routing values (one_hot): the caller's line.
+        masks.add(user_line(getattr(eqn.source_info, 'traceback', None)))
       continue
     kind = _kind(name, ins, eqn, roles)
+    if kind == _ROUTING:
+      masks.add(user_line(getattr(eqn.source_info, 'traceback', None)))
     if kind is not None:
       for out in eqn.outvars:
         kinds[out] = kind
@@ -125,21 +151,25 @@ def _kind(
   if not variables:
     return _CONSTANT
   routing = any(k == _ROUTING for k in variables)
-  tokens = any(k == _TOKENS for k in variables)
+  dispatched = any(k == _DISPATCHED for k in variables)
+  tokens = dispatched or any(k == _TOKENS for k in variables)
   if all(k == _ROUTING for k in variables):
     return _ROUTING
   line = user_line(getattr(eqn.source_info, 'traceback', None))
   if name in EXCHANGES and tokens:
     # Tokens sent to their experts' devices (shard_map routing), and back
-    # once the experts have run.
-    _note(roles, line, 'combine' if 'experts' in roles.values() else 'dispatch')
-    return _TOKENS
+    # once the experts have run on them.
+    _note(roles, line, 'dispatch' if dispatched else 'combine')
+    return _DISPATCHED if dispatched else _TOKENS
   if routing:
     if name not in MOVERS:
       return None  # a routing value compared or mixed otherwise: not a move
     # With the tokens grouped by expert, a routing value brings them back.
     _note(roles, line, 'combine' if tokens else 'dispatch')
-    return None if tokens else _TOKENS
+    return None if tokens else _DISPATCHED
+  if dispatched and name in _RELAYS and len(variables) == 1:
+    _note(roles, line, 'dispatch')
+    return _DISPATCHED
   if tokens:
     _note(roles, line, 'experts')
     return _TOKENS

@@ -74,6 +74,8 @@ class TracedLines:
       line that makes several values tells them apart by shape).
     routing: the lines that route tokens to experts and back, each with its
       role, ``'dispatch'``, ``'experts'`` or ``'combine'`` (``routing_lines``).
+    routing_masks: the lines that make routing values alone (the experts'
+      choice, the masks and slots made from it), none of ``routing``'s.
     batched: per input of the step, the dimensions its first use batches
       over (a ``dot_general``'s batch dimensions, e.g. the experts of
       ``'becd,edf->becf'``), numbered as the input's; ``()`` where none.
@@ -94,6 +96,7 @@ class TracedLines:
   )
   routing: dict[str, str] = dataclasses.field(default_factory=dict)
   batched: tuple[tuple[int, ...], ...] = ()
+  routing_masks: frozenset[str] = frozenset()
 
   def lines_of(self, op_name: str) -> tuple[str, ...]:
     """The user's lines of the equations an instruction's ``op_name`` names
@@ -144,8 +147,11 @@ def traced_lines(jaxpr: Any) -> TracedLines:
     for n, shape in given:
       shapes.setdefault(n, []).append(shape)
   by_name = {n: tuple(dict.fromkeys(v)) for n, v in shapes.items()}
-  routing = routing_roles(jaxpr)
-  return TracedLines(lines, uses, checkpoints, by_name, routing, batch_dims)
+  masks: set[str] = set()
+  routing = routing_roles(jaxpr, masks)
+  return TracedLines(
+    lines, uses, checkpoints, by_name, routing, batch_dims, frozenset(masks)
+  )
 
 
 def lines_of_trace(traced: Any) -> TracedLines | None:
