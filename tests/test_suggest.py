@@ -114,9 +114,13 @@ def test_candidates_keep_model_axes_inside_a_host():
   assert (128, 1) in list(_search.factorizations(('data', 'fsdp'), 128, 4, 1))
   sliced = list(_search.factorizations(('data', 'model'), 16, 4, 2))
   assert all(data % 2 == 0 for data, _ in sliced)  # 'data' spans both slices
-  # Expert and model axes together inside a host: (1, 4, 4) would straddle two.
+  # The model axis inside a host; an expert axis may span hosts (its routing
+  # crosses the network there, as expert parallelism across nodes does).
   both = list(_search.factorizations(('data', 'expert', 'model'), 16, 4, 1))
-  assert both == [(4, 2, 2)]
+  assert (1, 8, 2) in both and (2, 2, 4) in both and (1, 2, 8) not in both
+  assert all(model in (2, 4) for _, _, model in both)
+  shared = list(_search.factorizations(('data', 'fsdp', 'expert'), 64, 4, 1))
+  assert {e for _, _, e in shared} == {2, 4, 8, 16, 32} and (1, 8, 8) in shared
 
 
 def grid(**kwargs):
@@ -247,6 +251,7 @@ def test_every_built_in_preset_shards_names_an_example_model_carries():
     't5x-2d': ('llama3-8b',),
     'ep': ('moe-tiny',),
     'ep+tp': ('moe-tiny',),
+    'ep+fsdp': ('moe-tiny',),
   }
   assert set(meant_for) == set(fsm.RULE_PRESETS)
   for name, preset in fsm.RULE_PRESETS.items():
@@ -385,6 +390,53 @@ def test_the_ep_tp_preset_produces_candidates():
   assert spec == P(None, 'expert', None, 'model')
   # model=4 does not divide the tiny model's two kv heads.
   assert any('shapes do not divide' in (c.rejected or '') for c in found.rejected)
+
+
+def test_the_expert_axis_shared_with_fsdp_is_ranked_over_expert_degrees():
+  found = fsm.suggest(
+    moe_build(),
+    batch=8,
+    chip='v5p',
+    presets=['fsdp', 'ep', 'ep+fsdp'],
+    remat=['none'],
+    max_candidates=3,
+    progress=False,
+  )
+  tried = [*found, *found.rejected, *found.skipped]
+  shared = [c for c in tried if c.preset.name == 'ep+fsdp']
+  # Every split of 8 chips with both axes: expert degree 2 and 4.
+  assert {(c.shape['fsdp'], c.shape['expert']) for c in shared} >= {
+    (2, 2),
+    (4, 2),
+    (2, 4),
+  }
+  assert {c.preset.name for c in found} == {'fsdp', 'ep', 'ep+fsdp'}
+  (best_shared,) = [c for c in found if c.preset.name == 'ep+fsdp']
+  mesh = _search.abstract_mesh(best_shared)
+  rules = best_shared.preset.rules
+  _, state, _ = moe_build()(mesh, rules, 'none')
+  plan = fsm.plan(state, mesh, rules)
+  # The experts on their axis, their embed over fsdp; the rest over both.
+  assert plan.entry('params/layers/w1').spec == P(None, 'expert', 'fsdp', None)
+  assert plan.entry('params/layers/wq').spec[1] == ('fsdp', 'expert')
+  # Expert-parallel: the experts stay, no finding.
+  assert best_shared.fits and best_shared.report is not None
+  assert not [n for n in best_shared.report.notes if 'expert-parallel' in n]
+  assert not [
+    r
+    for r in best_shared.report.collectives
+    if r.reason == 'parameter'
+    and r.parameters[0].endswith(('/w1', '/w2', '/w3'))
+    and 'expert' in r.axes
+  ]
+  # The rest is FSDP over both axes: the attention's weights gathered over them.
+  assert [
+    r
+    for r in best_shared.report.collectives
+    if r.reason == 'parameter'
+    and r.parameters[0].endswith('/wq')
+    and r.axes == ('fsdp', 'expert')
+  ]
 
 
 @pytest.mark.libtpu

@@ -22,12 +22,16 @@ ep         data, expert           expert over expert; batch over (data,
                                   expert), batch_no_exp (the routed tokens')
                                   over data (mixture-of-experts models)
 ep+tp      data, expert, model    as ep, and heads, kv_heads, mlp, hidden,
-                                  vocab over model (expert and model inside a
-                                  host)
+                                  vocab over model (model inside a host)
+ep+fsdp    data, fsdp, expert     expert over expert; embed over (fsdp,
+                                  expert), else over fsdp: the expert axis
+                                  shared with FSDP, as MaxText lays out its
+                                  MoE models; batch over (data, fsdp, expert),
+                                  batch_no_exp over (data, fsdp)
 ========== ====================== ==============================================
 
-``DEFAULT_PRESETS`` (fsdp, fsdp+tp, tp) are for dense models; ask for ``ep``
-and ``ep+tp`` by name. ``fsm.suggest`` skips a preset none of whose logical
+``DEFAULT_PRESETS`` (fsdp, fsdp+tp, tp) are for dense models; ask for ``ep``,
+``ep+tp`` and ``ep+fsdp`` by name. ``fsm.suggest`` skips a preset none of whose logical
 names (``batch`` aside) the model uses, with a warning: its layout would be
 plain data parallelism under another name.
 """
@@ -172,13 +176,28 @@ RULE_PRESETS: dict[str, RulePreset] = {
       (('batch', ('data', 'expert')), _BATCH_NO_EXP, _EP, *_TP),
       'ep, and heads / mlp / vocab over model',
     ),
+    RulePreset(
+      'ep+fsdp',
+      ('data', 'fsdp', 'expert'),
+      (
+        ('batch', ('data', 'fsdp', 'expert')),
+        ('batch_no_exp', ('data', 'fsdp')),
+        # The experts take their axis first (rules apply in order); every
+        # other parameter's embed is sharded over it as over fsdp.
+        _EP,
+        ('embed', ('fsdp', 'expert')),
+        ('embed', 'fsdp'),
+      ),
+      "experts over expert; the rest FSDP over fsdp and expert (MaxText's MoE)",
+    ),
   )
 }
 """The built-in presets, by name (see the module doc)."""
 
 DEFAULT_PRESETS = ('fsdp', 'fsdp+tp', 'tp')
 """What ``suggest`` tries unless told otherwise (dense models; the
-mixture-of-experts presets ``ep`` and ``ep+tp`` are asked for by name)."""
+mixture-of-experts presets ``ep``, ``ep+tp`` and ``ep+fsdp`` are asked for by
+name)."""
 
 
 def resolve(presets: Iterable[str | RulePreset]) -> tuple[RulePreset, ...]:

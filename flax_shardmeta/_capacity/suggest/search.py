@@ -122,8 +122,11 @@ def check_offload_build(build: Build, offloads: Sequence[OffloadPreset]) -> None
     return
 
 
-# Axes that should stay inside one host: their collectives run every layer.
-_INSIDE_A_HOST = ('model', 'expert')
+# Axes that should stay inside one host: their collectives run every layer,
+# on the critical path. An expert axis may span hosts: its all-to-alls are
+# what expert parallelism pays, over the network where it must (why() names
+# the link).
+_INSIDE_A_HOST = ('model',)
 
 
 def factorizations(

@@ -120,7 +120,11 @@ def suggest(
       the GPU's memory, of which the allocator takes its fraction.
     chip: chip figures when the devices do not say (e.g. CPU devices).
     presets: preset names (``'fsdp'``, ``'fsdp+tp'``, ``'tp'``, ``'t5x-1d'``,
-      ``'t5x-2d'``, ``'ep'``, ``'ep+tp'``) or :class:`RulePreset` objects.
+      ``'t5x-2d'``, ``'ep'``, ``'ep+tp'``, ``'ep+fsdp'``) or
+      :class:`RulePreset` objects. A mixture-of-experts model ranks over
+      ``['fsdp', 'ep', 'ep+fsdp']``: no expert parallelism (MaxText's
+      default), the experts over their own axis, and that axis shared with
+      FSDP, each at every expert degree the chips split into.
     remat: remat policies to try, least remat first: a layout never ranks
       above the same mesh and preset with a policy listed before its own
       when both fit.
