@@ -46,12 +46,7 @@ from collections.abc import Sequence
 
 from flax_shardmeta._capacity.hlo.flow import Flow, Reach
 from flax_shardmeta._capacity.why.layout_changes import LayoutChange, asked_for
-from flax_shardmeta._capacity.why.routing_lines import (
-  EXCHANGES,
-  ROUTING_KINDS,
-  batched_axes,
-  batched_gather,
-)
+from flax_shardmeta._capacity.why.routing_lines import batched_axes, batched_gather
 from flax_shardmeta._capacity.why.traced_lines import TracedLines, is_explicit
 from flax_shardmeta._frames import NO_USER_LINE, import_path, is_library_file
 from flax_shardmeta._programs.hlo_text import (
@@ -206,8 +201,11 @@ class Attributor:
       return Attribution('parameter', (leaf[0],), change=change, **common)
     if leaf is not None and leaf[1] == OPTIMIZER:
       return Attribution('other', (leaf[0],), **common)
-    role = self._routing(kind, op, common['source'])
-    if role:
+    lines = self.lines
+    role = lines.routing_role(kind, op, common['source'], inst.opcode) if lines else ''
+    if role and lines is not None:
+      if inst.opcode.startswith('ragged-all-to-all'):  # at its exchange's line
+        common['source'] = lines.exchange_line(role, common['source'])
       return Attribution('routing', (), change=role, asked_by=role, **common)
     reach = self._reach(inst, comp, operand)
     grads = self.updated(reach.outputs)
@@ -251,15 +249,6 @@ class Attributor:
     return Attribution(
       'activation', (), change=_change(inst, kind), asked_by=asked, **common
     )
-
-  def _routing(self, kind: str, op: str, source: str) -> str:
-    """The role of the line a token-moving collective is at (``''`` when it
-    is at no routing line, or is a collective the code calls otherwise)."""
-    if self.lines is None or kind not in ROUTING_KINDS:
-      return ''
-    if is_explicit(op) and primitive_of(op) not in EXCHANGES:
-      return ''
-    return self.lines.routing.get(source, '')
 
   def source(self, inst: Instruction | None) -> str:
     """The user's line of ``inst``: its innermost frame outside jax, flax,

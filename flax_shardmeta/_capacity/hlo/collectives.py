@@ -54,6 +54,7 @@ _OPCODE_KIND = {
   'all-reduce-start': 'all-reduce',
   'all-to-all': 'all-to-all',
   'ragged-all-to-all': 'all-to-all',
+  'ragged-all-to-all-start': 'all-to-all',
   'collective-permute': 'collective-permute',
   'collective-permute-start': 'collective-permute',
 }
@@ -161,6 +162,11 @@ def collectives(
           # only to the shard of its expert: 1/n of the bytes.
           said = f'{why.change}; an all-to-all: 1/{n} of it'
           why = dataclasses.replace(why, change=said)
+        elif why is not None and inst.opcode.startswith('ragged'):
+          # How many tokens leave is known only at run time: the bytes are
+          # its send buffer's, every token leaving.
+          said = f'{why.change}; ragged: at most'.lstrip('; ')
+          why = dataclasses.replace(why, change=said)
         out.append(dataclasses.replace(op, **_fields(why)) if why else op)
   return out
 
@@ -168,6 +174,10 @@ def collectives(
 def _parts(inst: Instruction, comp: Computation) -> list[int]:
   """Bytes of each value a collective moves (the larger of its operand and
   its result, per device per run); one entry for a collective of one."""
+  if inst.opcode.startswith('ragged') and inst.operands:
+    # Its operands are a send buffer, the receiving buffer and the sizes and
+    # offsets: what leaves is at most the send buffer.
+    return [shape_bytes(comp.shapes.get(inst.operands[0], ''))]
   total = sum(shape_bytes(comp.shapes.get(o, '')) for o in inst.operands)
   whole = int(max(total, largest_array_bytes(inst.shape)))
   if len(inst.operands) < 2 or inst.opcode.startswith(('all-to-all', 'ragged')):

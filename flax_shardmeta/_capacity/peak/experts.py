@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from flax_shardmeta._units import format_bytes, table
 
-if TYPE_CHECKING:
-  from flax_shardmeta._capacity.peak.rows import PeakRow
+
+class _Held(Protocol):
+  """What of a row (``rows.PeakRow``) the grouping reads."""
+
+  @property
+  def role(self) -> str: ...
+  @property
+  def scope(self) -> str: ...
+  @property
+  def layers(self) -> int: ...
+  @property
+  def bytes(self) -> int: ...
+
 
 ROUTING_ROLES = ('dispatch', 'experts', 'combine', 'mask')
 """What a value of a mixture-of-experts layer is, by its line's role:
@@ -89,7 +100,7 @@ def moe_text(layers: Sequence[MoeLayerPeak]) -> list[str]:
   return table(cells, set(range(1, len(roles) + 1)))
 
 
-def moe_layers(rows: Iterable[PeakRow]) -> tuple[MoeLayerPeak, ...]:
+def moe_layers(rows: Iterable[_Held]) -> tuple[MoeLayerPeak, ...]:
   """The rows with a routing role grouped by scope and stacking, per layer
   (:meth:`PeakMemory.moe_layers`)."""
   groups: dict[tuple[str, int], dict[str, int]] = {}

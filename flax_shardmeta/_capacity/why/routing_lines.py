@@ -49,7 +49,9 @@ MOVERS = frozenset({
 EXCHANGES = frozenset({'all_to_all', 'ragged_all_to_all'})
 """The collectives a ``shard_map`` routing calls to send tokens to experts."""
 
-ROUTING_KINDS = frozenset({'all-to-all', 'all-gather', 'collective-permute'})
+ROUTING_KINDS = frozenset(
+  {'all-to-all', 'ragged-all-to-all', 'all-gather', 'collective-permute'}
+)
 """The compiled collectives that move tokens, whichever of them XLA picks."""
 
 ROLES = ('dispatch', 'combine', 'experts')
@@ -68,18 +70,23 @@ _RELAYS = frozenset({
 # the dispatch buffer still (a constraint on it is where XLA moves it).
 
 
-def routing_roles(jaxpr: Any, masks: set[str] | None = None) -> dict[str, str]:
+def routing_roles(
+  jaxpr: Any, masks: set[str] | None = None, exchanges: set[str] | None = None
+) -> dict[str, str]:
   """The user's lines that dispatch, compute experts on and combine tokens,
   each with its role (:data:`ROLES`); ``{}`` for a step with no experts.
 
   With ``masks``, the lines that make routing values (the choice, the masks
   and slots made from it alone, which ``peak()`` calls routing masks) are
-  added to it."""
+  added to it; with ``exchanges``, the lines of :data:`EXCHANGES` calls."""
   roles: dict[str, str] = {}
   made: set[str] = set()
-  _walk(jaxpr, {}, roles, 0, made)
+  sent: set[str] = set()
+  _walk(jaxpr, {}, roles, 0, (made, sent))
   if masks is not None:
     masks.update(line for line in made if line and line not in roles)
+  if exchanges is not None:
+    exchanges.update(line for line in sent if line)
   return roles
 
 
@@ -94,11 +101,12 @@ def _walk(
   kinds: dict[Any, str],
   roles: dict[str, str],
   depth: int,
-  masks: set[str],
+  found: tuple[set[str], set[str]],
 ) -> list[str | None]:
   """Marks each value routing or tokens (``kinds``: var -> kind) and notes
-  the lines' roles, and in ``masks`` the lines making routing values;
-  returns the kinds of the jaxpr's outputs."""
+  the lines' roles, and in ``found`` the lines making routing values and
+  those exchanging tokens; returns the kinds of the jaxpr's outputs."""
+  masks, sent = found
   for eqn in jaxpr.eqns:
     if 'transpose(' in str(getattr(eqn.source_info, 'name_stack', '') or ''):
       # The backward pass moves the same tokens' gradients at the same lines
@@ -121,7 +129,7 @@ def _walk(
           kind = ins[i + skip] if i + skip < len(ins) else None
           if kind in (_ROUTING, _TOKENS, _DISPATCHED, _CONSTANT):
             inner_kinds[v] = kind
-        got = _walk(inner, inner_kinds, roles, depth + 1, masks)
+        got = _walk(inner, inner_kinds, roles, depth + 1, found)
         outs = got if len(got) == len(eqn.outvars) else outs
       for out, kind in zip(eqn.outvars, outs):
         if kind is not None:
@@ -130,7 +138,7 @@ def _walk(
         # A jitted helper making routing values (one_hot): the caller's line.
         masks.add(user_line(getattr(eqn.source_info, 'traceback', None)))
       continue
-    kind = _kind(name, ins, eqn, roles)
+    kind = _kind(name, ins, eqn, roles, sent)
     if kind == _ROUTING:
       masks.add(user_line(getattr(eqn.source_info, 'traceback', None)))
     if kind is not None:
@@ -140,9 +148,14 @@ def _walk(
 
 
 def _kind(
-  name: str, ins: Sequence[str | None], eqn: Any, roles: dict[str, str]
+  name: str,
+  ins: Sequence[str | None],
+  eqn: Any,
+  roles: dict[str, str],
+  sent: set[str],
 ) -> str | None:
-  """What ``eqn``'s results are, from what its operands are; notes its line."""
+  """What ``eqn``'s results are, from what its operands are; notes its line
+  (and an exchange's in ``sent``)."""
   if name in CHOOSERS:
     return _ROUTING
   # Constants (literals, iota, what is made of them) take no side: a
@@ -160,6 +173,7 @@ def _kind(
     # Tokens sent to their experts' devices (shard_map routing), and back
     # once the experts have run on them.
     _note(roles, line, 'dispatch' if dispatched else 'combine')
+    sent.add(line)
     return _DISPATCHED if dispatched else _TOKENS
   if routing:
     if name not in MOVERS:

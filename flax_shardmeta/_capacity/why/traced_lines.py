@@ -25,7 +25,11 @@ from typing import Any
 
 from jax.extend import core as jex_core
 
-from flax_shardmeta._capacity.why.routing_lines import routing_roles
+from flax_shardmeta._capacity.why.routing_lines import (
+  EXCHANGES,
+  ROUTING_KINDS,
+  routing_roles,
+)
 from flax_shardmeta._frames import user_line
 from flax_shardmeta._programs.jaxprs import (
   NAMED_CALLS,
@@ -76,6 +80,8 @@ class TracedLines:
       role, ``'dispatch'``, ``'experts'`` or ``'combine'`` (``routing_lines``).
     routing_masks: the lines that make routing values alone (the experts'
       choice, the masks and slots made from it), none of ``routing``'s.
+    exchanges: the lines of ``routing`` that call ``all_to_all`` or
+      ``ragged_all_to_all`` on tokens (a ``shard_map``'s routing).
     batched: per input of the step, the dimensions its first use batches
       over (a ``dot_general``'s batch dimensions, e.g. the experts of
       ``'becd,edf->becf'``), numbered as the input's; ``()`` where none.
@@ -97,6 +103,7 @@ class TracedLines:
   routing: dict[str, str] = dataclasses.field(default_factory=dict)
   batched: tuple[tuple[int, ...], ...] = ()
   routing_masks: frozenset[str] = frozenset()
+  exchanges: frozenset[str] = frozenset()
 
   def lines_of(self, op_name: str) -> tuple[str, ...]:
     """The user's lines of the equations an instruction's ``op_name`` names
@@ -104,6 +111,38 @@ class TracedLines:
     if not op_name:
       return ()
     return self.lines.get(key_of(merged_names(op_name)[0]), ())
+
+  def routing_role(self, kind: str, op: str, source: str, opcode: str = '') -> str:
+    """The role of the line a token-moving collective of ``kind`` (its
+    instruction's ``opcode``, the ``op_name`` near it) is at; ``''`` when it
+    is at no routing line, or is a collective the code calls otherwise.
+
+    Example:
+      >>> t = TracedLines({}, routing={'m.py:9': 'dispatch'})
+      >>> t.routing_role('all-to-all', 'jit(step)/x/dot_general', 'm.py:9')
+      'dispatch'
+    """
+    if kind not in ROUTING_KINDS:
+      return ''
+    if opcode.startswith('ragged-all-to-all'):
+      # Only lax.ragged_all_to_all makes one, and XLA may leave it without
+      # a name: its line is its operand's. Tokens the experts computed on
+      # go back (the combine), their gradients (the backward pass) back to
+      # the experts' inputs, the dispatch's transpose; other tokens go out.
+      role = self.routing.get(source, '')
+      if role == 'experts':
+        return 'dispatch' if 'transpose(' in op else 'combine'
+      return role or ('dispatch' if self.routing else '')
+    if is_explicit(op) and primitive_of(op) not in EXCHANGES:
+      return ''
+    return self.routing.get(source, '')
+
+  def exchange_line(self, role: str, near: str) -> str:
+    """The line of the step's one exchange of ``role`` (where a ragged
+    all-to-all XLA left without a name is put); ``near`` where there are
+    several or none."""
+    lines = [x for x in self.exchanges if self.routing.get(x) == role]
+    return lines[0] if len(lines) == 1 else near
 
   def kept(self, keep: Sequence[bool]) -> TracedLines:
     """These lines with ``uses`` only for the inputs kept (the compiled
@@ -148,9 +187,17 @@ def traced_lines(jaxpr: Any) -> TracedLines:
       shapes.setdefault(n, []).append(shape)
   by_name = {n: tuple(dict.fromkeys(v)) for n, v in shapes.items()}
   masks: set[str] = set()
-  routing = routing_roles(jaxpr, masks)
+  sent: set[str] = set()
+  routing = routing_roles(jaxpr, masks, sent)
   return TracedLines(
-    lines, uses, checkpoints, by_name, routing, batch_dims, frozenset(masks)
+    lines,
+    uses,
+    checkpoints,
+    by_name,
+    routing,
+    batch_dims,
+    frozenset(masks),
+    frozenset(sent),
   )
 
 
