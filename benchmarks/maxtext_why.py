@@ -131,20 +131,26 @@ class Built:
 
 
 def maxtext_argv(
-  per_device_batch: int, seq: int, extra: Sequence[str] = ()
+  per_device_batch: int,
+  seq: int,
+  extra: Sequence[str] = (),
+  model: str = MODEL,
+  topology: str = TOPOLOGY,
+  parallelism: Sequence[str] = ('ici_fsdp_parallelism=64',),
 ) -> list[str]:
   """``train_compile``'s command line for the step checked here (``extra``:
-  more ``key=value`` settings, e.g. ``remat_policy=minimal``)."""
+  more ``key=value`` settings, e.g. ``remat_policy=minimal``; another
+  ``model``, ``topology`` and its ``ici_*_parallelism`` settings)."""
   from maxtext.configs import pyconfig
 
   out = os.path.join(tempfile.gettempdir(), 'maxtext_why')
   return [
     'train_compile',
     os.path.join(os.path.dirname(pyconfig.__file__), 'base.yml'),
-    f'model_name={MODEL}',
-    f'compile_topology={TOPOLOGY}',
+    f'model_name={model}',
+    f'compile_topology={topology}',
     'compile_topology_num_slices=1',
-    'ici_fsdp_parallelism=64',
+    *parallelism,
     f'per_device_batch_size={per_device_batch}',
     f'max_target_length={seq}',
     f'base_output_directory={out}',
@@ -156,8 +162,11 @@ def maxtext_argv(
   ]
 
 
-def build_step(per_device_batch: int, seq: int, extra: Sequence[str] = ()) -> Built:
-  """The step as ``train_compile.main`` builds it, jitted but not compiled."""
+def build_step(
+  per_device_batch: int, seq: int, extra: Sequence[str] = (), **step: Any
+) -> Built:
+  """The step as ``train_compile.main`` builds it, jitted but not compiled
+  (``step``: :func:`maxtext_argv`'s model, topology and parallelism)."""
   import jax
   from maxtext.configs import pyconfig
   from maxtext.trainers.pre_train import train, train_compile
@@ -169,7 +178,7 @@ def build_step(per_device_batch: int, seq: int, extra: Sequence[str] = ()) -> Bu
     os.environ.get('LIBTPU_INIT_ARGS', '')
     + ' --xla_tpu_spmd_rng_bit_generator_unsafe=true'
   )
-  config = pyconfig.initialize(maxtext_argv(per_device_batch, seq, extra))
+  config = pyconfig.initialize(maxtext_argv(per_device_batch, seq, extra, **step))
   train_compile.validate_config(config)
   mesh = train_compile.get_topology_mesh(config)
   args, kwargs, state_shardings, _, model = train_compile.get_shaped_inputs(

@@ -145,6 +145,32 @@ def test_collective_axes_from_every_replica_group_form(groups, axes):
   assert op.group_size == (8 if len(axes) == 2 else 2 if axes == ('data',) else 4)
 
 
+def test_a_ring_of_permutes_is_over_every_axis_it_joins():
+  # XLA's windowed einsum passes shards around a ring of all 8 devices: the
+  # ring spans both axes, though each pair of neighbours differs in one.
+  ring = ','.join(f'{{{i},{(i + 1) % 8}}}' for i in range(8))
+  body = (
+    f'collective-permute-start(%x), source_target_pairs={{{ring}}}, '
+    'frontend_attributes={is_spmd_generated="true"}'
+    '\n  %rd = f32[8] collective-permute-done(%r)'
+  )
+  text = loop(2, 1, body_op=body).replace('tuple(%j, %r)', 'tuple(%j, %rd)')
+  grid = np.arange(8).reshape(2, 4)
+  (op,) = hlo.summarize(text, grid, ('data', 'model')).collectives
+  assert (op.kind, op.axes, op.group_size) == (
+    'collective-permute',
+    ('data', 'model'),
+    8,
+  )
+  # Two rings of four, one per row: each over model alone.
+  rows = ','.join(
+    f'{{{r * 4 + i},{r * 4 + (i + 1) % 4}}}' for r in (0, 1) for i in range(4)
+  )
+  text = text.replace(ring, rows)
+  (op,) = hlo.summarize(text, grid, ('data', 'model')).collectives
+  assert (op.axes, op.group_size) == (('model',), 4)
+
+
 def test_async_collectives_count_once_and_permute_pairs_name_their_axis():
   body = (
     'collective-permute-start(%x), source_target_pairs={{0,4},{4,0}}'

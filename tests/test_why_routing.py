@@ -257,3 +257,32 @@ def test_the_builtin_moe_under_ep_is_expert_parallel(cpu_mesh):
     p for r in report.collectives if r.reason == 'parameter' for p in r.parameters
   }
   assert experts <= gathered
+
+
+def _sorted_moe(x, router, w, dense):
+  """Sort-based top-2 routing, as MaxText's sparse path does it, then a dense
+  layer on the combined tokens."""
+  gates, chosen = jax.lax.top_k(x @ router, 2)
+  order = jnp.argsort(chosen.reshape(-1))
+  grouped = jnp.repeat(x, 2, axis=0)[order]  # sorted dispatch
+  hidden = jax.nn.relu(grouped @ w)  # sorted experts
+  back = hidden[jnp.argsort(order)].reshape(x.shape[0], 2, -1)  # sorted combine
+  out = jnp.einsum('tkd,tk->td', back, gates)  # weighted combine
+  return jnp.tanh(out @ dense)  # after the layer
+
+
+def test_the_gates_weighing_the_combined_tokens_end_the_routing():
+  args = (jnp.ones((8, 4)), jnp.ones((4, 3)), jnp.ones((4, 4)), jnp.ones((4, 4)))
+  roles = routing_roles(jax.make_jaxpr(_sorted_moe)(*args).jaxpr)
+  source, first = inspect.getsourcelines(_sorted_moe)
+
+  def line(text: str) -> str:
+    (k,) = [k for k, s in enumerate(source) if text in s]
+    return f'{import_path(__file__)}:{first + k}'
+
+  assert roles[line('# sorted dispatch')] == 'dispatch'
+  assert roles[line('# sorted experts')] == 'experts'
+  assert roles[line('# sorted combine')] == 'combine'
+  assert roles[line('# weighted combine')] == 'combine'
+  # What follows the layer computes on plain activations: no role.
+  assert line('# after the layer') not in roles

@@ -390,14 +390,35 @@ def _first_group(attributes: str, n_devices: int | None) -> list[int] | None:
   pairs = re.search(r'source_target_pairs=\{(\{[0-9,{}\s]*\})\}', attributes)
   if pairs:
     moved = [
-      [int(a), int(b)]
+      (int(a), int(b))
       for a, b in re.findall(r'\{(\d+),(\d+)\}', pairs.group(1))
       if a != b
     ]
-    return moved[0] if moved else None
+    return _ring_of(moved) if moved else None
   if re.search(r'replica_groups=\{\}', attributes) and n_devices:
     return list(range(n_devices))
   return None
+
+
+def _ring_of(pairs: list[tuple[int, int]]) -> list[int]:
+  """The devices a permute's first pair is joined to through its pairs: a
+  ring over 32 devices (XLA's windowed einsum passes a shard around it) is
+  one group of 32, not a pair of neighbours that share all but one axis.
+
+  Example:
+    >>> _ring_of([(0, 1), (1, 2), (2, 0), (3, 4), (4, 3)])
+    [0, 1, 2]
+  """
+  joined: dict[int, set[int]] = {}
+  for a, b in pairs:
+    joined.setdefault(a, set()).add(b)
+    joined.setdefault(b, set()).add(a)
+  seen, todo = {pairs[0][0]}, [pairs[0][0]]
+  while todo:
+    for other in joined[todo.pop()] - seen:
+      seen.add(other)
+      todo.append(other)
+  return sorted(seen)
 
 
 def _mesh_group(attributes: str, n_devices: int | None) -> list[int] | None:

@@ -162,6 +162,14 @@ def collectives(
           # only to the shard of its expert: 1/n of the bytes.
           said = f'{why.change}; an all-to-all: 1/{n} of it'
           why = dataclasses.replace(why, change=said)
+        elif why is not None and kind == 'collective-permute' and n > 2 and _spmd(inst):
+          # XLA's windowed einsum: a value passed shard by shard around a
+          # ring of every device that holds a piece, overlapped with the
+          # matmul that uses it (an all-gather or reduce-scatter in n-1 steps).
+          said = '; '.join(
+            x for x in (why.change, f'ring of {n} (windowed einsum)') if x
+          )
+          why = dataclasses.replace(why, change=said)
         elif why is not None and inst.opcode.startswith('ragged'):
           # How many tokens leave is known only at run time: the bytes are
           # its send buffer's, every token leaving.
@@ -191,6 +199,11 @@ def _parts(inst: Instruction, comp: Computation) -> list[int]:
     )
     parts.append(int(max(given, given * scale)))
   return parts
+
+
+def _spmd(inst: Instruction) -> bool:
+  """Whether XLA's partitioner made ``inst`` (not the step's own ppermute)."""
+  return 'is_spmd_generated="true"' in inst.attributes
 
 
 def _fields(why: Attribution) -> dict[str, Any]:

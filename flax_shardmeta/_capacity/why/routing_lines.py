@@ -60,7 +60,10 @@ several."""
 
 _ROUTING, _TOKENS, _CONSTANT = 'routing', 'tokens', 'constant'
 _HELPERS = frozenset({'pjit', 'jit', 'closed_call', 'custom_jvp_call'})
+_KERNELS = frozenset({'pallas_call', 'triton_kernel_call', 'mosaic_gpu_call'})
+# Kernels write their results to output refs: their bodies return nothing.
 _DISPATCHED = 'dispatched'  # tokens grouped by expert, not yet computed on
+_COMBINED = 'combined'  # the experts' outputs back at their tokens' places
 _RELAYS = frozenset({
   'sharding_constraint', 'reshard', 'convert_element_type', 'reshape', 'transpose',
   'copy', 'copy_p', 'squeeze', 'expand_dims', 'broadcast_in_dim',
@@ -127,10 +130,15 @@ def _walk(
         inner_kinds: dict[Any, str] = {}
         for i, v in enumerate(inner.invars):
           kind = ins[i + skip] if i + skip < len(ins) else None
-          if kind in (_ROUTING, _TOKENS, _DISPATCHED, _CONSTANT):
+          if kind in (_ROUTING, _TOKENS, _DISPATCHED, _COMBINED, _CONSTANT):
             inner_kinds[v] = kind
         got = _walk(inner, inner_kinds, roles, depth + 1, found)
         outs = got if len(got) == len(eqn.outvars) else outs
+      if name in _KERNELS and any(k in (_TOKENS, _DISPATCHED) for k in ins):
+        # A kernel whose body does not return its results (a Pallas grouped
+        # matmul writes them to its outputs): tokens in, the experts' out.
+        _note(roles, user_line(getattr(eqn.source_info, 'traceback', None)), 'experts')
+        outs = [_TOKENS] * len(eqn.outvars)
       for out, kind in zip(eqn.outvars, outs):
         if kind is not None:
           kinds[out] = kind
@@ -166,6 +174,7 @@ def _kind(
   routing = any(k == _ROUTING for k in variables)
   dispatched = any(k == _DISPATCHED for k in variables)
   tokens = dispatched or any(k == _TOKENS for k in variables)
+  combined = any(k == _COMBINED for k in variables)
   if all(k == _ROUTING for k in variables):
     return _ROUTING
   line = user_line(getattr(eqn.source_info, 'traceback', None))
@@ -175,15 +184,27 @@ def _kind(
     _note(roles, line, 'dispatch' if dispatched else 'combine')
     sent.add(line)
     return _DISPATCHED if dispatched else _TOKENS
+  single = len(variables) == 1
   if routing:
     if name not in MOVERS:
       return None  # a routing value compared or mixed otherwise: not a move
-    # With the tokens grouped by expert, a routing value brings them back.
-    _note(roles, line, 'combine' if tokens else 'dispatch')
-    return None if tokens else _DISPATCHED
-  if dispatched and name in _RELAYS and len(variables) == 1:
+    if combined and not tokens:
+      # The combined outputs weighed by the gates: the combine still.
+      _note(roles, line, 'combine')
+      return _COMBINED
+    if not tokens or dispatched:
+      # Tokens grouped by expert, or grouped again once they arrived (the
+      # local sort of an expert-parallel layer): the dispatch still.
+      _note(roles, line, 'dispatch')
+      return _DISPATCHED
+    # With the tokens the experts computed on, a routing value brings them back.
+    _note(roles, line, 'combine')
+    return _COMBINED
+  if dispatched and name in _RELAYS and single:
     _note(roles, line, 'dispatch')
     return _DISPATCHED
+  if combined and name in _RELAYS and single:
+    return _COMBINED  # reshaped or cast on the way to the residual
   if tokens:
     _note(roles, line, 'experts')
     return _TOKENS
