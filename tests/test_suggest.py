@@ -351,6 +351,11 @@ def test_a_knob_grid_builds_each_layout_once_per_value():
   assert by_value[0.5].to_dict()['knobs'] == {'capacity_factor': 0.5}
   table = found.format()
   assert 'knobs' in table.splitlines()[1] and 'capacity_factor=2.0' in table
+  # The tokens routed to the experts and back, a column of their own.
+  assert 'routing' in table.splitlines()[1]
+  assert all(
+    c.routing_bytes and c.to_dict()['routing_bytes'] == c.routing_bytes for c in found
+  )
 
 
 def test_knobs_the_build_cannot_take_are_refused_up_front():

@@ -1,5 +1,5 @@
 """why() and peak() on a shard_map routing with ragged all-to-alls, compiled
-for H100 nodes by jax's CUDA plugin (no GPU needed).
+for H100 and B200 nodes by jax's CUDA plugin (no GPU needed).
 
 Each chip holds one expert and its own tokens; a ``top_k`` picks each token's
 expert, the tokens are sorted by it and sent to their experts' chips with
@@ -92,12 +92,22 @@ def _report(topology: str, shape: tuple[int, ...], names: tuple[str, ...]):
 
 
 @pytest.mark.parametrize(
-  'shape, names, link',
-  [((2, 8), ('data', 'expert'), 'nvlink'), ((16,), ('expert',), 'network')],
-  ids=['experts-inside-a-node', 'experts-over-two-nodes'],
+  'topology, shape, names, link',
+  [
+    ('h100:2x8', (2, 8), ('data', 'expert'), 'nvlink'),
+    ('h100:2x8', (16,), ('expert',), 'network'),
+    ('b200:2x8', (16,), ('expert',), 'network'),
+  ],
+  ids=[
+    'h100-experts-inside-a-node',
+    'h100-experts-over-two-nodes',
+    'b200-over-two-nodes',
+  ],
 )
-def test_ragged_all_to_alls_are_routing_at_the_exchange_lines(shape, names, link):
-  report = _report('h100:2x8', shape, names)
+def test_ragged_all_to_alls_are_routing_at_the_exchange_lines(
+  topology, shape, names, link
+):
+  report = _report(topology, shape, names)
   routing = [r for r in report.collectives if r.reason == 'routing']
   ragged = {r.change.split(';')[0]: r for r in routing if 'ragged' in r.change}
   assert set(ragged) == {'dispatch', 'combine'}, routing

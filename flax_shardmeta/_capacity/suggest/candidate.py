@@ -208,6 +208,15 @@ class Candidate:
     r = self.report
     return r.hbm_bytes if r is not None and r.usable is not None else None
 
+  @property
+  def routing_bytes(self) -> int | None:
+    """Bytes per chip per step of the collectives ``why()`` calls routing: a
+    mixture-of-experts model's tokens moved to their experts and back (None
+    if not compiled)."""
+    if self.report is None:
+      return None
+    return int(sum(r.bytes for r in self.report.collectives if r.reason == 'routing'))
+
   def to_dict(self) -> dict[str, Any]:
     """JSON-ready form."""
     return {
@@ -226,6 +235,7 @@ class Candidate:
       'largest': None if self.report is None else self.report.largest_row.name,
       'headroom_bytes': None if self.report is None else self.report.headroom_bytes,
       'collective_bytes': None if self.report is None else self.report.collective_bytes,
+      'routing_bytes': self.routing_bytes,
       'step_s': self.step_s,
       'rank_s': self.rank_s,
       'tokens_per_second_per_chip': self.tokens_per_second_per_chip,

@@ -388,11 +388,13 @@ class Suggestions(list):
     head = ['#', 'mesh', 'preset', 'remat', *(['offload'] if hosted else [])]
     head += ['knobs'] if knobbed else []
     head += ['per chip', 'largest', 'headroom']
+    shown = [(c, c.report) for c in (self[:top] if top else self) if c.report]
+    # A mixture-of-experts model's tokens moved to their experts and back.
+    routed = any(c.routing_bytes for c, _ in shown)
     head += [*(['host (per host)'] if hosted else []), 'fits', 'collectives']
-    head += ['step (est.)']
+    head += [*(['routing'] if routed else []), 'step (est.)']
     head += ['HBM traffic'] if gpu else []
     rows: list[tuple[str, ...]] = [(*head, 'tokens/s/chip')]
-    shown = [(c, c.report) for c in (self[:top] if top else self) if c.report]
     for i, (c, r) in enumerate(shown, 1):
       big = r.largest_row
       tps = c.tokens_per_second_per_chip
@@ -411,6 +413,7 @@ class Suggestions(list):
           *([_host_cell(r)] if hosted else []),
           _fits_cell(r),
           format_bytes(int(r.collective_bytes)),
+          *([format_bytes(c.routing_bytes or 0)] if routed else []),
           '-' if not c.rank_s else format_seconds(c.rank_s),
           *([traffic] if gpu else []),
           '-' if tps is None else f'{tps:,.0f}',
