@@ -135,7 +135,7 @@ def _target(topology: str, max_candidates: int) -> list[str]:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--no-write', action='store_true')
-  parser.add_argument('--max-candidates', type=int, default=6)
+  parser.add_argument('--max-candidates', type=int, default=4)
   a = parser.parse_args()
   import flax_shardmeta as fsm
 

@@ -286,3 +286,15 @@ def test_the_gates_weighing_the_combined_tokens_end_the_routing():
   assert roles[line('# weighted combine')] == 'combine'
   # What follows the layer computes on plain activations: no role.
   assert line('# after the layer') not in roles
+
+
+def test_a_windowed_einsum_ring_is_said_on_its_parameters_row():
+  from flax_shardmeta._capacity.hlo.roofline import CollectiveRow
+  from flax_shardmeta._capacity.why.readable import format_why
+
+  ring = CollectiveRow(
+    'collective-permute', ('fsdp', 'expert'), 1056, 2**30, reason='parameter',
+    parameters=('params/query',), change='ring of 32 (windowed einsum)',
+  )  # fmt: skip
+  text = format_why([ring])
+  assert 'params/query, ring of 32 (windowed einsum)' in text

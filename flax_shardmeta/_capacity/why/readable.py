@@ -262,7 +262,8 @@ def _what(r: CollectiveRow) -> str:
   first = next(iter(r.parameters), None)
   if first is not None:
     more = f' (+{len(r.parameters) - 1})' if len(r.parameters) > 1 else ''
-    return first + more
+    ring = [part for part in r.change.split('; ') if 'windowed einsum' in part]
+    return first + more + (f', {ring[0]}' if ring else '')
   if r.reason == 'activation':
     return r.change + (' (constraint)' if r.asked_by == 'constraint' else '')
   if r.reason == 'routing':
