@@ -123,6 +123,24 @@ def test_candidates_keep_model_axes_inside_a_host():
   assert {e for _, _, e in shared} == {2, 4, 8, 16, 32} and (1, 8, 8) in shared
 
 
+def test_the_pick_takes_each_presets_best_before_another_knob_value():
+  memory = _search.Memory(64 << 30, None)
+  made = []
+  for name, shape in (
+    ('fsdp', {'data': 1, 'fsdp': 8}),
+    ('ep', {'data': 2, 'expert': 4}),
+  ):
+    for k, factor in enumerate((1.0, 1.25, 2.0)):
+      c = fsm.Candidate(fsm.RULE_PRESETS[name], shape, 'full')
+      c.knobs = (('capacity_factor', factor),)
+      c.estimate, c.estimate_verdict = (1 + k) << 30, 'fits'
+      made.append(c)
+  made[3].estimate = 10 << 30  # ep's best estimates more than every fsdp value
+  picked = _search.pick(made, 2, memory)
+  assert {c.preset.name for c in picked} == {'fsdp', 'ep'}
+  assert [c.preset.name for c in _search.pick(made, 6, memory)].count('ep') == 3
+
+
 def grid(**kwargs):
   options = dict(
     batch=64,

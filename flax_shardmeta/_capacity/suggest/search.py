@@ -388,7 +388,8 @@ def pick(viable: list[Candidate], n: int, memory: Memory) -> list[Candidate]:
   """The ``n`` most promising: estimated to fit (or too close to call) first,
   then those a raised fraction may hold, no remat before remat, no offload
   before offload, then least memory; taken in turn from each (preset, remat,
-  offload, knobs) group."""
+  offload, knobs) group, each preset's best group before any preset's second
+  (a knob's values differ less than two presets do)."""
 
   def key(c: Candidate) -> tuple[Any, ...]:
     tier = _estimated_tier(c, memory)
@@ -398,6 +399,12 @@ def pick(viable: list[Candidate], n: int, memory: Memory) -> list[Candidate]:
   for c in sorted(viable, key=key):
     groups.setdefault((c.preset.name, c.remat, c.offload.name, c.knobs), []).append(c)
   order = sorted(groups.values(), key=lambda g: key(g[0]))
+  seen: dict[str, int] = {}
+  nth = []  # each group's place among its preset's groups
+  for g in order:
+    nth.append(seen.get(g[0].preset.name, 0))
+    seen[g[0].preset.name] = nth[-1] + 1
+  order = [order[i] for i in sorted(range(len(order)), key=lambda i: (nth[i], i))]
   picked: list[Candidate] = []
   for round_ in itertools.zip_longest(*order):
     for c in round_:
