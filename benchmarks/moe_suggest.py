@@ -98,9 +98,10 @@ def _target(topology: str, max_candidates: int) -> list[str]:
   searched = time.perf_counter() - start
   default = _maxtext_default(topology, chips)
   tried = len(found) + len(found.rejected) + len(found.skipped)
+  cached = sum(1 for c in found if c.report is not None and c.report.cached)
   lines = [
     f'**{topology}** ({chips} chips): {tried} candidates, {len(found)} compiled '
-    f'(suggest took {searched:,.0f} s).',
+    f'(suggest took {searched:,.0f} s, {cached} of them from the figure cache).',
     '',
     '| rank | layout | per chip | fits | routing | parameter gathers | '
     'step (roofline) | tokens/s/chip | capacity | not expert-parallel |',
@@ -135,7 +136,7 @@ def _target(topology: str, max_candidates: int) -> list[str]:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--no-write', action='store_true')
-  parser.add_argument('--max-candidates', type=int, default=4)
+  parser.add_argument('--max-candidates', type=int, default=6)
   a = parser.parse_args()
   import flax_shardmeta as fsm
 
