@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -44,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import machine, machine_line, publish
-from maxtext_why import _version, build_step, fit_report, maxtext_context
+from maxtext_why import _version, build_step, fit_report, lowered_key
 
 TOPOLOGY = 'v5p-64'
 PER_DEVICE_BATCH, SEQ = 1, 2048
@@ -87,13 +86,8 @@ def _cache() -> Path:
 def maxtext_memory(built: Any) -> dict[str, int]:
   """XLA's memory analysis of the step compiled as MaxText compiles it,
   cached by the lowered program and the versions."""
-  with maxtext_context(built.config, built.mesh):
-    lowered = built.jitted.lower(*built.args)
-  h = hashlib.sha256(lowered.as_text().encode())
-  for package in ('jax', 'jaxlib', 'libtpu', 'maxtext'):
-    h.update(_version(package).encode())
-  h.update(repr(sorted(built.compiler_options.items())).encode())
-  path = _cache() / f'{h.hexdigest()}.json'
+  lowered, key = lowered_key(built)
+  path = _cache() / f'{key}.json'
   try:
     return json.loads(path.read_text())
   except (OSError, ValueError):

@@ -238,17 +238,24 @@ def _cache_dir() -> Path:
   return Path(base) / 'flax_shardmeta' / 'maxtext_why'
 
 
-def program_text(built: Built) -> tuple[str, bool]:
-  """The compiled step's optimised HLO (compiled here as ``jit_and_compile``
-  compiles it, not through fsm), cached by the lowered program and versions;
-  and whether it came from the cache."""
+def lowered_key(built: Built) -> tuple[Any, str]:
+  """The step lowered as ``jit_and_compile`` lowers it, and a cache key of it,
+  the versions and MaxText's XLA flags."""
   with maxtext_context(built.config, built.mesh):
     lowered = built.jitted.lower(*built.args)
   h = hashlib.sha256(lowered.as_text().encode())
   for package in ('jax', 'jaxlib', 'libtpu', 'maxtext'):
     h.update(_version(package).encode())
   h.update(repr(sorted(built.compiler_options.items())).encode())
-  path = _cache_dir() / f'{h.hexdigest()}.hlo.gz'
+  return lowered, h.hexdigest()
+
+
+def program_text(built: Built) -> tuple[str, bool]:
+  """The compiled step's optimised HLO (compiled here as ``jit_and_compile``
+  compiles it, not through fsm), cached by the lowered program and versions;
+  and whether it came from the cache."""
+  lowered, key = lowered_key(built)
+  path = _cache_dir() / f'{key}.hlo.gz'
   try:
     return gzip.decompress(path.read_bytes()).decode(), True
   except (OSError, EOFError, gzip.BadGzipFile):
